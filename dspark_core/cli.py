@@ -1,0 +1,74 @@
+"""The ``dspark`` command line: tools around the DVC pipeline (the stages themselves run from dvc.yaml).
+
+    dspark profile list | apply NAME | args NAME
+    dspark cache verify data/cache/eval.zarr --target data/target -n 4
+    dspark cache info data/cache/train.zarr
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+profile_app = typer.Typer(no_args_is_help=True, help="Seed profiles (the seeds' large-model settings).")
+cache_app = typer.Typer(no_args_is_help=True, help="Hidden-state cache tools.")
+app.add_typer(profile_app, name="profile")
+app.add_typer(cache_app, name="cache")
+
+
+@profile_app.command("list")
+def profile_list() -> None:
+    """Print the available profiles and their description."""
+    import yaml
+
+    from dspark_core.profiles import PROFILES_DIR, available
+
+    for name in available():
+        desc = (yaml.safe_load((PROFILES_DIR / f"{name}.yaml").read_text()) or {}).get("description", "")
+        typer.echo(f"{name:28s} {desc}")
+
+
+@profile_app.command("apply")
+def profile_apply(name: str, params: Path = typer.Option(Path("params.yaml"))) -> None:
+    """Write profile NAME into params.yaml (comments kept)."""
+    from dspark_core.profiles import apply_profile
+
+    changed = apply_profile(name, params)
+    typer.echo(f"{params}: {len(changed)} values changed" + (": " + ", ".join(changed) if changed else ""))
+
+
+@profile_app.command("args")
+def profile_args(name: str) -> None:
+    """Print `-S key=value ...` for `dvc exp run $(dspark profile args NAME)`."""
+    from dspark_core.profiles import exp_run_args
+
+    typer.echo(" ".join(exp_run_args(name)))
+
+
+@cache_app.command("verify")
+def cache_verify(store: Path, target: Path = typer.Option(Path("data/target")),
+                 n: int = typer.Option(4, "-n", help="samples to recompute"), seed: int = 0) -> None:
+    """Recompute N random samples of STORE with the target and compare."""
+    from dspark_core.cache.verify import verify_cache
+
+    report = verify_cache(store, target, n_samples=n, seed=seed)
+    typer.echo(json.dumps(report, indent=2, default=str))
+    if not report.get("ok", False):
+        raise typer.Exit(1)
+
+
+@cache_app.command("info")
+def cache_info(store: Path) -> None:
+    """Print the manifest of a cache store."""
+    import zarr
+
+    if not store.exists():
+        raise typer.BadParameter(f"{store}: no such cache store")
+    typer.echo(json.dumps(dict(zarr.open_group(str(store), mode="r").attrs), indent=2, default=str))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,62 @@
+"""Crash-safe file helpers: every write goes to a temp file in the same folder, then ``os.replace``."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path, suffix: str = "") -> Iterator[Path]:
+    """Yield a temp path beside ``path``; on success it replaces ``path`` atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix or ".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, path)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    with atomic_path(path, ".json") as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n")
+
+
+def read_json(path: str | Path) -> Any:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _json_default(x: Any) -> Any:
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if isinstance(x, Path):
+        return str(x)
+    raise TypeError(f"cannot serialise {type(x).__name__}")
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=_json_default).encode()).hexdigest()

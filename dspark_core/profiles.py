@@ -1,0 +1,88 @@
+"""Seed profiles: YAML overlays on params.yaml holding the seeds' own large-model settings.
+
+    dspark profile list
+    dspark profile apply seed004_qwen3_4b          # rewrite params.yaml in place (comments kept)
+    dvc exp run $(dspark profile args seed004_qwen3_4b)   # or run it as a DVC experiment, params.yaml untouched
+
+A profile is a nested mapping with the same sections as params.yaml; its leaves replace params.yaml's.
+Every key must already exist in params.yaml (a typo is an error, not a silent new key).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+
+def available(profiles_dir: Path = PROFILES_DIR) -> list[str]:
+    return sorted(p.stem for p in profiles_dir.glob("*.yaml"))
+
+
+def load_profile(name: str, profiles_dir: Path = PROFILES_DIR) -> dict[str, Any]:
+    path = profiles_dir / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"profile {name!r} not found in {profiles_dir} (have: {', '.join(available(profiles_dir))})")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a profile must be a mapping of params.yaml sections")
+    data.pop("description", None)
+    return data
+
+
+def leaves(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            yield from leaves(v, key + ".")
+        else:
+            yield key, v
+
+
+def _check_keys(profile: dict[str, Any], params: dict[str, Any], src: str) -> None:
+    for key, _ in leaves(profile):
+        cur: Any = params
+        for part in key.split("."):
+            if not isinstance(cur, dict) or part not in cur:
+                raise ValueError(f"{src}: profile key {key!r} does not exist in params.yaml")
+            cur = cur[part]
+
+
+def apply_profile(name: str, params_path: Path = Path("params.yaml"), profiles_dir: Path = PROFILES_DIR) -> list[str]:
+    """Merge the profile into ``params_path`` keeping its comments; return the changed keys."""
+    from ruamel.yaml import YAML
+
+    from dspark_core.io import atomic_path
+
+    prof = load_profile(name, profiles_dir)
+    ry = YAML()
+    ry.preserve_quotes = True
+    doc = ry.load(params_path.read_text())
+    _check_keys(prof, doc, str(profiles_dir / f"{name}.yaml"))
+    changed = []
+    for key, value in leaves(prof):
+        *parents, last = key.split(".")
+        cur = doc
+        for p in parents:
+            cur = cur[p]
+        if cur[last] != value:
+            cur[last] = value
+            changed.append(key)
+    with atomic_path(params_path, ".yaml") as tmp, tmp.open("w") as fh:
+        ry.dump(doc, fh)
+    return changed
+
+
+def exp_run_args(name: str, profiles_dir: Path = PROFILES_DIR) -> list[str]:
+    """``-S key=value`` arguments for ``dvc exp run`` (values as YAML flow scalars/lists)."""
+    out = []
+    for key, value in leaves(load_profile(name, profiles_dir)):
+        text = yaml.safe_dump(value, default_flow_style=True).strip()
+        if text.endswith("\n..."):
+            text = text[: -len("\n...")]
+        text = text.removesuffix("...").strip().replace(", ", ",")  # one shell word per value
+        out += ["-S", f"{key}={text}"]
+    return out

