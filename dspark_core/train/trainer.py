@@ -296,9 +296,10 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
         done = step + 1
         if d.is_main:
             if live is not None and (done % cfg.log_every == 0 or done == cfg.stop_step):
+                live.step = done
                 for k, v in row.items():
                     live.log_metric(f"train/{k}", v)
-                live.next_step()
+                live.make_summary()
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{row['loss']:.4f}")

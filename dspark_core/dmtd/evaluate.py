@@ -1,0 +1,203 @@
+"""DMTD evaluation: held-out perplexity, GSM8K accuracy, decode tokens/s -- each beside the plain model.
+
+- ``perplexity(model, rows)``: teacher-forced next-token CE over the supervised tokens of packed rows
+  (``DMTDModel`` for DMTD, ``PlainModel`` for the unmodified target; same rows, same tokens).
+- ``gsm8k_accuracy(decoder, tokenizer, items)``: greedy (or sampled) generation through a cached
+  decoder, the last ``\\boxed{...}`` (else the last number) compared with the item's answer.
+- ``decode_speed(decoder, prompts)``: new tokens / decode seconds (prefill excluded).
+- ``evaluate_variant(...)``: all three for one trained variant, as one JSON-ready dict.
+
+Shape legend: B rows, L tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Sequence
+
+import torch
+
+from dspark_core.dmtd.inference import CachedDecoder
+from dspark_core.dmtd.model import StackModel
+from dspark_core.spec.sampling import SamplingParams
+
+GSM8K_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+@torch.no_grad()
+def perplexity(model: StackModel, rows: list[dict[str, torch.Tensor]], batch_size: int = 4,
+               progress: bool = False, desc: str = "perplexity") -> dict[str, float]:
+    """``{"nll", "ppl", "token_acc", "tokens"}`` over the supervised tokens of ``rows``."""
+    from dspark_core.dmtd.data import collate_rows  # (pyarrow) only here: the GPU benchmark imports this module
+
+    device = next(model.parameters()).device
+    ce = hits = tokens = 0.0
+    starts = range(0, len(rows), batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+        starts = tqdm(starts, desc=desc, unit="batch")
+    for s in starts:
+        batch = {k: v.to(device) for k, v in collate_rows(rows[s: s + batch_size]).items()}
+        sums = model(**batch)
+        ce += float(sums["ce"])
+        hits += float(sums["token_acc"])
+        tokens += float((batch["labels"] != -100).sum())
+    if tokens == 0:
+        raise ValueError("perplexity: the rows hold no supervised token")
+    nll = ce / tokens
+    return {"nll": nll, "ppl": math.exp(nll), "token_acc": hits / tokens, "tokens": int(tokens)}
+
+
+def _to_number(text: str) -> float | None:
+    text = text.replace(",", "").replace("$", "").strip().rstrip(".")
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def extract_answer(text: str) -> float | None:
+    """The number in the last ``\\boxed{...}``, else the last number of ``text``; None when there is none."""
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        nums = _NUMBER.findall(boxed)
+        if nums:
+            return _to_number(nums[-1])
+    nums = _NUMBER.findall(text)
+    return _to_number(nums[-1]) if nums else None
+
+
+def _last_boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return text[i:]
+
+
+def gold_answer(answer: Any) -> float:
+    """A GSM8K gold answer (number, ``'18'``, or a solution ending in ``#### 18``) as a number."""
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        return float(answer)
+    text = str(answer)
+    if "####" in text:
+        text = text.split("####")[-1]
+    value = extract_answer(text)
+    if value is None:
+        raise ValueError(f"GSM8K item: answer {answer!r} holds no number")
+    return value
+
+
+def item_prompt_ids(item: dict, tokenizer) -> list[int]:
+    """Token ids of a GSM8K item: its ``prompt_ids``, else its ``question`` / first of ``turns`` through the
+    chat template (the boxed-answer instruction is appended to a bare question)."""
+    if "prompt_ids" in item:
+        return [int(t) for t in item["prompt_ids"]]
+    if "turns" in item:
+        text = item["turns"][0]
+    elif "question" in item:
+        text = item["question"]
+        if "\\boxed" not in text:
+            text += GSM8K_SUFFIX
+    else:
+        raise ValueError(f"GSM8K item needs prompt_ids, question or turns; got keys {sorted(item)}")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def gsm8k_accuracy(decoder: CachedDecoder, tokenizer, items: Sequence[dict], max_new_tokens: int,
+                   sampling: SamplingParams = SamplingParams(), stop_token_ids: Sequence[int] | None = None,
+                   generator: torch.Generator | None = None, progress: bool = False,
+                   desc: str = "gsm8k") -> dict[str, Any]:
+    """Accuracy of ``decoder`` on ``items`` (dicts with an ``answer`` and a prompt, see ``item_prompt_ids``)."""
+    if not items:
+        raise ValueError("gsm8k_accuracy: no items given")
+    stops = list(stop_token_ids) if stop_token_ids is not None else [tokenizer.eos_token_id]
+    records, correct = [], 0
+    it = items
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(items, desc=desc, unit="item")
+    for item in it:
+        if "answer" not in item:
+            raise ValueError(f"GSM8K item has no 'answer' (keys {sorted(item)})")
+        gold = gold_answer(item["answer"])
+        prompt = torch.tensor([item_prompt_ids(item, tokenizer)], dtype=torch.long)
+        budget = min(max_new_tokens, decoder.max_len - prompt.shape[1])
+        if budget < 1:
+            raise ValueError(f"GSM8K prompt of {prompt.shape[1]} tokens leaves no room in max_len={decoder.max_len}")
+        out = decoder.generate(prompt, budget, sampling, stops, generator)
+        text = tokenizer.decode(out.tokens[0], skip_special_tokens=True)
+        pred = extract_answer(text)
+        ok = pred is not None and math.isclose(pred, gold, rel_tol=0, abs_tol=1e-6)
+        correct += ok
+        records.append({"id": item.get("id"), "answer": gold, "predicted": pred, "correct": ok, "completion": text})
+    return {"accuracy": correct / len(items), "correct": correct, "total": len(items), "records": records}
+
+
+def decode_speed(decoder: CachedDecoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 warmup: bool = True) -> dict[str, float]:
+    """Greedy decode of each prompt for exactly ``max_new_tokens`` (no stop tokens): tokens/s over all."""
+    if not prompts:
+        raise ValueError("decode_speed: no prompts given")
+    if warmup:
+        decoder.generate(torch.tensor([list(prompts[0])]), min(8, max_new_tokens))
+    tokens, seconds, prefill = 0, 0.0, 0.0
+    for p in prompts:
+        out = decoder.generate(torch.tensor([list(p)]), max_new_tokens)
+        tokens += out.num_new_tokens
+        seconds += out.decode_s
+        prefill += out.prefill_s
+    return {"tokens_per_s": tokens / seconds, "new_tokens": tokens, "decode_s": seconds, "prefill_s": prefill}
+
+
+def evaluate_variant(cfg, variant: str, checkpoint_dir, gsm8k_items: Sequence[dict], device: str | torch.device = "cpu",
+                     dtype: torch.dtype = torch.float32, progress: bool = True) -> dict[str, Any]:
+    """Perplexity, GSM8K accuracy and decode speed of a trained variant beside the unmodified target.
+
+    ``cfg`` is the ``dmtd`` section (:class:`DMTDConfig`); ``checkpoint_dir`` is the trainer's ``out_dir`` (its
+    latest checkpoint is used) or one checkpoint step folder; ``gsm8k_items`` are dicts with an ``answer`` and
+    ``prompt_ids``, ``question`` or ``turns``."""
+    from dspark_core.dmtd.inference import ARDecoder, DMTDDecoder
+    from dspark_core.dmtd.model import PlainModel, load_weights, DMTDModel
+    from dspark_core.dmtd.task import DMTDTask
+    from dspark_core.target import load_target
+
+    ev = cfg.eval
+    device = torch.device(device)
+    task = DMTDTask(cfg, variant)
+    rows = task.eval_dataset()
+    items = list(gsm8k_items)[: ev.max_items] if ev.max_items else list(gsm8k_items)
+    base_lm, tok = load_target(cfg.target_dir, dtype=dtype, device=device)
+    plain = PlainModel(base_lm).eval()
+    tuned_lm, _ = load_target(cfg.target_dir, dtype=dtype, device=device)
+    dmtd = DMTDModel.from_config(tuned_lm, cfg, variant).eval()
+    load_weights(dmtd, checkpoint_dir)
+    sampling = SamplingParams(ev.temperature, ev.top_p, ev.top_k)
+    gen = torch.Generator(device=device).manual_seed(ev.seed)
+    longest = max([len(item_prompt_ids(i, tok)) for i in items] + [1])
+    max_len = longest + max(ev.max_new_tokens, ev.speed_new_tokens)
+    out: dict[str, Any] = {"variant": variant, "tau": cfg.tau, "num_parallel_layers": cfg.num_parallel_layers}
+    out["perplexity"] = {"dmtd": perplexity(dmtd, rows, ev.batch_size, progress, f"ppl {variant}"),
+                         "target": perplexity(plain, rows, ev.batch_size, progress, "ppl target")}
+    dmtd_dec = DMTDDecoder(dmtd, max_len, graph=ev.graph)
+    target_dec = ARDecoder(plain, max_len, graph=ev.graph)
+    out["gsm8k"] = {
+        "dmtd": gsm8k_accuracy(dmtd_dec, tok, items, ev.max_new_tokens, sampling, generator=gen, progress=progress,
+                               desc=f"gsm8k {variant}"),
+        "target": gsm8k_accuracy(target_dec, tok, items, ev.max_new_tokens, sampling, generator=gen,
+                                 progress=progress, desc="gsm8k target"),
+    }
+    prompts = [item_prompt_ids(i, tok) for i in items[: ev.speed_prompts]]
+    dmtd_speed = decode_speed(dmtd_dec, prompts, ev.speed_new_tokens)
+    ar_speed = decode_speed(ARDecoder(dmtd, max_len, graph=ev.graph), prompts, ev.speed_new_tokens)
+    out["speed"] = {"dmtd": dmtd_speed, "ar": ar_speed,
+                    "speedup": dmtd_speed["tokens_per_s"] / ar_speed["tokens_per_s"], "device": str(device)}
+    return out

