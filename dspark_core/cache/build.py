@@ -1,0 +1,209 @@
+"""The `cache` stage: one target forward per sample, aux layers + final normalised hidden state into zarr.
+
+``run_cache(cfg)`` builds ``{out_dir}/{split}.zarr`` for every split from ``{regen_dir}/{split}.parquet``
+with the target in ``target_dir`` and writes ``stats_path`` (bytes/token, tokens/s). A store left by a
+killed run resumes at its first uncommitted sample; a store built with other settings, another model or
+another source file is refused (or rebuilt with ``force=True``).
+
+Shape legend: B batch, L tokens (padded), K aux layers, H hidden, T tokens of a store, N samples.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from dspark_core.cache.capture import (
+    capture_batch, check_layer_ids, forward_pad_id, nonfinite_rows, plan_batches,
+)
+from dspark_core.cache.source import ON_TOO_LONG, TokenSamples, load_regen
+from dspark_core.cache.store import (
+    AUX_DTYPES, FORMAT_VERSION, HIDDEN_ARRAYS, HiddenWriter, commit, create_store, encode_hidden, is_store,
+    mismatches, open_store, remove_store, store_stats,
+)
+from dspark_core.config import Section, one_of, positive, require
+from dspark_core.io import sha256_file, write_json
+from dspark_core.target import load_target, read_fingerprint, resolve_dtype
+
+MIN_CHUNK_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class CacheConfig(Section):
+    """params.yaml section ``cache``."""
+
+    aux_layer_ids: tuple[int, ...]   # zero-based decoder layers; -1 = embedding output; never the final layer
+    max_length: int = 512            # tokens per sample (prompt + response), longer ones per on_too_long
+    chunk_tokens: int = 512          # tokens per zarr chunk (>= 256)
+    aux_dtype: str = "bf16"          # bf16 (lossless) | fp8_e4m3 (per-token, per-layer scale)
+    clevel: int = 1                  # Blosc zstd level (0 = no compression)
+    batch_tokens: int = 4096         # padded tokens per forward (batch count x longest sample)
+    dtype: str = "float32"           # compute dtype of the target forward
+    on_too_long: str = "truncate"    # truncate (counted in the stats) | error
+    device: str = "auto"             # auto (cuda if available) | cpu | cuda | cuda:N
+    splits: tuple[str, ...] = ("train", "eval")
+    target_dir: str = "data/target"
+    regen_dir: str = "data/regen"
+    out_dir: str = "data/cache"
+    stats_path: str = "reports/cache_stats.json"
+
+    def validate(self) -> None:
+        ids = list(self.aux_layer_ids)
+        require(len(ids) > 0, f"aux_layer_ids needs at least one layer id; got {ids}")
+        require(min(ids) >= -1, f"aux_layer_ids: layer id {min(ids)} is out of range (-1 = embedding output)")
+        dups = sorted({i for i in ids if ids.count(i) > 1})
+        require(not dups, f"aux_layer_ids: duplicate layer id(s) {dups} in {ids}")
+        positive("max_length", self.max_length)
+        require(self.chunk_tokens >= MIN_CHUNK_TOKENS,
+                f"chunk_tokens must be >= {MIN_CHUNK_TOKENS}; got {self.chunk_tokens}")
+        one_of("aux_dtype", self.aux_dtype, AUX_DTYPES)
+        require(0 <= self.clevel <= 9, f"clevel must be in 0..9; got {self.clevel}")
+        positive("batch_tokens", self.batch_tokens)
+        resolve_dtype(self.dtype)
+        one_of("on_too_long", self.on_too_long, ON_TOO_LONG)
+        require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+                f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+        require(len(self.splits) > 0 and len(set(self.splits)) == len(self.splits),
+                f"splits must be non-empty and distinct; got {list(self.splits)}")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def wanted_manifest(cfg: CacheConfig, model_config: Any, fingerprint: str, samples: TokenSamples,
+                    source: Path, source_sha256: str) -> dict[str, Any]:
+    """The manifest a store built now from ``source`` with ``cfg`` must carry."""
+    return {
+        "format_version": FORMAT_VERSION, "model_fingerprint": fingerprint,
+        "model_type": model_config.model_type, "aux_layer_ids": list(cfg.aux_layer_ids),
+        "hidden_size": int(model_config.hidden_size), "num_hidden_layers": int(model_config.num_hidden_layers),
+        "vocab_size": int(model_config.vocab_size), "aux_dtype": cfg.aux_dtype, "max_length": cfg.max_length,
+        "chunk_tokens": cfg.chunk_tokens, "clevel": cfg.clevel, "compute_dtype": cfg.dtype,
+        "batch_tokens": cfg.batch_tokens, "on_too_long": cfg.on_too_long, "source": str(source),
+        "source_sha256": source_sha256, "order": "length_desc", "num_samples": len(samples.ids),
+        "num_tokens": int(samples.offsets[-1]), "truncated_samples": samples.truncated,
+        "no_response_samples": samples.no_response,
+    }
+
+
+def open_for_build(path: Path, manifest: dict[str, Any], samples: TokenSamples, force: bool):
+    """Resume a matching store, else create one; refuses a store built otherwise unless ``force``."""
+    if path.exists():
+        if force:
+            remove_store(path)
+        elif not is_store(path):
+            raise ValueError(f"{path}: exists and is not a cache store; remove it or rerun with --force")
+        else:
+            group = open_store(path, mode="r+")
+            if group.attrs.get("initialized"):
+                diff = mismatches(dict(group.attrs), manifest)
+                if diff:
+                    what = "a cache from another model" if any(d.startswith("model_fingerprint") for d in diff) \
+                        else "a cache built with other settings"
+                    raise ValueError(f"{path}: {what} ({'; '.join(diff)}); rerun the cache stage with --force "
+                                     f"to rebuild it")
+                return group
+            remove_store(path)  # killed while being created: nothing committed yet
+    return create_store(path, manifest, input_ids=samples.input_ids, loss_mask=samples.loss_mask,
+                        offsets=samples.offsets, source_index=samples.order)
+
+
+def _batch_arrays(samples: TokenSamples, model: torch.nn.Module, start: int, end: int,
+                  cfg: CacheConfig, pad_id: int) -> list[dict[str, np.ndarray]]:
+    """Forward samples ``start:end`` and return each one's storage arrays (refusing NaN / inf)."""
+    offs = samples.offsets
+    seqs = [torch.from_numpy(samples.input_ids[offs[i]:offs[i + 1]].astype(np.int64)) for i in range(start, end)]
+    aux, last = capture_batch(model, seqs, cfg.aux_layer_ids, pad_id)  # [B, L, K, H], [B, L, H]
+    bad = nonfinite_rows(aux, last).cpu()  # [B, L]
+    for b, seq in enumerate(seqs):
+        if bad[b, : seq.numel()].any():
+            pos = int(bad[b, : seq.numel()].nonzero()[0])
+            raise ValueError(f"cache: target hidden states of sample {samples.ids[start + b]!r} (source row "
+                             f"{int(samples.order[start + b])}) are NaN/inf from token {pos}; nothing stored "
+                             f"for it. Check the target weights and cache.dtype={cfg.dtype!r}")
+    encoded = encode_hidden(aux, last, cfg.aux_dtype)  # whole batch at once: one device->host copy per array
+    return [{k: v[b, : seq.numel()] for k, v in encoded.items()} for b, seq in enumerate(seqs)]
+
+
+def build_store(model: torch.nn.Module, fingerprint: str, cfg: CacheConfig, source: str | Path,
+                dest: str | Path, force: bool = False,
+                on_commit: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Build (or resume) one store ``dest`` from the regen parquet ``source``; returns :func:`store_stats`.
+
+    ``on_commit(committed_samples)`` runs after every commit (tests use it to simulate a kill).
+    """
+    source, dest = Path(source), Path(dest)
+    check_layer_ids(cfg.aux_layer_ids, model.config.num_hidden_layers)
+    samples = load_regen(source, cfg.max_length, cfg.on_too_long, vocab_size=model.config.vocab_size)
+    manifest = wanted_manifest(cfg, model.config, fingerprint, samples, source, sha256_file(source))
+    group = open_for_build(dest, manifest, samples, force)
+    if not group.attrs["complete"]:
+        _fill(group, samples, model, cfg, dest.stem, on_commit)
+    return store_stats(dest)
+
+
+def _fill(group, samples: TokenSamples, model: torch.nn.Module, cfg: CacheConfig, label: str,
+          on_commit: Callable[[int], None] | None) -> None:
+    """Forward and append every batch from the first uncommitted sample on, committing after each."""
+    done, offs = int(group.attrs["committed_samples"]), samples.offsets
+    plan = plan_batches(samples.lengths.tolist(), cfg.batch_tokens)
+    todo = [b for b in plan if b[1] > done]  # the batch holding the first uncommitted sample is redone whole
+    names = tuple(n for n in HIDDEN_ARRAYS if n in group)
+    first_token = int(offs[todo[0][0]]) if todo else int(offs[-1])
+    writer = HiddenWriter(group, first_token, names)
+    pad_id = forward_pad_id(model.config)
+    seconds0, t0 = float(group.attrs["compute_seconds"]), time.perf_counter()
+    with tqdm(total=int(offs[-1]), initial=first_token, desc=f"cache {label}", unit="tok", unit_scale=True) as bar:
+        for start, end in todo:
+            for sample in _batch_arrays(samples, model, start, end, cfg, pad_id):
+                writer.append(sample)
+            done = commit(group, offs, writer.flush(), seconds0 + time.perf_counter() - t0)
+            bar.update(int(offs[end] - offs[start]))
+            if on_commit is not None:
+                on_commit(done)
+    done = commit(group, offs, writer.flush(final=True), seconds0 + time.perf_counter() - t0, complete=True)
+    if on_commit is not None:
+        on_commit(done)
+
+
+def run_cache(cfg: CacheConfig, force: bool = False) -> dict[str, Any]:
+    """The `cache` stage: every split's store, then ``stats_path``. Returns the stats written."""
+    sources = {s: Path(cfg.regen_dir) / f"{s}.parquet" for s in cfg.splits}
+    for src in sources.values():  # fail on a missing / empty input before loading a large model
+        load_regen(src, cfg.max_length, cfg.on_too_long)
+    fingerprint = read_fingerprint(cfg.target_dir)["fingerprint"]
+    model, _ = load_target(cfg.target_dir, dtype=cfg.dtype, device=resolve_device(cfg.device))
+    check_layer_ids(cfg.aux_layer_ids, model.config.num_hidden_layers)
+    per_split = {s: build_store(model, fingerprint, cfg, src, Path(cfg.out_dir) / f"{s}.zarr", force)
+                 for s, src in sources.items()}
+    stats = combine_stats(per_split)
+    write_json(cfg.stats_path, stats)
+    return stats
+
+
+def combine_stats(per_split: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Token-weighted totals over splits (bytes/token, ratio, tokens/s), with each split's own stats."""
+    tokens = sum(s["num_tokens"] for s in per_split.values())
+    stored = sum(s["bytes_per_token"] * s["num_tokens"] for s in per_split.values())
+    raw = sum(s["raw_bf16_bytes_per_token"] * s["num_tokens"] for s in per_split.values())
+    hidden = sum(s["hidden_bytes_per_token"] * s["num_tokens"] for s in per_split.values())
+    hidden_raw = sum(s["hidden_raw_bf16_bytes_per_token"] * s["num_tokens"] for s in per_split.values())
+    seconds = sum(s["compute_seconds"] for s in per_split.values())
+    return {
+        "bytes_per_token": stored / tokens, "raw_bf16_bytes_per_token": raw / tokens,
+        "compression_ratio": stored / raw, "hidden_compression_ratio": hidden / hidden_raw,
+        "tokens_per_s": tokens / seconds if seconds > 0 else None, "compute_seconds": seconds,
+        "num_tokens": tokens, "num_samples": sum(s["num_samples"] for s in per_split.values()),
+        "truncated_samples": sum(s["truncated_samples"] for s in per_split.values()),
+        "no_response_samples": sum(s["no_response_samples"] for s in per_split.values()),
+        "aux_dtype": next(iter(per_split.values()))["aux_dtype"], "splits": per_split,
+    }

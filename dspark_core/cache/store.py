@@ -1,0 +1,264 @@
+"""The target-cache store: a zarr v3 group of token-major arrays with a manifest in its attrs.
+
+Layout (see docs/DESIGN.md, "Cache store"), every array chunked along tokens (C = chunk_tokens):
+
+    input_ids    [T] int32         loss_mask [T] uint8 (1 on response tokens)
+    aux_hidden   [T, K, H] uint16  (bf16 bits)   or uint8 (fp8 e4m3 bits) + aux_scale [T, K] float32
+    last_hidden  [T, H] uint16     (bf16 bits of the final *normalised* hidden state, always lossless)
+    offsets      [N + 1] int64     sample n = tokens offsets[n]:offsets[n + 1]
+    source_index [N] int64         row of sample n in the source parquet (the store is sorted by length)
+
+Crash safety: ``input_ids``, ``loss_mask``, ``offsets`` and ``source_index`` are written when the store
+is created (then ``initialized`` is set). Hidden states are appended by :class:`HiddenWriter`, which
+writes whole chunks only (each chunk file is replaced atomically by zarr's LocalStore); after the data
+is on disk, :func:`commit` records ``committed_samples`` / ``committed_tokens`` in the attrs. A killed
+run therefore never leaves a sample marked done whose data is missing, and a restart continues at the
+first uncommitted sample (reloading the committed tail of the last partial chunk).
+
+Shape legend: T tokens of a store, N samples, K aux layers, H hidden, C chunk_tokens, L tokens of a sample.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+from zarr.codecs import BloscCodec
+
+FORMAT_VERSION = 1
+AUX_DTYPES = ("bf16", "fp8_e4m3")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+HIDDEN_ARRAYS = ("aux_hidden", "aux_scale", "last_hidden")
+# Manifest keys that decide the content of a store: a store built with other values is never resumed.
+CONTENT_KEYS = (
+    "format_version", "model_fingerprint", "aux_layer_ids", "aux_dtype", "max_length", "chunk_tokens",
+    "clevel", "compute_dtype", "batch_tokens", "on_too_long", "source_sha256",
+)
+
+
+# -- codecs and encodings ------------------------------------------------------------------------
+def blosc_codec(clevel: int, typesize: int, chunk_bytes: int) -> BloscCodec:
+    """Blosc zstd with byte shuffle and one block per chunk (best measured ratio on bf16 activations)."""
+    return BloscCodec(cname="zstd", clevel=clevel, shuffle="shuffle" if typesize > 1 else "noshuffle",
+                      typesize=typesize, blocksize=chunk_bytes)
+
+
+def bf16_bits(x: torch.Tensor) -> np.ndarray:
+    """bf16 bits of ``x`` (any float dtype, any shape) as a uint16 numpy array (round to nearest even)."""
+    return x.detach().to(torch.bfloat16).cpu().view(torch.int16).numpy().view(np.uint16)
+
+
+def bf16_from_bits(bits: np.ndarray) -> torch.Tensor:
+    """Inverse of :func:`bf16_bits`: a bfloat16 tensor of the same shape."""
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
+
+
+def bf16_bits_to(bits: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """Decode bf16 bits into ``dtype``; to float32 by a 16-bit shift (exact, ~8x faster than torch's cast)."""
+    if dtype == torch.bfloat16:
+        return bf16_from_bits(bits)
+    return torch.from_numpy((bits.astype(np.uint32) << 16).view(np.float32)).to(dtype)
+
+
+def fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row fp8 e4m3: ``x [..., H]`` -> ``(q [..., H] float8_e4m3fn, scale [...] float32)``, x ~ q * scale."""
+    amax = x.detach().float().abs().amax(dim=-1)  # [...]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # [...]
+    q = (x.float() / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # [..., H]
+    return q, scale
+
+
+def fp8_dequantize(bits: np.ndarray, scale: np.ndarray) -> torch.Tensor:
+    """``bits [..., H]`` uint8 (fp8 e4m3) and ``scale [...]`` float32 -> float32 ``[..., H]``."""
+    q = torch.from_numpy(np.ascontiguousarray(bits)).view(torch.float8_e4m3fn).float()  # [..., H]
+    return q * torch.from_numpy(np.ascontiguousarray(scale)).float().unsqueeze(-1)
+
+
+def encode_hidden(aux: torch.Tensor, last: torch.Tensor, aux_dtype: str) -> dict[str, np.ndarray]:
+    """Storage form of ``aux [..., K, H]`` and ``last [..., H]`` (any float dtype, any device)."""
+    out = {"last_hidden": bf16_bits(last)}
+    if aux_dtype == "bf16":
+        out["aux_hidden"] = bf16_bits(aux)
+    elif aux_dtype == "fp8_e4m3":
+        q, scale = fp8_quantize(aux)
+        out["aux_hidden"] = q.cpu().view(torch.uint8).numpy()
+        out["aux_scale"] = scale.cpu().numpy().astype(np.float32)
+    else:
+        raise ValueError(f"aux_dtype must be one of {', '.join(AUX_DTYPES)}; got {aux_dtype!r}")
+    return out
+
+
+def decode_hidden(arrays: dict[str, np.ndarray], aux_dtype: str,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Storage form (as read from a store) -> ``(aux [..., K, H], last [..., H])`` in ``dtype``."""
+    last = bf16_bits_to(arrays["last_hidden"], dtype)
+    if aux_dtype == "bf16":
+        aux = bf16_bits_to(arrays["aux_hidden"], dtype)
+    else:
+        aux = fp8_dequantize(arrays["aux_hidden"], arrays["aux_scale"]).to(dtype)
+    return aux, last
+
+
+# -- creation, opening, manifest -------------------------------------------------------------------
+def is_store(path: str | Path) -> bool:
+    return (Path(path) / "zarr.json").is_file()
+
+
+def remove_store(path: str | Path) -> None:
+    """Delete a cache store; refuses anything that is not a zarr store (never deletes a random folder)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    if not is_store(path):
+        raise ValueError(f"{path}: exists and is not a zarr store; refusing to delete it (remove it yourself)")
+    shutil.rmtree(path)
+
+
+def create_store(path: str | Path, manifest: dict[str, Any], *, input_ids: np.ndarray, loss_mask: np.ndarray,
+                 offsets: np.ndarray, source_index: np.ndarray) -> zarr.Group:
+    """Create an empty store (hidden arrays unwritten) holding the token-level arrays; returns the group.
+
+    ``manifest`` needs at least aux_layer_ids, hidden_size, aux_dtype, chunk_tokens, clevel.
+    """
+    path = Path(path)
+    c = int(manifest["chunk_tokens"])
+    k, h = len(manifest["aux_layer_ids"]), int(manifest["hidden_size"])
+    n_tok, n_smp = int(offsets[-1]), len(offsets) - 1
+    clevel = int(manifest["clevel"])
+    group = zarr.open_group(zarr.storage.LocalStore(path), mode="w", zarr_format=3)
+    group.attrs.update({**manifest, "initialized": False, "complete": False,
+                        "committed_samples": 0, "committed_tokens": 0, "compute_seconds": 0.0})
+
+    def make(name: str, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: Any) -> zarr.Array:
+        itemsize = np.dtype(dtype).itemsize
+        return group.create_array(name, shape=shape, chunks=chunks, dtype=dtype, fill_value=0,
+                                  compressors=[blosc_codec(clevel, itemsize, int(np.prod(chunks)) * itemsize)])
+
+    aux_bits = np.uint16 if manifest["aux_dtype"] == "bf16" else np.uint8
+    make("input_ids", (n_tok,), (c,), np.int32)[:] = input_ids
+    make("loss_mask", (n_tok,), (c,), np.uint8)[:] = loss_mask
+    make("aux_hidden", (n_tok, k, h), (c, k, h), aux_bits)
+    if manifest["aux_dtype"] == "fp8_e4m3":
+        make("aux_scale", (n_tok, k), (c, k), np.float32)
+    make("last_hidden", (n_tok, h), (c, h), np.uint16)
+    meta_chunk = (max(1, min(n_smp + 1, 1 << 16)),)
+    make("offsets", (n_smp + 1,), meta_chunk, np.int64)[:] = offsets
+    make("source_index", (n_smp,), meta_chunk, np.int64)[:] = source_index
+    group.attrs.update({"initialized": True})
+    return group
+
+
+def open_store(path: str | Path, mode: str = "r") -> zarr.Group:
+    path = Path(path)
+    if not is_store(path):
+        raise ValueError(f"{path}: not a cache store (no zarr.json); run the cache stage first")
+    group = zarr.open_group(zarr.storage.LocalStore(path, read_only=(mode == "r")), mode=mode, zarr_format=3)
+    if "format_version" not in group.attrs:
+        raise ValueError(f"{path}: zarr group without a dspark cache manifest")
+    return group
+
+
+def read_manifest(path: str | Path, require_complete: bool = True) -> dict[str, Any]:
+    """The manifest of a store; by default refuses an unfinished store and an unknown format."""
+    attrs = dict(open_store(path).attrs)
+    if attrs["format_version"] != FORMAT_VERSION:
+        raise ValueError(f"{path}: cache format_version {attrs['format_version']} is not supported "
+                         f"(this code reads {FORMAT_VERSION}); rebuild the cache stage")
+    if require_complete and not attrs.get("complete"):
+        raise ValueError(f"{path}: cache store is incomplete ({attrs.get('committed_samples', 0)} of "
+                         f"{attrs.get('num_samples')} samples written); rerun the cache stage to finish it")
+    return attrs
+
+
+def mismatches(stored: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """Human-readable differences of the content-defining manifest keys."""
+    out = []
+    for key in CONTENT_KEYS:
+        a, b = stored.get(key), wanted.get(key)
+        if (list(a) if isinstance(a, (list, tuple)) else a) != (list(b) if isinstance(b, (list, tuple)) else b):
+            out.append(f"{key}: stored {a!r}, now {b!r}")
+    return out
+
+
+# -- appending hidden states -------------------------------------------------------------------------
+class HiddenWriter:
+    """Append per-sample hidden arrays in store order; writes whole chunks only until ``flush(final=True)``.
+
+    The buffer starts at the chunk boundary at or before ``start_token``; the committed tokens between
+    that boundary and ``start_token`` are reloaded from the store so the chunk is rewritten whole.
+    """
+
+    def __init__(self, group: zarr.Group, start_token: int, names: tuple[str, ...]):
+        self.arrays = {n: group[n] for n in names}
+        self.chunk = int(group.attrs["chunk_tokens"])
+        self.total = int(group.attrs["num_tokens"])
+        self.base = (start_token // self.chunk) * self.chunk  # first token held in the buffer
+        self.parts: dict[str, list[np.ndarray]] = {n: [] for n in names}
+        if start_token > self.base:
+            self.append({n: a[self.base:start_token] for n, a in self.arrays.items()})
+        self.end = start_token
+
+    def append(self, sample: dict[str, np.ndarray]) -> None:
+        """Add one sample's arrays (each with its tokens on axis 0)."""
+        lengths = {v.shape[0] for v in sample.values()}
+        if len(lengths) != 1 or set(sample) != set(self.parts):
+            raise RuntimeError(f"HiddenWriter.append: arrays {sorted(sample)} with token counts {sorted(lengths)}")
+        for n, v in sample.items():
+            self.parts[n].append(v)
+        self.end = self.base + sum(p.shape[0] for p in self.parts[next(iter(self.parts))])
+
+    def flush(self, final: bool = False) -> int:
+        """Write the whole chunks held (all tokens if ``final``); returns the written token prefix."""
+        stop = self.end if final else self.base + ((self.end - self.base) // self.chunk) * self.chunk
+        if final and self.end != self.total:
+            raise RuntimeError(f"HiddenWriter: final flush at token {self.end}, store holds {self.total}")
+        if stop > self.base:
+            for n, a in self.arrays.items():
+                buf = np.concatenate(self.parts[n], axis=0)  # [tokens held, ...]
+                a[self.base:stop] = buf[: stop - self.base]
+                self.parts[n] = [buf[stop - self.base:]]
+            self.base = stop
+        return self.base
+
+
+def commit(group: zarr.Group, offsets: np.ndarray, written_tokens: int, compute_seconds: float,
+           complete: bool = False) -> int:
+    """Record as done every sample whose tokens all lie below ``written_tokens``; returns their count."""
+    n_done = int(np.searchsorted(offsets, written_tokens, side="right")) - 1
+    group.attrs.update({"committed_samples": n_done, "committed_tokens": int(offsets[n_done]),
+                        "compute_seconds": float(compute_seconds), "complete": bool(complete)})
+    return n_done
+
+
+# -- size statistics ---------------------------------------------------------------------------------
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def store_stats(path: str | Path) -> dict[str, Any]:
+    """Stored bytes per token (whole store and per array) against raw bf16, from the files on disk."""
+    path = Path(path)
+    m = read_manifest(path)
+    t, k, h = int(m["num_tokens"]), len(m["aux_layer_ids"]), int(m["hidden_size"])
+    raw_per_array = {"input_ids": 4.0, "loss_mask": 1.0, "aux_hidden": 2.0 * k * h, "last_hidden": 2.0 * h}
+    arrays = {}
+    for child in sorted(p for p in path.iterdir() if p.is_dir()):
+        arrays[child.name] = {"bytes_per_token": _dir_bytes(child) / t,
+                              "raw_bf16_bytes_per_token": raw_per_array.get(child.name, 0.0)}
+    hidden_stored = sum(arrays[n]["bytes_per_token"] for n in HIDDEN_ARRAYS if n in arrays)
+    hidden_raw = raw_per_array["aux_hidden"] + raw_per_array["last_hidden"]
+    total = _dir_bytes(path) / t
+    raw = sum(raw_per_array.values())
+    seconds = float(m["compute_seconds"])
+    return {
+        "bytes_per_token": total, "raw_bf16_bytes_per_token": raw, "compression_ratio": total / raw,
+        "hidden_bytes_per_token": hidden_stored, "hidden_raw_bf16_bytes_per_token": hidden_raw,
+        "hidden_compression_ratio": hidden_stored / hidden_raw,
+        "tokens_per_s": t / seconds if seconds > 0 else None, "compute_seconds": seconds,
+        "num_tokens": t, "num_samples": int(m["num_samples"]), "truncated_samples": int(m["truncated_samples"]),
+        "no_response_samples": int(m["no_response_samples"]), "aux_dtype": m["aux_dtype"], "arrays": arrays,
+    }
