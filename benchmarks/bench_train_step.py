@@ -1,0 +1,250 @@
+"""DSpark draft training step at Qwen3-4B shapes (issue 3 benchmark): step time, peak memory, tokens/s.
+
+One step = forward (multi-anchor draft + chunked loss) + backward + grad clip + AdamW step, batch 1,
+random inputs, for each sequence length L. Shapes: target hidden 2560, 36 target layers, vocab 151936
+(tied embeddings, as Qwen3-4B), aux layers [1, 9, 17, 25, 33] (K = 5), 5 draft layers mirroring
+Qwen3-4B (FFN 9728, 32 Q / 8 KV heads, head dim 128), 512 anchors, block 7, Markov rank 256,
+confidence head with Markov features.
+
+Reference (DeepSpec's own code on one H200, torch.compile): 0.081 s/step at L=2048, 0.086 s at L=4096,
+peak 22.5 GiB. Target: >= 1.5x its throughput at <= 0.5x its peak memory.
+
+Precision modes: ``amp`` (what the shared trainer does: fp32 weights + AdamW state, bf16 autocast,
+frozen LM head kept in bf16) and ``bf16`` (bf16 weights and AdamW state, no autocast).
+
+    python benchmarks/bench_train_step.py    # H200: amp + bf16, L = 2048, 4096 -> reports/bench/train_step.json
+    python benchmarks/bench_train_step.py --precision amp --recompute --profile   # one mode, layer recompute, kernels
+    python benchmarks/bench_train_step.py --tiny --out /tmp/x.json   # CPU smoke run on tiny shapes
+
+Imports only torch, transformers and ``dspark_core.draft``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from transformers import Qwen3Config  # noqa: E402
+
+from dspark_core.draft.anchors import add_anchor_fields  # noqa: E402
+from dspark_core.draft.config import DraftConfig, LossConfig  # noqa: E402
+from dspark_core.draft.model import DSparkDraft  # noqa: E402
+from dspark_core.draft.synthetic import random_item  # noqa: E402
+from dspark_core.draft.task import DSparkTrainModel, draft_denominators  # noqa: E402
+
+REFERENCE_STEP_S = {2048: 0.081, 4096: 0.086}
+REFERENCE_PEAK_GIB = 22.5
+AUX_LAYERS = (1, 9, 17, 25, 33)
+
+
+def target_config(tiny: bool) -> Qwen3Config:
+    if tiny:
+        return Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=36,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                           rope_theta=1e6, max_position_embeddings=8192)
+    return Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                       rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6)
+
+
+def build(args, precision: str,
+          device: torch.device) -> tuple[DSparkTrainModel, torch.optim.Optimizer, list[torch.nn.Parameter]]:
+    tc = target_config(args.tiny)
+    cfg = DraftConfig(num_draft_layers=5, block_size=7, mask_token_id=tc.vocab_size - 1, num_anchors=args.anchors,
+                      markov_rank=16 if args.tiny else 256)
+    frozen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    lm = torch.randn(tc.vocab_size, tc.hidden_size, device=device, dtype=frozen_dtype) * 0.02  # tied embed/LM head
+    with torch.device(device):  # build the weights where they will live
+        draft = DSparkDraft(cfg, tc, lm, lm, aux_layer_ids=AUX_LAYERS)
+    draft.gradient_checkpointing = args.recompute
+    draft.compile_layers = args.compile_layers
+    param_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    draft = draft.to(device=device, dtype=param_dtype)
+    draft.set_frozen_dtype(frozen_dtype)
+    model = DSparkTrainModel(draft, LossConfig(vocab_chunk_slots=args.chunk[0]))
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = device.type == "cuda" and args.fused
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=fused)
+    return model, opt, params
+
+
+def make_batch(args, length: int, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    tc = target_config(args.tiny)
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    item = random_item(length, tc.vocab_size, len(AUX_LAYERS), tc.hidden_size, prompt_len=max(1, length // 16),
+                       generator=g, dtype=dtype)
+    batch = {k: v.unsqueeze(0) for k, v in item.items()}
+    batch["lengths"] = torch.tensor([length])
+    batch = add_anchor_fields(batch, args.anchors, 7, g)
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def train_step(model: DSparkTrainModel, opt, params, batch: dict[str, torch.Tensor], amp: bool,
+               forward) -> torch.Tensor:
+    """One optimiser step; returns the loss without synchronising (steps queue up on the GPU)."""
+    dens = draft_denominators(batch["slot_valid"], model.loss_cfg.decay_gamma)
+    weight = dens["weight"].clamp_min(1e-12)
+    with torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16, enabled=amp):
+        sums = forward(batch)
+        loss = (sums["distill"] + model.loss_cfg.conf_alpha * sums["confidence"]) / weight
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_length(args, precision: str, model, opt, params, length: int, device: torch.device, forward) -> dict:
+    batches = [make_batch(args, length, device, seed) for seed in range(3)]
+    amp = precision == "amp" and device.type == "cuda"
+    t0 = time.perf_counter()
+    for i in range(args.warmup):
+        train_step(model, opt, params, batches[i % len(batches)], amp, forward)
+    sync(device)
+    warm_s = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    sync(device)
+    t0 = time.perf_counter()
+    loss = torch.zeros(())
+    for i in range(args.steps):
+        loss = train_step(model, opt, params, batches[i % len(batches)], amp, forward)
+    sync(device)
+    loss = float(loss)
+    step_s = (time.perf_counter() - t0) / args.steps
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    row = {"precision": precision, "chunk": model.loss_cfg.vocab_chunk_slots, "L": length, "step_s": step_s,
+           "tokens_per_s": length / step_s, "peak_gib": peak, "loss": loss,
+           "warmup_s": warm_s, "valid_slots": int(batches[0]["slot_valid"].sum())}
+    ref = REFERENCE_STEP_S.get(length)
+    if ref is not None and not args.tiny:
+        row["speedup_vs_ref"] = ref / step_s
+        row["peak_ratio_vs_ref"] = peak / REFERENCE_PEAK_GIB if peak is not None else None
+        row["meets_target"] = bool(row["speedup_vs_ref"] >= 1.5 and peak is not None
+                                   and row["peak_ratio_vs_ref"] <= 0.5)
+    return row
+
+
+def profile_step(args, precision: str, model, opt, params, length: int, device: torch.device, forward) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = make_batch(args, length, device, 7)
+    amp = precision == "amp" and device.type == "cuda"
+    train_step(model, opt, params, batch, amp, forward)
+    if device.type == "cuda":  # report every host<->device synchronisation of one step, with its caller
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            train_step(model, opt, params, batch, amp, forward)
+            torch.cuda.set_sync_debug_mode(0)
+        sites = sorted({f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
+        print(f"synchronising calls in one step: {len(sites)}", *sites, sep="\n  ")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        train_step(model, opt, params, batch, amp, forward)
+        sync(device)
+    print(f"profiled step wall {time.perf_counter() - t0:.4f} s")
+    avg = prof.key_averages()
+    if device.type == "cuda":
+        print(avg.table(sort_by="self_device_time_total", row_limit=22, max_name_column_width=70))
+    print(avg.table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=70))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (smoke test)")
+    ap.add_argument("--lengths", type=int, nargs="+", default=None, help="sequence lengths (default 2048 4096)")
+    ap.add_argument("--anchors", type=int, default=None, help="anchors per sample (default 512; tiny 16)")
+    ap.add_argument("--chunk", type=int, nargs="+", default=[512], help="loss.vocab_chunk_slots (one run each)")
+    ap.add_argument("--precision", choices=("amp", "bf16"), nargs="+", default=["amp", "bf16"],
+                    help="amp: fp32 weights + AdamW state, bf16 autocast (the trainer's way); bf16: bf16 weights")
+    ap.add_argument("--recompute", action="store_true", help="activation checkpointing of each draft layer")
+    ap.add_argument("--no-fused", dest="fused", action="store_false", help="foreach AdamW instead of fused")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the whole training forward")
+    ap.add_argument("--no-compile-layers", dest="compile_layers", action="store_false",
+                    help="run the draft layers eagerly (default: each layer step compiled, flex inside)")
+    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one extra step")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench" / "train_step.json")
+    args = ap.parse_args()
+    args.lengths = args.lengths or ([64, 128] if args.tiny else [2048, 4096])
+    args.anchors = args.anchors or (16 if args.tiny else 512)
+    args.steps = args.steps or (2 if args.tiny else 10)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    rows, n_params = [], 0
+    for precision in args.precision:
+        torch.manual_seed(0)
+        model, opt, params = build(args, precision, device)
+        n_params = sum(p.numel() for p in params)
+        forward = torch.compile(model) if args.compile else model
+        for chunk in args.chunk:
+            model.loss_cfg = LossConfig(vocab_chunk_slots=chunk)
+            for length in args.lengths:
+                rows.append(run_length(args, precision, model, opt, params, length, device, forward))
+                print(json.dumps(rows[-1]), flush=True)
+        write_report(args, device, n_params, rows)  # after each mode, so a later failure keeps the numbers
+        if args.profile:
+            profile_step(args, precision, model, opt, params, args.lengths[-1], device, forward)
+        del model, opt, params, forward
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print_table(write_report(args, device, n_params, rows))
+    print(f"wrote {args.out}")
+
+
+def write_report(args, device: torch.device, n_params: int, rows: list[dict]) -> dict:
+    report = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "trainable_params": n_params,
+        "reference": {"step_s": REFERENCE_STEP_S, "peak_gib": REFERENCE_PEAK_GIB,
+                      "target": ">= 1.5x throughput at <= 0.5x peak memory"},
+        "results": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, args.out)
+    return report
+
+
+def print_table(report: dict) -> None:
+    cfg = report["config"]
+    print(f"device {report['device']}, torch {report['torch']}, anchors {cfg['anchors']}, recompute "
+          f"{cfg['recompute']}, trainable params {report['trainable_params'] / 1e6:.1f}M")
+    print(f"{'precision':>9} {'chunk':>5} {'L':>6} {'step_s':>9} {'tokens/s':>10} {'peak GiB':>9} {'speedup':>8} "
+          f"{'mem ratio':>9} {'target':>7}")
+    for r in report["results"]:
+        peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "-"
+        sp = f"{r['speedup_vs_ref']:.2f}x" if "speedup_vs_ref" in r else "-"
+        mr = f"{r['peak_ratio_vs_ref']:.2f}" if r.get("peak_ratio_vs_ref") is not None else "-"
+        ok = ("yes" if r["meets_target"] else "no") if "meets_target" in r else "-"
+        print(f"{r['precision']:>9} {r['chunk']:>5} {r['L']:>6} {r['step_s']:>9.4f} {r['tokens_per_s']:>10.0f} "
+              f"{peak:>9} {sp:>8} {mr:>9} {ok:>7}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,12 @@
+"""The DSpark draft: config, model (training forward + inference API), heads, anchors, chunked loss, task.
+
+Importing this package needs only torch and transformers (no zarr / dvclive / matplotlib).
+"""
+
+from dspark_core.draft.config import DraftConfig, LossConfig
+from dspark_core.draft.inference import ContextCache, DraftProposal
+from dspark_core.draft.model import DSparkDraft, ExtraKV, load_draft, save_draft
+from dspark_core.draft.task import DSparkTask, DSparkTrainModel
+
+__all__ = ["ContextCache", "DSparkDraft", "DSparkTask", "DSparkTrainModel", "DraftConfig", "DraftProposal",
+           "ExtraKV", "LossConfig", "load_draft", "save_draft"]

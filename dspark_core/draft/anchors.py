@@ -1,0 +1,93 @@
+"""Anchor sampling and per-slot supervision of a DSpark training batch.
+
+Shape legend: B batch, L tokens (padded), A anchors per sample, S slots of a block.
+
+- An anchor is a response position ``p`` whose next token is a response token too
+  (``loss_mask[p] and loss_mask[p + 1]``). Each sample gets at most ``num_anchors`` of them, drawn
+  without replacement with the sample's own generator, sorted ascending (contiguous query tiles see
+  similar context lengths, which keeps the flex block mask sparse); the rest are dummy anchors at
+  position 0 with ``anchor_valid = False``.
+- Slot ``j`` of anchor ``p`` predicts the token at ``p + j + 1`` (next-token aligned); its teacher
+  distribution is the target's at position ``p + j``. The slot is valid while ``p + j + 1 < L``, that
+  token is a response token, and every earlier slot of the block is valid: a contiguous valid prefix
+  (seed 000: the overlap a_i of an invalid slot counts as 0).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
+    """loss_mask [..., L] bool -> [..., L] bool: positions that may be anchors."""
+    cand = torch.zeros_like(loss_mask, dtype=torch.bool)
+    cand[..., :-1] = loss_mask[..., :-1].bool() & loss_mask[..., 1:].bool()
+    return cand
+
+
+def _generators(generator: torch.Generator | Sequence[torch.Generator], batch: int) -> list[torch.Generator]:
+    if isinstance(generator, torch.Generator):
+        return [generator] * batch
+    gens = list(generator)
+    if len(gens) != batch:
+        raise ValueError(f"got {len(gens)} generators for a batch of {batch} samples")
+    return gens
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
+                   generator: torch.Generator | Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """loss_mask [B, L] -> anchors [B, A] long (sorted, dummies = 0 at the end), anchor_valid [B, A] bool.
+
+    ``generator``: one per sample (so a sample's anchors do not depend on how the batch is split), or one
+    shared by all samples (drawn in order).
+    """
+    if num_anchors < 1:
+        raise ValueError(f"num_anchors must be >= 1; got {num_anchors}")
+    batch = loss_mask.shape[0]
+    gens = _generators(generator, batch)
+    cand = anchor_candidates(loss_mask.cpu())  # [B, L]
+    anchors = torch.zeros(batch, num_anchors, dtype=torch.long)  # [B, A]
+    valid = torch.zeros(batch, num_anchors, dtype=torch.bool)  # [B, A]
+    for b in range(batch):
+        pos = cand[b].nonzero().squeeze(1)  # [n_b]
+        k = min(num_anchors, pos.numel())
+        pick = pos[torch.randperm(pos.numel(), generator=gens[b])[:k]].sort().values  # [k]
+        anchors[b, :k] = pick
+        valid[b, :k] = True
+    return anchors.to(loss_mask.device), valid.to(loss_mask.device)
+
+
+def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
+                  anchor_valid: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
+    """Supervision of every slot.
+
+    Returns ``targets [B, A, S]`` (token at p+j+1), ``prev_tokens [B, A, S]`` (t_{j}: the anchor, then
+    the reference tokens; the Markov head's input) and ``slot_valid [B, A, S]`` (contiguous prefix).
+    """
+    batch, length = input_ids.shape
+    offs = torch.arange(1, block_size + 1, device=input_ids.device)  # [S]
+    pos = anchors.unsqueeze(-1) + offs  # [B, A, S] positions of the predicted tokens
+    safe = pos.clamp(max=length - 1).view(batch, -1)  # [B, A*S]
+    ok = (pos < length) & loss_mask.bool().gather(1, safe).view_as(pos) & anchor_valid.unsqueeze(-1)
+    slot_valid = ok.long().cumprod(dim=-1).bool()  # [B, A, S]
+    targets = input_ids.gather(1, safe).view_as(pos)  # [B, A, S]
+    anchor_tok = input_ids.gather(1, anchors)  # [B, A]
+    prev_tokens = torch.cat([anchor_tok.unsqueeze(-1), targets[..., :-1]], dim=-1)  # [B, A, S]
+    return {"targets": targets, "prev_tokens": prev_tokens, "slot_valid": slot_valid}
+
+
+def add_anchor_fields(batch: dict[str, torch.Tensor], num_anchors: int, block_size: int,
+                      generator: torch.Generator | Sequence[torch.Generator]) -> dict[str, torch.Tensor]:
+    """A collated cache batch plus ``anchors, anchor_valid, targets, prev_tokens, slot_valid`` and ``slot_index``
+    [3, N] (batch, anchor, slot of every valid slot, computed here on the CPU so the loss needs no device sync)."""
+    for key in ("input_ids", "loss_mask"):
+        if key not in batch:
+            raise ValueError(f"batch lacks '{key}' (have: {', '.join(sorted(batch))})")
+    anchors, anchor_valid = sample_anchors(batch["loss_mask"], num_anchors, generator)
+    out = dict(batch)
+    out.update(anchors=anchors, anchor_valid=anchor_valid)
+    out.update(block_targets(batch["input_ids"], batch["loss_mask"], anchors, anchor_valid, block_size))
+    out["slot_index"] = out["slot_valid"].nonzero().t().contiguous()  # [3, N]
+    return out

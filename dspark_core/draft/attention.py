@@ -1,0 +1,129 @@
+"""DSpark attention masks and the attention call: flex_attention (block-sparse) on GPU, dense SDPA on CPU.
+
+Shape legend: B batch, A anchors, S slots of a block, Q = A*S query rows (block tokens), C context
+positions, E extra K/V entries (a variant's memory), nq / nkv heads, d head dim.
+
+Key/value layout of the multi-anchor training forward::
+
+    [context 0..C-1 | extra 0..E-1 | block tokens 0..Q-1]
+
+Visibility of query row q of batch b (its block a = q // S, anchor position p = anchors[b, a]):
+
+- context kv c:  c < p, and block a is valid. Padding is never seen: a valid anchor has p + 1 < length.
+- extra kv e:    extra_owner[b, e] == a, and block a is valid (a Draft Memory entry belongs to one block).
+- block kv j:    j // S == a: its own block, bidirectionally, for *every* block. Dummy (invalid) blocks
+  see only themselves, so no row is empty: a fully masked row would give NaN in SDPA (and in its
+  backward); their outputs are finite and never read by the loss. (Rows can still be empty *within* a
+  128x128 tile, so flex's ``ROWS_GUARANTEED_SAFE`` must stay off: with it the H200 run produced NaN.)
+
+One function, :func:`make_mask_mod`, defines this. The GPU path turns it into a flex ``BlockMask``; the
+CPU path evaluates the very same function on broadcast index grids to get a dense boolean mask, so both
+paths implement one definition (tests compare it with a brute-force loop and the two outputs).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "flex", "dense")
+_compiled_flex: Callable[..., torch.Tensor] | None = None
+
+
+def make_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, ctx_len: int, block_size: int,
+                  extra_owner: torch.Tensor | None = None) -> Callable[..., torch.Tensor]:
+    """``mask_mod(b, h, q_idx, kv_idx) -> bool`` for anchors [B, A], anchor_valid [B, A], extra_owner [B, E].
+
+    Works on scalars (flex) and on broadcastable index tensors (the dense mask). The context length
+    is captured as a tensor so a compiled flex kernel does not specialise on it.
+    """
+    # a fill kernel, not a host->device copy: no synchronisation at the start of every forward
+    c_len = torch.full((), ctx_len, device=anchors.device, dtype=torch.long)
+    n_extra = 0 if extra_owner is None else extra_owner.shape[1]
+    own_start = c_len + n_extra
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        blk = q_idx // block_size
+        valid = anchor_valid[b, blk]
+        visible = (kv_idx < c_len) & (kv_idx < anchors[b, blk]) & valid
+        visible = visible | ((kv_idx >= own_start) & ((kv_idx - own_start) // block_size == blk))
+        if extra_owner is not None and n_extra > 0:
+            e = (kv_idx - c_len).clamp(0, n_extra - 1)
+            in_extra = (kv_idx >= c_len) & (kv_idx < own_start)
+            visible = visible | (in_extra & (extra_owner[b, e] == blk) & valid)
+        return visible
+
+    return mask_mod
+
+
+def dense_mask(mask_mod: Callable[..., torch.Tensor], batch: int, q_len: int, kv_len: int,
+               device: torch.device | str) -> torch.Tensor:
+    """Evaluate ``mask_mod`` on the full grid: bool [B, 1, Q, KV] (True = may attend)."""
+    b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+    q = torch.arange(q_len, device=device).view(1, 1, q_len, 1)
+    kv = torch.arange(kv_len, device=device).view(1, 1, 1, kv_len)
+    return mask_mod(b, h, q, kv).expand(batch, 1, q_len, kv_len)
+
+
+@dataclass
+class AttentionMask:
+    """What :func:`attend` needs: a flex ``BlockMask``, a dense bool mask [B, 1, Q, KV], or nothing (all visible)."""
+
+    block_mask: Any = None
+    dense: torch.Tensor | None = None
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    if backend == "auto":
+        return "flex" if device.type == "cuda" else "dense"
+    return backend
+
+
+def build_attention_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, ctx_len: int, block_size: int,
+                         extra_owner: torch.Tensor | None = None, backend: str = "auto") -> AttentionMask:
+    """The training mask for anchors [B, A] over keys [context C | extra E | blocks A*S]."""
+    batch, num_anchors = anchors.shape
+    q_len = num_anchors * block_size
+    kv_len = ctx_len + (0 if extra_owner is None else extra_owner.shape[1]) + q_len
+    mask_mod = make_mask_mod(anchors, anchor_valid, ctx_len, block_size, extra_owner)
+    if resolve_backend(backend, anchors.device) == "dense":
+        return AttentionMask(dense=dense_mask(mask_mod, batch, q_len, kv_len, anchors.device))
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    block_mask = create_block_mask(mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=anchors.device)
+    return AttentionMask(block_mask=block_mask)
+
+
+def _flex(q, k, v, block_mask, scale: float, enable_gqa: bool) -> torch.Tensor:
+    """flex_attention, compiled on GPU (one dynamic-shape kernel); the unfused reference elsewhere."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if torch.compiler.is_compiling():  # inside a compiled layer: traced and fused there
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    if q.device.type == "cuda":
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=True)
+        return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    with warnings.catch_warnings():  # CPU: the unfused path is what we want (tests only)
+        warnings.simplefilter("ignore", UserWarning)
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, scale: float) -> torch.Tensor:
+    """Attention of q [B, nq, Q, d] over k, v [B, nkv, KV, d] (GQA when nkv < nq) -> [B, nq, Q, d].
+
+    q and k are cast to v's dtype (under autocast the projections give bf16 while RoPE may promote).
+    """
+    q, k = q.to(v.dtype), k.to(v.dtype)
+    gqa = q.shape[1] != k.shape[1]
+    if mask.block_mask is not None:
+        return _flex(q, k, v, mask.block_mask, scale, gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, scale=scale, enable_gqa=gqa)

@@ -1,0 +1,75 @@
+"""Params sections of the DSpark draft: ``draft`` (architecture + anchors) and ``loss`` (training objective).
+
+Both are frozen :class:`~dspark_core.config.Section` dataclasses: ``DraftConfig.load("params.yaml", "draft")``.
+A variant's overrides are merged into the ``draft`` / ``loss`` mappings before ``from_dict`` (see
+``dspark_core.variants``). The width fields default to ``None`` = the target's value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dspark_core.config import Section, non_negative, one_of, positive, require
+
+MARKOV_HEADS = ("vanilla", "none")
+
+
+@dataclass(frozen=True)
+class DraftConfig(Section):
+    """The DSpark draft (seed 004 section 5.1, seed 000 "Baseline 架构")."""
+
+    num_draft_layers: int = 2
+    block_size: int = 7                 # S slots: [anchor, MASK x (S-1)]
+    mask_token_id: int | None = None    # None (or >= vocab): a learned mask embedding
+    num_anchors: int = 512              # anchors sampled per training sample (at most)
+    markov_rank: int = 256
+    markov_head: str = "vanilla"        # vanilla | none
+    confidence_head: bool = True
+    confidence_with_markov: bool = True
+    hidden_size: int | None = None      # None: the target's
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+
+    def validate(self) -> None:
+        positive("num_draft_layers", self.num_draft_layers)
+        positive("block_size", self.block_size)
+        positive("num_anchors", self.num_anchors)
+        one_of("markov_head", self.markov_head, MARKOV_HEADS)
+        if self.markov_head != "none":
+            positive("markov_rank", self.markov_rank)
+        if self.mask_token_id is not None:
+            non_negative("mask_token_id", self.mask_token_id)
+        require(not (self.confidence_head and self.confidence_with_markov and self.markov_head == "none"),
+                "confidence_with_markov needs a Markov head (markov_head is 'none')")
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+            value = getattr(self, name)
+            if value is not None:
+                positive(name, value)
+        if self.num_attention_heads is not None and self.num_key_value_heads is not None:
+            require(self.num_attention_heads % self.num_key_value_heads == 0,
+                    f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                    f"num_key_value_heads ({self.num_key_value_heads})")
+
+    @property
+    def has_markov(self) -> bool:
+        return self.markov_head != "none"
+
+
+@dataclass(frozen=True)
+class LossConfig(Section):
+    """``ce_alpha * CE + l1_alpha * L1 + conf_alpha * BCE(conf)``, slot weights ``exp(-i / decay_gamma)``."""
+
+    ce_alpha: float = 0.1
+    l1_alpha: float = 0.9
+    conf_alpha: float = 1.0
+    decay_gamma: float = 4.0
+    vocab_chunk_slots: int = 512        # slots whose full-vocabulary logits exist at once
+
+    def validate(self) -> None:
+        non_negative("ce_alpha", self.ce_alpha)
+        non_negative("l1_alpha", self.l1_alpha)
+        non_negative("conf_alpha", self.conf_alpha)
+        positive("decay_gamma", self.decay_gamma)
+        positive("vocab_chunk_slots", self.vocab_chunk_slots)

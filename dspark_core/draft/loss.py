@@ -1,0 +1,229 @@
+"""DSpark training objective, computed in vocabulary chunks (no full-vocab fp32 tensor for all slots at once).
+
+Shape legend: B batch, A anchors, S slots, N valid slots, n slots of a chunk, V vocab, Ht target hidden,
+H draft hidden, r Markov rank.
+
+Per valid slot i (position weight ``w_i = exp(-j/gamma)``, j the slot index in its block):
+
+- draft logits ``l_i = lm_head(h_i) + W2 m_i`` -> ``q_i = softmax(l_i)``; teacher
+  ``p_i = softmax(lm_head(last_hidden))`` at the same position (the target's next-token distribution for that slot's token);
+- ``CE_i = -log q_i(token)``, ``L1_i = sum_v |q_i - p_i|``, overlap ``a_i = 1 - 0.5 L1_i`` (stop-gradient);
+- confidence ``BCE_with_logits(s_i, a_i)``.
+
+Sums returned (the trainer divides by the global denominator ``weight = sum w_i`` over valid slots):
+``distill = sum w_i (ce_alpha CE_i + l1_alpha L1_i)`` and ``confidence = sum w_i BCE_i`` (the loss terms),
+``ce``, ``l1``, ``conf`` (the same sums, detached, for logging), ``tau_prob`` and ``accept_rate@i``.
+
+Memory: :class:`_ChunkedDistill` walks the N slots ``vocab_chunk_slots`` at a time. For each chunk it
+forms the draft and teacher logits [n, V] (float32 accumulation), the per-slot CE / L1, and -- when a
+gradient is wanted -- the analytic gradient of ``distill`` w.r.t. the logits, which it immediately pushes
+through the LM head and W2 (``dh = G W_lm``, ``dm = G W2``, ``dW2 += G^T m``). Only [N, Ht], [N, r] and
+[V, r] gradients are kept for backward, so peak memory is a few [n, V] float32 buffers and the LM-head
+matmuls run 3 times (2 forward, 1 backward) instead of 5 with per-chunk recomputation. The frozen
+LM head gets no gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from dspark_core.draft.config import LossConfig
+from dspark_core.metrics import block_metric_sums, overlap_from_l1
+
+_OUT_DTYPE_OK: dict[str, bool] = {}
+_compiled_math: Any = None
+
+
+def slot_weights(slot_valid: torch.Tensor, gamma: float) -> torch.Tensor:
+    """slot_valid [..., S] -> exp(-j / gamma) on valid slots, 0 elsewhere (float32)."""
+    slots = slot_valid.shape[-1]
+    decay = torch.exp(-torch.arange(slots, device=slot_valid.device, dtype=torch.float32) / gamma)  # [S]
+    return slot_valid.float() * decay
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with a float32 result (bf16 inputs accumulate in fp32; CUDA writes fp32 directly when it can)."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda and _out_dtype_ok(a):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
+
+
+def _add_mm_f32_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """c += a @ b in place, c float32 (in the GEMM epilogue: no extra [n, V] tensor, when supported)."""
+    if a.dtype == torch.float32:
+        torch.addmm(c, a, b, out=c)
+    elif a.is_cuda and _out_dtype_ok(a):
+        torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+    else:
+        c += (a @ b).float()
+
+
+def _out_dtype_ok(a: torch.Tensor) -> bool:
+    """Whether this build has the fp32-output (add)mm for ``a``'s dtype on its device (checked once)."""
+    key = f"{a.device}:{a.dtype}"
+    if key not in _OUT_DTYPE_OK:
+        try:
+            x = torch.ones(2, 2, device=a.device, dtype=a.dtype)
+            c = torch.ones(2, 2, device=a.device, dtype=torch.float32)
+            torch.addmm(c, x, x, out_dtype=torch.float32, out=c)
+            _OUT_DTYPE_OK[key] = (torch.mm(x, x, out_dtype=torch.float32).dtype == torch.float32
+                                  and bool((c == 3).all()))
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE_OK[key] = False
+    return _OUT_DTYPE_OK[key]
+
+
+def chunk_math(logits: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+               ce_alpha: float, l1_alpha: float, grad_dtype: torch.dtype | None):
+    """Draft and teacher logits [n, V] float32 -> CE [n], L1 [n] and
+    G = d(sum w (ce_alpha CE + l1_alpha L1)) / d logits [n, V] in ``grad_dtype`` (None: no gradient).
+
+    dCE/dl = q - onehot(t); dL1/dl = q * (s - <q, s>) with s = sign(q - p).
+    """
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [n, 1]
+    q = torch.exp(logits - lse)  # [n, V]
+    p = torch.softmax(teacher, dim=-1)  # [n, V]
+    ce = lse.squeeze(-1) - logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [n]
+    diff = q - p
+    l1 = diff.abs().sum(dim=-1)  # [n]
+    if grad_dtype is None:
+        return ce, l1, None
+    sign = torch.sign(diff)
+    qs = (q * sign).sum(dim=-1, keepdim=True)  # [n, 1]
+    w = weights.unsqueeze(-1)  # [n, 1]
+    grad = q * (w * (l1_alpha * (sign - qs) + ce_alpha))  # [n, V]
+    grad = grad.scatter_add(-1, targets.unsqueeze(-1), -ce_alpha * w)
+    return ce, l1, grad.to(grad_dtype)
+
+
+def _math_fn(device: torch.device):
+    """The chunk math, fused by torch.compile on GPU (it is memory-bound: a dozen passes over [n, V]).
+    Dynamic shapes: the last chunk's size varies from step to step."""
+    global _compiled_math
+    if device.type != "cuda":
+        return chunk_math
+    if _compiled_math is None:
+        _compiled_math = torch.compile(chunk_math, dynamic=True)
+    return _compiled_math
+
+
+class _ChunkedDistill(torch.autograd.Function):
+    """See the module docstring. Outputs ``distill`` [] (differentiable), ``ce`` [N], ``l1`` [N] (detached)."""
+
+    @staticmethod
+    def forward(ctx, head_h, markov, w2, lm_w, teacher_h, targets, weights, ce_alpha, l1_alpha, chunk,
+                cdtype, with_grad):
+        n_slots = head_h.shape[0]
+        dev = head_h.device
+        with torch.autocast(dev.type, enabled=False):
+            w_lm = lm_w.to(cdtype)  # [V, Ht] (no copy when already cdtype)
+            w_mk = w2.to(cdtype) if markov is not None else None  # [V, r]
+            ce = torch.empty(n_slots, device=dev)
+            l1 = torch.empty(n_slots, device=dev)
+            d_head = torch.empty(n_slots, head_h.shape[1], device=dev) if with_grad else None  # [N, Ht]
+            d_mk = torch.empty(n_slots, markov.shape[1], device=dev) if with_grad and markov is not None else None
+            d_w2 = torch.zeros(w2.shape, device=dev) if with_grad and markov is not None else None  # [V, r]
+            math = _math_fn(dev)
+            for s in range(0, n_slots, chunk):
+                e = min(n_slots, s + chunk)
+                logits = _mm_f32(head_h[s:e].to(cdtype), w_lm.t())  # [n, V]
+                m_c = markov[s:e].to(cdtype) if markov is not None else None
+                if m_c is not None:
+                    _add_mm_f32_(logits, m_c, w_mk.t())  # + W2 m
+                teacher = _mm_f32(teacher_h[s:e].to(cdtype), w_lm.t())  # [n, V]
+                ce[s:e], l1[s:e], g = math(logits, teacher, targets[s:e], weights[s:e], ce_alpha, l1_alpha,
+                                           cdtype if with_grad else None)
+                del logits, teacher
+                if with_grad:
+                    d_head[s:e] = _mm_f32(g, w_lm)
+                    if m_c is not None:
+                        d_mk[s:e] = _mm_f32(g, w_mk)
+                        d_w2 += _mm_f32(g.t(), m_c)
+            distill = (weights * (ce_alpha * ce + l1_alpha * l1)).sum()
+        ctx.save_for_backward(d_head, d_mk, d_w2)
+        ctx.dtypes = (head_h.dtype, None if markov is None else markov.dtype, None if w2 is None else w2.dtype)
+        ctx.mark_non_differentiable(ce, l1)
+        return distill, ce, l1
+
+    @staticmethod
+    def backward(ctx, g_distill, _g_ce, _g_l1):
+        d_head, d_mk, d_w2 = ctx.saved_tensors
+        if d_head is None:
+            raise RuntimeError("_ChunkedDistill: backward without gradients computed in forward")
+        h_dt, m_dt, w2_dt = ctx.dtypes
+        grad_h = (g_distill * d_head).to(h_dt)
+        grad_m = (g_distill * d_mk).to(m_dt) if d_mk is not None and ctx.needs_input_grad[1] else None
+        grad_w2 = (g_distill * d_w2).to(w2_dt) if d_w2 is not None and ctx.needs_input_grad[2] else None
+        return (grad_h, grad_m, grad_w2) + (None,) * 9
+
+
+def chunked_distill(head_h: torch.Tensor, markov: torch.Tensor | None, w2: torch.Tensor | None,
+                    lm_w: torch.Tensor, teacher_h: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+                    ce_alpha: float, l1_alpha: float, chunk_slots: int):
+    """(distill [], ce [N], l1 [N]) for head_h [N, Ht] (draft states the LM head reads), markov [N, r] with
+    w2 [V, r] (or None, None), lm_w [V, Ht] frozen, teacher_h [N, Ht], targets [N], weights [N].
+
+    Matmuls run in the autocast dtype when autocast is on, else in ``lm_w``'s dtype; softmax math in fp32.
+    """
+    if (markov is None) != (w2 is None):
+        raise ValueError("chunked_distill: give both markov and w2, or neither")
+    if lm_w.requires_grad:
+        raise ValueError("chunked_distill: the LM head must be frozen (requires_grad=False)")
+    dev = head_h.device
+    cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else lm_w.dtype
+    inputs = [t for t in (head_h, markov, w2) if t is not None]
+    with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    return _ChunkedDistill.apply(head_h, markov, w2, lm_w, teacher_h, targets, weights.float(), float(ce_alpha),
+                                 float(l1_alpha), int(chunk_slots), cdtype, with_grad)
+
+
+def _valid_slot_index(batch: Mapping[str, torch.Tensor]):
+    """(b [N], a [N], j [N]) of the valid slots, in ``slot_valid.nonzero()`` order."""
+    if "slot_index" in batch:  # precomputed by the collate (no device sync)
+        return tuple(batch["slot_index"].to(batch["slot_valid"].device).unbind(0))
+    return batch["slot_valid"].bool().nonzero(as_tuple=True)
+
+
+def slot_outputs(draft, hidden: torch.Tensor, batch: Mapping[str, torch.Tensor], cfg: LossConfig,
+                 extras: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """Per valid slot (``slot_valid.nonzero()`` order): weights, distill sum, ce, l1, overlap a, conf logits.
+
+    hidden [B, A, S, H] from ``draft.forward_train``; batch holds anchors, slot_valid, targets,
+    prev_tokens [B, A, S] and last_hidden [B, L, Ht].
+    """
+    b, a, j = _valid_slot_index(batch)
+    weights = slot_weights(batch["slot_valid"], cfg.decay_gamma)[b, a, j]  # [N]
+    h = hidden[b, a, j]  # [N, H]
+    m_all = draft.markov_features(batch["prev_tokens"], hidden, extras)  # [B, A, S, r] | None
+    m = m_all[b, a, j] if m_all is not None else None  # [N, r]
+    teacher = batch["last_hidden"][b, batch["anchors"][b, a] + j]  # [N, Ht]
+    w2 = draft.markov.w2.weight if m is not None else None
+    distill, ce, l1 = chunked_distill(draft.head_states(h), m, w2, draft.lm_head_weight, teacher,
+                                      batch["targets"][b, a, j], weights, cfg.ce_alpha, cfg.l1_alpha,
+                                      cfg.vocab_chunk_slots)
+    return {"weights": weights, "distill": distill, "ce": ce, "l1": l1, "overlap": overlap_from_l1(l1),
+            "conf_logits": draft.confidence_logits(h, m), "index": torch.stack([b, a, j])}
+
+
+def dspark_sums(draft, hidden: torch.Tensor, batch: Mapping[str, torch.Tensor], cfg: LossConfig,
+                extras: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """Loss numerators and metric numerators of one micro-batch (see the module docstring)."""
+    out = slot_outputs(draft, hidden, batch, cfg, extras)
+    w, a = out["weights"], out["overlap"]
+    sums = {"distill": out["distill"], "ce": (w * out["ce"]).sum(), "l1": (w * out["l1"]).sum()}
+    if out["conf_logits"] is not None:
+        bce = F.binary_cross_entropy_with_logits(out["conf_logits"], a, reduction="none")  # [N]
+        sums["confidence"] = (w * bce).sum()
+        sums["conf"] = sums["confidence"].detach()
+    a_full = torch.zeros(batch["slot_valid"].shape, device=a.device)  # [B, A, S]
+    a_full[tuple(out["index"])] = a
+    tau, acc = block_metric_sums(a_full, batch["slot_valid"])
+    sums["tau_prob"] = tau
+    for i in range(acc.shape[0]):
+        sums[f"accept_rate@{i}"] = acc[i]
+    return sums

@@ -1,0 +1,497 @@
+"""The DSpark draft (seed 004 sections 2-3, seed 000 "Baseline 架构"), its save/load.
+
+Shape legend: B batch, L tokens, A anchors, S slots (block_size), Q = A*S block tokens, K aux layers,
+Ht target hidden, H draft hidden, V vocab, r Markov rank, E extra K/V entries, nq / nkv heads, d head dim.
+
+Architecture (built from the target's HF config, Qwen3 / Qwen2 / Llama):
+
+- context features ``c_j = RMSNorm(W_aux [H_j^l1; ...; H_j^lK])`` (W_aux: K*Ht -> H, no bias), shared by
+  every layer;
+- block inputs ``[E(anchor), E(MASK) x (S-1)]`` at positions ``p .. p+S-1`` (p = anchor position) with
+  the target's frozen embedding (MASK = a token row, or a learned vector when the vocabulary has no
+  spare token); projected Ht -> H only when the draft is narrower/wider than the target;
+- ``num_draft_layers`` decoder layers mirroring the target's (Qwen3 q/k RMSNorm, Qwen2 qkv bias, Llama
+  attention/mlp bias flags, the family's MLP, RMSNorm and RoPE): queries from the block states, keys and
+  values from ``[c_0..c_{p-1} ; block states]`` through the layer's own k_proj / v_proj in one attention;
+  context RoPE positions 0..p-1;
+- final RMSNorm -> ``h_1..h_S``; frozen LM head of the target (+ H -> Ht projection when widths differ);
+- vanilla Markov head and confidence head (``heads.py``).
+
+Variant hooks (seed 000), one overridable method each, so a variant subclasses ``DSparkDraft``, adds its
+module in ``__init__`` and overrides one method:
+
+1. :meth:`DSparkDraft.block_inputs` -- the block's input embeddings (Engram-MASK replaces / gates the
+   MASK slots with a projected pre-anchor feature read from ``extras``).
+2. :meth:`DSparkDraft.markov_features` -- ``m_i`` fed to W2 and to the confidence head (Engram-Markov
+   adds ``g_i v_i``).
+3. :meth:`DSparkDraft.extra_kv` -- extra K/V sources of every layer's attention (Draft Memory returns
+   its memory states with their RoPE positions and owning block); the mask and both attention paths
+   already handle them.
+4. :meth:`DSparkDraft.score_candidates` -- rescoring of a slot's logits before a token is chosen (the
+   prefix reranker rescoring the Markov top-16).
+
+``extras`` is a mapping the hooks read their inputs from: the training batch itself (variant tensors
+are extra batch keys), or what the engine passes to ``propose``. The baseline ignores it.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dspark_core.draft import inference
+from dspark_core.draft.attention import AttentionMask, attend, build_attention_mask
+from dspark_core.draft.config import DraftConfig
+from dspark_core.draft.heads import ConfidenceHead, VanillaMarkovHead
+
+FAMILIES = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}
+FROZEN_KEYS = ("lm_head_weight", "embed_tokens_weight")
+CHECKPOINT_FORMAT = "dspark-draft"
+CHECKPOINT_VERSION = 1
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [B, T, d]
+
+
+def family_classes(model_type: str) -> tuple[type, type, type]:
+    """(RMSNorm, MLP, RotaryEmbedding) classes of a supported HF family."""
+    if model_type not in FAMILIES:
+        raise ValueError(f"target model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
+    mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    prefix = FAMILIES[model_type]
+    return getattr(mod, f"{prefix}RMSNorm"), getattr(mod, f"{prefix}MLP"), getattr(mod, f"{prefix}RotaryEmbedding")
+
+
+def target_head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def draft_hf_config(cfg: DraftConfig, target_config: Any) -> Any:
+    """A copy of the target's HF config with the draft's depth and widths (None = the target's)."""
+    c = copy.deepcopy(target_config)
+    c.hidden_size = cfg.hidden_size or target_config.hidden_size
+    c.intermediate_size = cfg.intermediate_size or target_config.intermediate_size
+    c.num_attention_heads = cfg.num_attention_heads or target_config.num_attention_heads
+    c.num_key_value_heads = cfg.num_key_value_heads or target_config.num_key_value_heads
+    c.head_dim = cfg.head_dim or target_head_dim(target_config)
+    c.num_hidden_layers = cfg.num_draft_layers
+    if hasattr(c, "layer_types"):
+        c.layer_types = ["full_attention"] * cfg.num_draft_layers
+    if c.num_attention_heads % c.num_key_value_heads:
+        raise ValueError(f"draft: num_attention_heads {c.num_attention_heads} is not a multiple of "
+                         f"num_key_value_heads {c.num_key_value_heads}")
+    return c
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """x [B, nh, T, d] rotated by cos/sin [B, T, d]."""
+    cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+@dataclass
+class ExtraKV:
+    """Extra K/V entries of a variant (hook 3): ``states [B, E, H]`` (go through each layer's k_proj /
+    v_proj like the context), ``positions [B, E]`` (RoPE), ``owner [B, E]`` (the block index that may see
+    the entry in training; at inference the one block sees all)."""
+
+    states: torch.Tensor
+    positions: torch.Tensor
+    owner: torch.Tensor
+
+
+class DraftAttention(nn.Module):
+    """Queries from the block; keys/values from [context ; extra ; block] through this layer's projections."""
+
+    def __init__(self, hf_cfg: Any, model_type: str, norm_cls: type) -> None:
+        super().__init__()
+        h, d = hf_cfg.hidden_size, hf_cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = hf_cfg.num_attention_heads, hf_cfg.num_key_value_heads, d
+        attn_bias = bool(getattr(hf_cfg, "attention_bias", False))
+        qkv_bias, o_bias = (True, False) if model_type == "qwen2" else (attn_bias, attn_bias)
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=o_bias)
+        qk_norm = model_type == "qwen3"
+        self.q_norm = norm_cls(d, eps=hf_cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = norm_cls(d, eps=hf_cfg.rms_norm_eps) if qk_norm else None
+        self.scale = d ** -0.5
+
+    def _heads(self, x: torch.Tensor, proj: nn.Linear, heads: int, norm: nn.Module | None) -> torch.Tensor:
+        y = proj(x).view(*x.shape[:2], heads, self.head_dim)  # [B, T, nh, d]
+        if norm is not None:
+            y = norm(y)
+        return y.transpose(1, 2)  # [B, nh, T, d]
+
+    def project_kv(self, states: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """states [B, T, H] -> k (normed, rotated), v: [B, nkv, T, d]. Context, extras and block all use it."""
+        k = apply_rope(self._heads(states, self.k_proj, self.num_kv_heads, self.k_norm), rope)
+        return k, self._heads(states, self.v_proj, self.num_kv_heads, None)
+
+    def forward(self, x: torch.Tensor, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]], rope: Rope,
+                mask: AttentionMask) -> torch.Tensor:
+        """x [B, Q, H] (normed block states), prefix_kv: [(k, v) [B, nkv, T_i, d]] -> [B, Q, H]."""
+        q = apply_rope(self._heads(x, self.q_proj, self.num_heads, self.q_norm), rope)  # [B, nq, Q, d]
+        k_blk, v_blk = self.project_kv(x, rope)
+        dtype = v_blk.dtype
+        k = torch.cat([kv[0].to(dtype) for kv in prefix_kv] + [k_blk.to(dtype)], dim=2)  # [B, nkv, KV, d]
+        v = torch.cat([kv[1].to(dtype) for kv in prefix_kv] + [v_blk], dim=2)
+        out = attend(q, k, v, mask, self.scale)  # [B, nq, Q, d]
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, hf_cfg: Any, model_type: str) -> None:
+        super().__init__()
+        norm_cls, mlp_cls, _ = family_classes(model_type)
+        self.input_layernorm = norm_cls(hf_cfg.hidden_size, eps=hf_cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(hf_cfg, model_type, norm_cls)
+        self.post_attention_layernorm = norm_cls(hf_cfg.hidden_size, eps=hf_cfg.rms_norm_eps)
+        self.mlp = mlp_cls(hf_cfg)
+
+    def forward(self, x: torch.Tensor, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]], rope: Rope,
+                mask: AttentionMask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), prefix_kv, rope, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def check_aux_layer_ids(aux_layer_ids: Any, num_hidden_layers: int) -> tuple[int, ...]:
+    ids = tuple(aux_layer_ids)
+    if not ids:
+        raise ValueError("aux_layer_ids must not be empty")
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not -1 <= i <= num_hidden_layers - 2:
+            raise ValueError(f"aux layer id {i!r} must be an integer in [-1, {num_hidden_layers - 2}] "
+                             f"(-1 = embeddings; the final layer {num_hidden_layers - 1} is refused)")
+    if list(ids) != sorted(set(ids)):
+        raise ValueError(f"aux_layer_ids must be strictly increasing; got {list(ids)}")
+    return ids
+
+
+class DSparkDraft(nn.Module):
+    """The DSpark draft. See the module docstring for the architecture and the four variant hooks.
+
+    ``embed_weight`` / ``lm_head_weight`` [V, Ht] are the target's (shared storage, frozen: parameters
+    with ``requires_grad=False``, so DDP never broadcasts them and trainer checkpoints skip them). A tied
+    target (the same tensor for both) is stored once.
+    """
+
+    def __init__(self, cfg: DraftConfig, target_config: Any, embed_weight: torch.Tensor,
+                 lm_head_weight: torch.Tensor, *, aux_layer_ids: Any, target_fingerprint: str | None = None) -> None:
+        super().__init__()
+        self.model_type = getattr(target_config, "model_type", None)
+        family_classes(self.model_type)  # validates the family
+        vocab, t_hidden = lm_head_weight.shape
+        if tuple(embed_weight.shape) != (vocab, t_hidden) or t_hidden != target_config.hidden_size:
+            raise ValueError(f"embedding {tuple(embed_weight.shape)} / LM head {tuple(lm_head_weight.shape)} do not "
+                             f"match the target's hidden_size {target_config.hidden_size}")
+        self.cfg = cfg
+        self.aux_layer_ids = check_aux_layer_ids(aux_layer_ids, target_config.num_hidden_layers)
+        self.target_fingerprint = target_fingerprint
+        self.target_summary = {"model_type": self.model_type, "vocab_size": vocab, "hidden_size": t_hidden,
+                               "num_hidden_layers": target_config.num_hidden_layers}
+        self.hf_config = draft_hf_config(cfg, target_config)
+        self.block_size, self.vocab_size, self.target_hidden_size = cfg.block_size, vocab, t_hidden
+        self.hidden_size = hid = self.hf_config.hidden_size
+        self.attention_backend = "auto"  # auto: flex_attention on GPU, dense SDPA on CPU
+        self.gradient_checkpointing = False  # recompute each layer in backward (less activation memory)
+        self.compile_layers = True  # on GPU: torch.compile the layer step (fuses norms / RoPE / MLP with flex)
+        self._build_frozen(embed_weight, lm_head_weight)
+        self._build_mask(cfg, vocab, t_hidden)
+        norm_cls, _, rotary_cls = family_classes(self.model_type)
+        eps = self.hf_config.rms_norm_eps
+        self.embed_proj = nn.Linear(t_hidden, hid, bias=False) if hid != t_hidden else None
+        self.fc = nn.Linear(len(self.aux_layer_ids) * t_hidden, hid, bias=False)  # W_aux
+        self.hidden_norm = norm_cls(hid, eps=eps)
+        self.layers = nn.ModuleList(DraftLayer(self.hf_config, self.model_type) for _ in range(cfg.num_draft_layers))
+        self.norm = norm_cls(hid, eps=eps)
+        self.head_proj = nn.Linear(hid, t_hidden, bias=False) if hid != t_hidden else None
+        self.rotary_emb = rotary_cls(config=self.hf_config)
+        self.markov = VanillaMarkovHead(vocab, cfg.markov_rank) if cfg.has_markov else None
+        conf_rank = cfg.markov_rank if cfg.has_markov and cfg.confidence_with_markov else 0
+        self.confidence = ConfidenceHead(hid, conf_rank) if cfg.confidence_head else None
+        self._init_weights(float(getattr(target_config, "initializer_range", 0.02)))
+
+    # -- construction ----------------------------------------------------------------------------
+    def _build_frozen(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        self.tied_embeddings = embed_weight is lm_head_weight
+        self.lm_head_weight = nn.Parameter(lm_head_weight.detach(), requires_grad=False)  # [V, Ht]
+        if not self.tied_embeddings:
+            self.embed_tokens_weight = nn.Parameter(embed_weight.detach(), requires_grad=False)  # [V, Ht]
+
+    def _build_mask(self, cfg: DraftConfig, vocab: int, t_hidden: int) -> None:
+        spare = cfg.mask_token_id is not None and cfg.mask_token_id < vocab
+        self.mask_token_id = cfg.mask_token_id if spare else None
+        self.mask_embedding = None if spare else nn.Parameter(torch.empty(t_hidden))  # [Ht], learned
+
+    def _init_weights(self, std: float) -> None:
+        for mod in self.modules():
+            if isinstance(mod, nn.Linear):
+                nn.init.normal_(mod.weight, 0.0, std)
+                if mod.bias is not None:
+                    nn.init.zeros_(mod.bias)
+            elif isinstance(mod, nn.Embedding):
+                nn.init.normal_(mod.weight, 0.0, std)
+        if self.mask_embedding is not None:
+            nn.init.normal_(self.mask_embedding, 0.0, std)
+
+    def set_frozen_dtype(self, dtype: torch.dtype) -> None:
+        """Keep the frozen embedding / LM head in ``dtype`` (e.g. bf16 beside fp32 trainable weights)."""
+        for key in FROZEN_KEYS:
+            if key in self._parameters:
+                self._parameters[key].data = self._parameters[key].data.to(dtype)
+
+    # -- small pieces ------------------------------------------------------------------------------
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def embedding_matrix(self) -> torch.Tensor:
+        return self.lm_head_weight if self.tied_embeddings else self.embed_tokens_weight  # [V, Ht]
+
+    def mask_vector(self) -> torch.Tensor:
+        """E(MASK) [Ht]: the token's frozen row, or the learned vector."""
+        if self.mask_embedding is not None:
+            return self.mask_embedding
+        return self.embedding_matrix()[self.mask_token_id]
+
+    def own_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight of the draft except the frozen copies of the target's embedding / LM head."""
+        return {k: v for k, v in self.state_dict().items() if k not in FROZEN_KEYS}
+
+    def rope(self, like: torch.Tensor, positions: torch.Tensor) -> Rope:
+        return self.rotary_emb(like, positions)  # cos, sin [B, T, d]
+
+    def context_features(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """aux_hidden [B, n, K, Ht] -> c [B, n, H] = RMSNorm(W_aux concat_k(H^k))."""
+        k, t_hidden = len(self.aux_layer_ids), self.target_hidden_size
+        if aux_hidden.dim() != 4 or tuple(aux_hidden.shape[2:]) != (k, t_hidden):
+            raise ValueError(f"aux_hidden must be [B, n, {k}, {t_hidden}] (aux layers {list(self.aux_layer_ids)}); "
+                             f"got {tuple(aux_hidden.shape)}")
+        flat = aux_hidden.reshape(*aux_hidden.shape[:2], k * t_hidden).to(self.compute_dtype)  # [B, n, K*Ht]
+        return self.hidden_norm(self.fc(flat))
+
+    def _block_states(self, anchor_tokens: torch.Tensor, extras: Mapping[str, Any] | None) -> torch.Tensor:
+        """anchor_tokens [B, A] -> block input states [B, A*S, H]."""
+        x = self.block_inputs(anchor_tokens, extras).to(self.compute_dtype)  # [B, A, S, Ht]
+        if self.embed_proj is not None:
+            x = self.embed_proj(x)
+        return x.reshape(x.shape[0], -1, self.hidden_size)
+
+    def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final draft states [..., H] -> what the LM head reads [..., Ht]."""
+        return self.head_proj(hidden) if self.head_proj is not None else hidden
+
+    def slot_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM-head logits [..., V] (float32) of final states [..., H] (inference; training uses the chunked loss)."""
+        w = self.lm_head_weight
+        return (self.head_states(hidden).to(w.dtype) @ w.t()).float()
+
+    def markov_bias(self, m: torch.Tensor) -> torch.Tensor:
+        return self.markov.bias(m)  # [..., V]
+
+    def confidence_logits(self, hidden: torch.Tensor, markov: torch.Tensor | None) -> torch.Tensor | None:
+        return None if self.confidence is None else self.confidence(hidden, markov)
+
+    # -- variant hooks -----------------------------------------------------------------------------
+    def block_inputs(self, anchor_tokens: torch.Tensor, extras: Mapping[str, Any] | None) -> torch.Tensor:
+        """Hook 1. anchor_tokens [B, A] -> input embeddings [B, A, S, Ht] = [E(anchor), E(MASK) x (S-1)]."""
+        anchor = nn.functional.embedding(anchor_tokens, self.embedding_matrix())  # [B, A, Ht]
+        mask = self.mask_vector().to(anchor.dtype)
+        mask = mask.expand(*anchor_tokens.shape, self.block_size - 1, mask.shape[-1])  # [B, A, S-1, Ht]
+        return torch.cat([anchor.unsqueeze(2), mask], dim=2)
+
+    def markov_features(self, prev_tokens: torch.Tensor, hidden: torch.Tensor,
+                        extras: Mapping[str, Any] | None) -> torch.Tensor | None:
+        """Hook 2. prev_tokens [...] (t_{i-1}), hidden [..., H] (h_i) -> m_i [..., r] (None without a Markov head)."""
+        return None if self.markov is None else self.markov.features(prev_tokens)
+
+    def extra_kv(self, extras: Mapping[str, Any] | None, anchors: torch.Tensor,
+                 anchor_valid: torch.Tensor) -> ExtraKV | None:
+        """Hook 3. Extra K/V sources for anchors [B, A] (training) or one block [B, 1] (inference)."""
+        return None
+
+    def score_candidates(self, logits: torch.Tensor, hidden: torch.Tensor, prefix: torch.Tensor, slot: int,
+                         extras: Mapping[str, Any] | None) -> torch.Tensor:
+        """Hook 4. Rescore slot ``slot``'s logits [B, V] given h [B, H] and the chosen prefix [B, slot+1]."""
+        return logits
+
+    # -- training forward ----------------------------------------------------------------------------
+    def forward_train(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, anchors: torch.Tensor,
+                      anchor_valid: torch.Tensor, extras: Mapping[str, Any] | None = None) -> torch.Tensor:
+        """All anchor blocks of a batch in one pass -> final draft states h [B, A, S, H].
+
+        input_ids [B, L], aux_hidden [B, L, K, Ht], anchors [B, A] (positions < L), anchor_valid [B, A].
+        """
+        batch, length = input_ids.shape
+        num_anchors, slots = anchors.shape[1], self.block_size
+        if anchors.shape[0] != batch or aux_hidden.shape[:2] != input_ids.shape:
+            raise ValueError(f"forward_train: input_ids {tuple(input_ids.shape)}, aux_hidden "
+                             f"{tuple(aux_hidden.shape)} and anchors {tuple(anchors.shape)} disagree")
+        x = self._block_states(input_ids.gather(1, anchors), extras)  # [B, Q, H]
+        c = self.context_features(aux_hidden)  # [B, L, H]
+        ctx_pos = torch.arange(length, device=c.device).expand(batch, length)  # [B, L]
+        blk_pos = (anchors.unsqueeze(-1) + torch.arange(slots, device=c.device)).reshape(batch, -1)  # [B, Q]
+        ctx_rope, blk_rope = self.rope(c, ctx_pos), self.rope(x, blk_pos)
+        extra = self.extra_kv(extras, anchors, anchor_valid)
+        extra_rope = self.rope(extra.states, extra.positions) if extra is not None else None
+        mask = build_attention_mask(anchors, anchor_valid, length, slots,
+                                    extra.owner if extra is not None else None, self.attention_backend)
+        extra_states = extra.states if extra is not None else None
+        step = _compiled_layer_step() if x.is_cuda and self.compile_layers else _layer_step
+        for layer in self.layers:
+            args = (layer, x, c, ctx_rope, extra_states, extra_rope, blk_rope, mask)
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(step, *args, use_reentrant=False)
+            else:
+                x = step(*args)
+        return self.norm(x).view(batch, num_anchors, slots, self.hidden_size)
+
+    # -- inference (docs/DESIGN.md "Draft <-> engine contract") -----------------------------------------
+    def new_context_cache(self, batch: int = 1, max_len: int = 4096, device: Any = None,
+                          dtype: torch.dtype | None = None) -> inference.ContextCache:
+        return inference.new_context_cache(self, batch, max_len, device, dtype)
+
+    def extend_context(self, cache: inference.ContextCache, aux_hidden: torch.Tensor) -> None:
+        inference.extend_context(self, cache, aux_hidden)
+
+    def propose(self, cache: inference.ContextCache, anchor_token: torch.Tensor, sample_fn: inference.SampleFn,
+                confidence_threshold: float = 0.0, extras: Mapping[str, Any] | None = None) -> inference.DraftProposal:
+        return inference.propose(self, cache, anchor_token, sample_fn, confidence_threshold, extras)
+
+    @torch.no_grad()
+    def forward_block(self, cache: inference.ContextCache, anchor_token: torch.Tensor,
+                      extras: Mapping[str, Any] | None = None) -> torch.Tensor:
+        """One block at anchor position ``cache.length`` against the cached context -> h [B, S, H]."""
+        batch = anchor_token.shape[0]
+        if batch != cache.batch:
+            raise ValueError(f"anchor_token has batch {batch}, the cache {cache.batch}")
+        p, slots = cache.length, self.block_size
+        x = self._block_states(anchor_token.view(batch, 1), extras)  # [B, S, H]
+        rope = self.rope(x, (p + torch.arange(slots, device=x.device)).expand(batch, slots))
+        anchors = torch.full((batch, 1), p, dtype=torch.long, device=x.device)
+        extra = self.extra_kv(extras, anchors, torch.ones_like(anchors, dtype=torch.bool))
+        extra_rope = self.rope(extra.states, extra.positions) if extra is not None else None
+        for i, layer in enumerate(self.layers):
+            prefix = [cache.layer_kv(i, x.dtype)]
+            if extra is not None:
+                prefix.append(layer.self_attn.project_kv(extra.states, extra_rope))
+            x = layer(x, prefix, rope, AttentionMask())
+        return self.norm(x)
+
+
+def _layer_step(layer: DraftLayer, x: torch.Tensor, c: torch.Tensor, ctx_rope: Rope, extra_states: torch.Tensor | None,
+                extra_rope: Rope | None, blk_rope: Rope, mask: AttentionMask) -> torch.Tensor:
+    """One layer of the training forward (a function, so it can be recomputed by activation checkpointing)."""
+    prefix = [layer.self_attn.project_kv(c, ctx_rope)]
+    if extra_states is not None:
+        prefix.append(layer.self_attn.project_kv(extra_states, extra_rope))
+    return layer(x, prefix, blk_rope, mask)
+
+
+_COMPILED_STEP: list = []
+
+
+def _compiled_layer_step():
+    """``_layer_step`` under torch.compile (one dynamic-shape graph shared by every layer), built once."""
+    if not _COMPILED_STEP:
+        _COMPILED_STEP.append(torch.compile(_layer_step, dynamic=True))
+    return _COMPILED_STEP[0]
+
+
+# -- save / load ---------------------------------------------------------------------------------------
+def draft_checkpoint_config(draft: DSparkDraft) -> dict[str, Any]:
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "format_version": CHECKPOINT_VERSION,
+        "draft": draft.cfg.to_dict(),
+        "aux_layer_ids": list(draft.aux_layer_ids),
+        "mask": {"token_id": draft.mask_token_id, "learned": draft.mask_embedding is not None},
+        "target": {**draft.target_summary, "fingerprint": draft.target_fingerprint},
+        "architecture": {"hidden_size": draft.hidden_size, "intermediate_size": draft.hf_config.intermediate_size,
+                         "num_attention_heads": draft.hf_config.num_attention_heads,
+                         "num_key_value_heads": draft.hf_config.num_key_value_heads,
+                         "head_dim": draft.hf_config.head_dim, "tied_embeddings": draft.tied_embeddings},
+    }
+
+
+def save_draft(out_dir: str | Path, draft: nn.Module, cfg: DraftConfig | None = None) -> Path:
+    """Write ``model.safetensors`` (the draft's own weights, not the target's copies) + ``config.json``."""
+    from safetensors.torch import save_file
+
+    from dspark_core.io import atomic_path, write_json
+
+    draft = getattr(draft, "draft", draft)  # a DSparkTrainModel wraps the draft
+    if not isinstance(draft, DSparkDraft):
+        raise ValueError(f"save_draft: expected a DSparkDraft, got {type(draft).__name__}")
+    if cfg is not None and cfg != draft.cfg:
+        raise ValueError(f"save_draft: cfg {cfg} differs from the draft's own config {draft.cfg}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.detach().contiguous().cpu() for k, v in draft.own_state_dict().items()}
+    with atomic_path(out / "model.safetensors", ".safetensors") as tmp:
+        save_file(weights, str(tmp), metadata={"format": CHECKPOINT_FORMAT})
+    write_json(out / "config.json", draft_checkpoint_config(draft))
+    return out
+
+
+def read_draft_config(path: str | Path) -> dict[str, Any]:
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise ValueError(f"{f}: not a DSpark draft checkpoint (no config.json)")
+    try:
+        info = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f}: not valid JSON ({e})") from None
+    if info.get("format") != CHECKPOINT_FORMAT or info.get("format_version") != CHECKPOINT_VERSION:
+        raise ValueError(f"{f}: format {info.get('format')!r} v{info.get('format_version')!r} is not "
+                         f"{CHECKPOINT_FORMAT!r} v{CHECKPOINT_VERSION}")
+    return info
+
+
+def load_draft(path: str | Path, target_model: nn.Module, expected_fingerprint: str | None = None) -> DSparkDraft:
+    """Rebuild a saved draft on ``target_model`` (its config, embedding and LM head; same device/dtype)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    info = read_draft_config(path)
+    src = str(path / "config.json")
+    cfg = DraftConfig.from_dict(info["draft"], src=src, prefix="draft.")
+    tc = target_model.config
+    saved = info["target"]
+    for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers"):
+        have = getattr(tc, key, None) if key != "vocab_size" else target_model.get_output_embeddings().weight.shape[0]
+        if saved.get(key) != have:
+            raise ValueError(f"{src}: target.{key} is {saved.get(key)!r}, the given target has {have!r}")
+    if expected_fingerprint is not None and saved.get("fingerprint") not in (None, expected_fingerprint):
+        raise ValueError(f"{src}: draft trained on target {saved['fingerprint']}, the given target is "
+                         f"{expected_fingerprint}")
+    lm = target_model.get_output_embeddings().weight
+    draft = DSparkDraft(cfg, tc, target_model.get_input_embeddings().weight, lm,
+                        aux_layer_ids=info["aux_layer_ids"], target_fingerprint=saved.get("fingerprint"))
+    weights = load_file(str(path / "model.safetensors"))
+    own = draft.own_state_dict()
+    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"{path / 'model.safetensors'}: weights do not match config.json "
+                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    for k, v in weights.items():
+        if tuple(v.shape) != tuple(own[k].shape):
+            raise ValueError(f"{path / 'model.safetensors'}: {k} has shape {tuple(v.shape)}, "
+                             f"expected {tuple(own[k].shape)}")
+    draft.load_state_dict(weights, strict=False)
+    return draft.to(device=lm.device, dtype=lm.dtype).eval()

@@ -1,0 +1,149 @@
+"""DSpark as a :class:`~dspark_core.train.task.TrainTask` for the shared trainer.
+
+Shape legend: B batch, L tokens, A anchors, S slots, K aux layers, Ht target hidden, V vocab.
+
+- ``collate``: pad cache items (``CacheCollator``), then sample each sample's anchors with its own
+  generator and derive the slot supervision (``anchors.add_anchor_fields``).
+- ``denominators``: ``weight`` (sum of ``exp(-j/gamma)`` over valid slots, the loss terms'), ``blocks``
+  (valid blocks, tau_prob's) and ``tokens@i`` (valid tokens of slot i, accept_rate@i's).
+- ``forward_sums``: ``model(batch)`` -- the model is a :class:`DSparkTrainModel` (draft + loss), so DDP
+  sees one forward -- returning ``distill``, ``confidence`` (loss terms) and ``ce``, ``l1``, ``conf``,
+  ``tau_prob``, ``accept_rate@i`` (metrics).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from dspark_core.draft.anchors import add_anchor_fields
+from dspark_core.draft.config import DraftConfig, LossConfig
+from dspark_core.draft.loss import dspark_sums, slot_weights
+from dspark_core.draft.model import DSparkDraft
+from dspark_core.metrics import block_counts
+from dspark_core.train.task import TermSpec
+
+BATCH_TENSORS = ("input_ids", "aux_hidden", "last_hidden", "anchors", "anchor_valid", "targets", "prev_tokens",
+                 "slot_valid")
+
+
+class DSparkTrainModel(nn.Module):
+    """The trained module: the draft plus its loss, ``forward(batch) -> sums`` (one call, DDP-friendly)."""
+
+    def __init__(self, draft: DSparkDraft, loss_cfg: LossConfig) -> None:
+        super().__init__()
+        self.draft = draft
+        self.loss_cfg = loss_cfg
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        missing = [k for k in BATCH_TENSORS if k not in batch]
+        if missing:
+            raise ValueError(f"DSpark batch lacks {missing} (was it made by DSparkTask.collate?)")
+        hidden = self.draft.forward_train(batch["input_ids"], batch["aux_hidden"], batch["anchors"],
+                                          batch["anchor_valid"], extras=batch)  # [B, A, S, H]
+        return dspark_sums(self.draft, hidden, batch, self.loss_cfg, extras=batch)
+
+
+def draft_denominators(slot_valid: torch.Tensor, gamma: float) -> dict[str, torch.Tensor]:
+    """Data-only denominators of one micro-batch from slot_valid [B, A, S]."""
+    blocks, tokens = block_counts(slot_valid)
+    dens = {"weight": slot_weights(slot_valid, gamma).sum(), "blocks": blocks.float()}
+    for i in range(tokens.shape[0]):
+        dens[f"tokens@{i}"] = tokens[i].float()
+    return dens
+
+
+class DSparkTask:
+    """The DSpark baseline training task.
+
+    ``target_config`` + ``embed_weight`` / ``lm_head_weight`` [V, Ht] come from the target (the rest of
+    the target is not needed); ``train_data`` is indexable (``CacheDataset`` items). ``collator`` pads
+    a list of items (default ``CacheCollator(pad_id)``).
+    """
+
+    name = "dspark"
+
+    def __init__(self, draft_cfg: DraftConfig, loss_cfg: LossConfig, *, target_config: Any,
+                 embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, aux_layer_ids: Sequence[int],
+                 train_data: Sequence[Any], pad_id: int = 0, target_fingerprint: str | None = None,
+                 collator: Callable[[list[Any]], dict[str, torch.Tensor]] | None = None,
+                 attention_backend: str = "auto", gradient_checkpointing: bool = False) -> None:
+        self.draft_cfg, self.loss_cfg = draft_cfg, loss_cfg
+        self.target_config = target_config
+        self.embed_weight, self.lm_head_weight = embed_weight, lm_head_weight
+        self.aux_layer_ids = tuple(aux_layer_ids)
+        self.data = train_data
+        self.pad_id = pad_id
+        self.target_fingerprint = target_fingerprint
+        self.collator = collator
+        self.attention_backend = attention_backend
+        self.gradient_checkpointing = gradient_checkpointing
+        self.terms = {"distill": TermSpec(1.0, "weight")}
+        if draft_cfg.confidence_head:
+            self.terms["confidence"] = TermSpec(loss_cfg.conf_alpha, "weight")
+        self.metric_denominators = {"ce": "weight", "l1": "weight", "tau_prob": "blocks"}
+        if draft_cfg.confidence_head:
+            self.metric_denominators["conf"] = "weight"
+        for i in range(draft_cfg.block_size):
+            self.metric_denominators[f"accept_rate@{i}"] = f"tokens@{i}"
+
+    @classmethod
+    def from_paths(cls, draft_cfg: DraftConfig, loss_cfg: LossConfig, target_dir: str | Path,
+                   cache_path: str | Path, max_length: int | None = None, **kwargs: Any) -> "DSparkTask":
+        """The task on a target HF dir and a cache store (checked against the target's fingerprint)."""
+        from dspark_core.cache.dataset import CacheDataset
+        from dspark_core.target import load_target, read_fingerprint
+
+        model, tok = load_target(target_dir)
+        fingerprint = read_fingerprint(target_dir)["fingerprint"]
+        data = CacheDataset(cache_path, expected_fingerprint=fingerprint, max_length=max_length,
+                            dtype=torch.bfloat16)
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        return cls(draft_cfg, loss_cfg, target_config=model.config,
+                   embed_weight=model.get_input_embeddings().weight.detach(),
+                   lm_head_weight=model.get_output_embeddings().weight.detach(), aux_layer_ids=data.layer_ids,
+                   train_data=data, pad_id=pad_id, target_fingerprint=fingerprint, **kwargs)
+
+    # -- TrainTask -------------------------------------------------------------------------------------
+    def build_model(self, device: torch.device, dtype: torch.dtype) -> DSparkTrainModel:
+        """Draft + loss on ``device``, trainable weights in ``dtype``. On GPU the frozen embedding / LM head
+        are kept in bf16: the trainer computes in bf16 autocast there, and the LM-head matmuls dominate."""
+        draft = DSparkDraft(self.draft_cfg, self.target_config, self.embed_weight, self.lm_head_weight,
+                            aux_layer_ids=self.aux_layer_ids, target_fingerprint=self.target_fingerprint)
+        draft.attention_backend = self.attention_backend
+        draft.gradient_checkpointing = self.gradient_checkpointing
+        draft = draft.to(device=device, dtype=dtype)
+        if torch.device(device).type == "cuda":
+            draft.set_frozen_dtype(torch.bfloat16)
+        return DSparkTrainModel(draft, self.loss_cfg)
+
+    def train_dataset(self) -> Sequence[Any]:
+        return self.data
+
+    def collate(self, items: list[Any],
+                generator: torch.Generator | Sequence[torch.Generator]) -> dict[str, torch.Tensor]:
+        """Pad ``items`` and add anchors / slot supervision; ``generator``: one per item (or one shared)."""
+        if self.collator is None:
+            from dspark_core.cache.dataset import CacheCollator
+
+            self.collator = CacheCollator(self.pad_id)
+        batch = self.collator(items)
+        return add_anchor_fields(batch, self.draft_cfg.num_anchors, self.draft_cfg.block_size, generator)
+
+    def denominators(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return draft_denominators(batch["slot_valid"], self.loss_cfg.decay_gamma)
+
+    def forward_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        device = next(p.device for p in model.parameters())
+        batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+        return model(batch)
+
+    def export(self, model: nn.Module, out_dir: str | Path) -> Path:
+        """Save the trained draft (``save_draft``) from the trainer's model (plain or DDP-wrapped)."""
+        from dspark_core.draft.model import save_draft
+
+        inner = getattr(model, "module", model)
+        return save_draft(out_dir, inner.draft, self.draft_cfg)

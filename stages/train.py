@@ -1,0 +1,20 @@
+"""DVC stage `train@<variant>`: train the DSpark draft of one variant on the train cache.
+
+    python stages/train.py --variant baseline
+    torchrun --nproc_per_node 8 stages/train.py --variant baseline     # several processes / GPUs
+"""
+
+from pathlib import Path
+
+import typer
+
+from dspark_core.draft.stage import run_train_stage
+
+
+def main(variant: str = typer.Option("baseline", help="a key of `variants` in params.yaml"),
+         params: Path = typer.Option(Path("params.yaml"), help="params file")) -> None:
+    run_train_stage(params, variant)
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -1,0 +1,29 @@
+"""The training-step benchmark runs (tiny shapes on CPU), writes its JSON report, imports nothing heavy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks" / "bench_train_step.py"
+
+
+def test_bench_train_step_tiny_smoke(tmp_path):
+    out = tmp_path / "train_step.json"
+    argv = ["bench", "--tiny", "--steps", "1", "--warmup", "1", "--lengths", "48", "--precision", "amp", "bf16",
+            "--out", str(out)]
+    # run it as __main__, then check it needed nothing beyond torch / transformers / dspark_core.draft
+    script = (f"import runpy, sys\nsys.argv = {argv!r}\nrunpy.run_path({str(BENCH)!r}, run_name='__main__')\n"
+              "bad = [m for m in ('zarr', 'dvclive', 'matplotlib', 'dspark_core.cache') if m in sys.modules]\n"
+              "assert not bad, bad\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert [r["precision"] for r in report["results"]] == ["amp", "bf16"]
+    for row in report["results"]:
+        assert row["L"] == 48 and row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["valid_slots"] > 0
+        assert row["loss"] == row["loss"]  # finite, not NaN
+    assert "step_s" in proc.stdout and "tokens/s" in proc.stdout
