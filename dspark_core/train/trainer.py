@@ -253,7 +253,7 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
     if not params:
         raise ValueError(f"task {task.name!r}: the model has no trainable parameters")
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                            weight_decay=cfg.weight_decay)
+                            weight_decay=cfg.weight_decay, fused=device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     ckpt_root = Path(cfg.out_dir) / "checkpoints"
     start = load_checkpoint(ckpt_root, model, opt, sched)
