@@ -1,0 +1,50 @@
+"""Seed profiles apply cleanly to params.yaml and give valid sections; `args` round-trips through YAML."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dspark_core.draft.stage import variant_configs
+from dspark_core.dmtd.config import DMTDConfig
+from dspark_core.profiles import apply_profile, available, exp_run_args, leaves, load_profile
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name", available())
+def test_profile_applies_and_validates(name, tmp_path):
+    params = tmp_path / "params.yaml"
+    shutil.copy(ROOT / "params.yaml", params)
+    text_before = params.read_text()
+    apply_profile(name, params)
+    doc = yaml.safe_load(params.read_text())
+    for key, value in leaves(load_profile(name)):
+        cur = doc
+        for part in key.split("."):
+            cur = cur[part]
+        assert cur == value, key
+    assert "# dspark: every hyperparameter" in params.read_text()  # comments kept
+    assert params.read_text() != text_before or not list(leaves(load_profile(name)))
+    variant_configs(params, "baseline")  # draft / loss / train still valid
+    DMTDConfig.load(params, "dmtd")
+
+
+@pytest.mark.parametrize("name", available())
+def test_exp_run_args_parse_back(name):
+    args = exp_run_args(name)
+    pairs = dict(a.split("=", 1) for a in args[1::2])
+    for key, value in leaves(load_profile(name)):
+        assert yaml.safe_load(pairs[key]) == value, key
+        assert " " not in pairs[key]
+
+
+def test_unknown_profile_key_is_refused(tmp_path):
+    (tmp_path / "bad.yaml").write_text("train:\n  lrr: 1.0\n")
+    params = tmp_path / "params.yaml"
+    shutil.copy(ROOT / "params.yaml", params)
+    with pytest.raises(ValueError, match="train.lrr"):
+        apply_profile("bad", params, profiles_dir=tmp_path)
