@@ -1,0 +1,395 @@
+"""The ``regenerate`` stage: the target answers every prompt; responses become the training data.
+
+For each split in ``splits`` it reads ``{prompts_dir}/{split}.parquet``, renders ``turns[0]``
+(after an optional system prompt) with the target's chat template, generates with the chosen
+backend (``hf`` / ``vllm`` / ``openai``) and the sampling params, and writes
+``{out_dir}/{split}.parquet`` with columns
+
+    id, source, prompt_ids list<int32>, response_ids list<int32>, prompt_text, response_text,
+    backend, finish_reason
+
+``response_ids`` end with an EOS id when the model stopped (``finish_reason == 'stop'``), or hold
+exactly ``max_new_tokens`` ids ('length'). ``response_text`` is ``response_ids`` decoded without
+special tokens; ``prompt_text`` is the chat-templated prompt.
+
+Resumable: each finished batch is written atomically as a small parquet under
+``{out_dir}/parts/{split}/``; a restarted run skips the ids found there (parts written under other
+settings -- another target, sampling params, prompts -- are discarded). The final parquet is
+assembled in prompt order at the end and the parts are removed; a final parquet written under the
+same settings makes the split a no-op (so ``persist: true`` in dvc.yaml is safe). ``stats_path``
+records tokens and tokens/s per split.
+
+The vLLM backend spawns worker processes: call :func:`run_regenerate` under
+``if __name__ == "__main__":``.
+
+Shape legend: B batch, L prompt tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from dspark_core.config import Section, non_negative, one_of, positive, require
+from dspark_core.data.backends import (BACKENDS, Backend, Generation, Request, SamplingSpec, finalize_response,
+                                       request_seed)
+from dspark_core.data.prompts import SPLITS, Prompt, read_prompts
+from dspark_core.io import atomic_path, read_json, sha256_file, sha256_json, write_json
+
+log = logging.getLogger(__name__)
+
+PARTS_DIR = "parts"
+META_FILE = "meta.json"
+KEY_METADATA = b"dspark_regen_key"
+COLUMNS = ("id", "source", "prompt_ids", "response_ids", "prompt_text", "response_text", "backend",
+           "finish_reason")
+
+
+@dataclasses.dataclass(frozen=True)
+class RegenerateConfig(Section):
+    """params section ``regenerate``."""
+
+    backend: str = "hf"                  # hf | vllm | openai
+    temperature: float = 0.7             # 0 = greedy
+    top_p: float = 0.8
+    top_k: int = 20                      # 0 = off
+    max_new_tokens: int = 160
+    batch_size: int = 16                 # prompts a batch (and a resumable part)
+    seed: int = 0
+    system_prompt: str | None = None     # null: the chat template's default
+    dtype: str = "float32"               # compute dtype (hf and vllm)
+    device: str = "auto"                 # hf backend: auto | cpu | cuda | cuda:N
+    threads: int | None = None           # hf backend CPU threads (null: torch's default)
+    vllm_gpu_memory_utilization: float = 0.25
+    vllm_enforce_eager: bool = False     # skip vLLM's torch.compile warm-up
+    openai_base_url: str = "http://127.0.0.1:8000/v1"
+    openai_model: str | None = None      # null: the first model the server lists
+    openai_api_key_env: str = "OPENAI_API_KEY"  # env var holding the key, if the server wants one
+    openai_timeout_s: float = 600.0
+    openai_send_token_ids: bool = True   # prompt as token ids (false: as chat-templated text)
+    splits: tuple[str, ...] = SPLITS
+    target_dir: str = "data/target"
+    prompts_dir: str = "data/prompts"
+    out_dir: str = "data/regen"
+    stats_path: str = "reports/regenerate_stats.json"
+
+    def validate(self) -> None:
+        one_of("backend", self.backend, BACKENDS)
+        non_negative("temperature", self.temperature)
+        require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1]; got {self.top_p!r}")
+        non_negative("top_k", self.top_k)
+        positive("max_new_tokens", self.max_new_tokens)
+        positive("batch_size", self.batch_size)
+        require(0.0 < self.vllm_gpu_memory_utilization <= 1.0,
+                f"vllm_gpu_memory_utilization must be in (0, 1]; got {self.vllm_gpu_memory_utilization!r}")
+        positive("openai_timeout_s", self.openai_timeout_s)
+        if self.threads is not None:
+            positive("threads", self.threads)
+        require(len(self.splits) > 0, "splits must not be empty")
+        for s in self.splits:
+            one_of("splits[]", s, SPLITS)
+        from dspark_core.target import resolve_dtype
+
+        resolve_dtype(self.dtype)
+
+    @property
+    def sampling(self) -> SamplingSpec:
+        return SamplingSpec(self.temperature, self.top_p, self.top_k, self.max_new_tokens)
+
+
+# ----------------------------------------------------------------------------------------------
+# prompts -> requests
+# ----------------------------------------------------------------------------------------------
+def eos_token_ids(tok, target_dir: str | Path) -> list[int]:
+    """The tokenizer's EOS first, then any other EOS of ``generation_config.json`` (order kept)."""
+    ids: list[int] = []
+    if tok.eos_token_id is not None:
+        ids.append(int(tok.eos_token_id))
+    gc = Path(target_dir) / "generation_config.json"
+    extra = read_json(gc).get("eos_token_id") if gc.is_file() else None
+    for e in extra if isinstance(extra, list) else [extra]:
+        if e is not None and int(e) not in ids:
+            ids.append(int(e))
+    if not ids:
+        raise ValueError(f"{target_dir}: the target defines no EOS token (tokenizer or generation_config.json)")
+    return ids
+
+
+def chat_prompt(tok, user_turn: str, system_prompt: str | None = None) -> tuple[str, list[int]]:
+    """``(text, ids)`` of one user turn rendered with the chat template, ready for the answer."""
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else [])
+    messages.append({"role": "user", "content": user_turn})
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return text, list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def build_requests(prompts: Sequence[Prompt], tok, system_prompt: str | None, seed: int) -> list[Request]:
+    out = []
+    for p in prompts:
+        text, ids = chat_prompt(tok, p.turns[0], system_prompt)
+        out.append(Request(p.id, tuple(ids), text, request_seed(seed, p.id)))
+    return out
+
+
+def check_lengths(requests: Sequence[Request], max_new_tokens: int, max_positions: int | None, where: str) -> None:
+    """Every prompt plus its answer must fit the model's positions."""
+    if max_positions is None:
+        return
+    for r in requests:
+        if len(r.prompt_ids) + max_new_tokens > max_positions:
+            raise ValueError(f"{where}: prompt id={r.id!r} has {len(r.prompt_ids)} tokens; with max_new_tokens="
+                             f"{max_new_tokens} it exceeds the target's {max_positions} positions "
+                             f"(lower prepare.max_prompt_chars or regenerate.max_new_tokens)")
+
+
+# ----------------------------------------------------------------------------------------------
+# parquet rows and resumable parts
+# ----------------------------------------------------------------------------------------------
+def _schema():
+    import pyarrow as pa
+
+    return pa.schema([("id", pa.string()), ("source", pa.string()), ("prompt_ids", pa.list_(pa.int32())),
+                      ("response_ids", pa.list_(pa.int32())), ("prompt_text", pa.string()),
+                      ("response_text", pa.string()), ("backend", pa.string()), ("finish_reason", pa.string())])
+
+
+def _write_rows(path: Path, rows: list[dict], key: str | None = None) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = _schema().with_metadata({KEY_METADATA: key.encode()}) if key else _schema()
+    table = pa.Table.from_pylist(rows, schema=schema)
+    with atomic_path(path, ".parquet") as tmp:
+        pq.write_table(table, tmp)
+
+
+def _read_rows(path: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
+
+
+def _file_key(path: Path) -> str | None:
+    import pyarrow.parquet as pq
+
+    meta = pq.read_schema(path).metadata or {}
+    return meta.get(KEY_METADATA, b"").decode() or None
+
+
+class PartStore:
+    """Finished batches of one split, one atomically written parquet each, tied to a settings key."""
+
+    def __init__(self, root: Path, key: str):
+        self.root, self.key = root, key
+        meta = root / META_FILE
+        if root.exists() and (not meta.is_file() or read_json(meta).get("key") != key):
+            log.warning("%s: parts were written under other settings; discarding them", root)
+            shutil.rmtree(root)
+        if not root.exists():
+            write_json(meta, {"key": key})
+
+    def _files(self) -> list[Path]:
+        return sorted(self.root.glob("part-*.parquet"))
+
+    def rows(self) -> list[dict]:
+        return [row for f in self._files() for row in _read_rows(f)]
+
+    def done_ids(self) -> set[str]:
+        return {r["id"] for r in self.rows()}
+
+    def write(self, rows: list[dict]) -> None:
+        files = self._files()
+        n = int(files[-1].stem.split("-")[1]) + 1 if files else 0
+        _write_rows(self.root / f"part-{n:05d}.parquet", rows)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _row(req: Request, source: str, gen: Generation, backend: str, tok) -> dict:
+    return {"id": req.id, "source": source, "prompt_ids": list(req.prompt_ids),
+            "response_ids": gen.response_ids, "prompt_text": req.prompt_text,
+            "response_text": tok.decode(gen.response_ids, skip_special_tokens=True),
+            "backend": backend, "finish_reason": gen.finish_reason}
+
+
+# ----------------------------------------------------------------------------------------------
+# backends
+# ----------------------------------------------------------------------------------------------
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def make_backend(cfg: RegenerateConfig, tok, eos_ids: Sequence[int], max_model_len: int) -> Backend:
+    """Build the backend named by ``cfg.backend`` (vLLM: call under a ``__main__`` guard)."""
+    if cfg.backend == "hf":
+        from dspark_core.data.backends.hf_backend import HFBackend
+
+        return HFBackend(cfg.target_dir, cfg.sampling, eos_ids, dtype=cfg.dtype, device=_device(cfg.device),
+                         threads=cfg.threads)
+    if cfg.backend == "vllm":
+        from dspark_core.data.backends.vllm_backend import VLLMBackend
+
+        return VLLMBackend(cfg.target_dir, cfg.sampling, dtype=cfg.dtype, seed=cfg.seed,
+                           gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, max_model_len=max_model_len,
+                           enforce_eager=cfg.vllm_enforce_eager)
+    from dspark_core.data.backends.openai_backend import OpenAIBackend
+
+    return OpenAIBackend(cfg.openai_base_url, cfg.openai_model, cfg.sampling, tok,
+                         api_key_env=cfg.openai_api_key_env, timeout_s=cfg.openai_timeout_s,
+                         send_token_ids=cfg.openai_send_token_ids, concurrency=cfg.batch_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# the stage
+# ----------------------------------------------------------------------------------------------
+def _settings_key(cfg: RegenerateConfig, fingerprint: str, prompts_file: Path) -> str:
+    """What makes a generated row valid: target, prompts, template inputs, sampling, backend, dtype."""
+    return sha256_json({"target": fingerprint, "prompts": sha256_file(prompts_file),
+                        "sampling": dataclasses.asdict(cfg.sampling), "seed": cfg.seed,
+                        "system_prompt": cfg.system_prompt, "backend": cfg.backend, "dtype": cfg.dtype})[:16]
+
+
+def generate_split(requests: Sequence[Request], sources: dict[str, str], store: PartStore,
+                   get_backend: Callable[[], Backend], tok, eos_ids: Sequence[int], cfg: RegenerateConfig,
+                   desc: str = "regenerate") -> dict:
+    """Generate every request whose id is not in ``store`` yet, one part a batch. Returns counters."""
+    from tqdm.auto import tqdm
+
+    done = store.done_ids()
+    todo = sorted((r for r in requests if r.id not in done), key=lambda r: -len(r.prompt_ids))
+    stats = {"generated": 0, "new_tokens": 0, "seconds": 0.0}
+    if not todo:
+        return stats
+    backend = get_backend()
+    with tqdm(total=len(requests), initial=len(requests) - len(todo), desc=desc, unit="prompt") as bar:
+        for start in range(0, len(todo), cfg.batch_size):
+            batch = todo[start:start + cfg.batch_size]
+            t0 = time.perf_counter()
+            gens = backend.generate(batch)
+            stats["seconds"] += time.perf_counter() - t0
+            rows = []
+            for req, g in zip(batch, gens):
+                ids, reason = finalize_response(g.response_ids, g.finish_reason, eos_ids, cfg.max_new_tokens)
+                rows.append(_row(req, sources[req.id], Generation(ids, reason), backend.name, tok))
+                stats["new_tokens"] += len(ids)
+            store.write(rows)
+            stats["generated"] += len(batch)
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{stats['new_tokens'] / max(stats['seconds'], 1e-9):.1f}")
+    return stats
+
+
+def assemble(requests: Sequence[Request], rows: list[dict], path: Path, key: str) -> list[dict]:
+    """Write the split's rows in prompt order to ``path`` (atomic); every request must have a row."""
+    by_id = {}
+    for r in rows:
+        by_id.setdefault(r["id"], r)
+    missing = [r.id for r in requests if r.id not in by_id]
+    if missing:
+        raise RuntimeError(f"{path}: {len(missing)} prompts have no generation (first: {missing[0]!r})")
+    ordered = [by_id[r.id] for r in requests]
+    _write_rows(path, ordered, key)
+    return ordered
+
+
+def _final_is_current(path: Path, key: str, requests: Sequence[Request]) -> bool:
+    if not path.is_file() or _file_key(path) != key:
+        return False
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path, columns=["id"]).column("id").to_pylist() == [r.id for r in requests]
+
+
+def run_regenerate(cfg: RegenerateConfig) -> dict:
+    """The ``regenerate`` stage. Returns (and writes to ``stats_path``) per-split counters."""
+    from transformers import AutoTokenizer
+
+    from dspark_core.target import read_fingerprint, validate_hf_dir
+
+    model_cfg = validate_hf_dir(cfg.target_dir)
+    fingerprint = read_fingerprint(cfg.target_dir)["fingerprint"]
+    tok = AutoTokenizer.from_pretrained(cfg.target_dir, local_files_only=True)
+    eos_ids = eos_token_ids(tok, cfg.target_dir)
+    out_dir = Path(cfg.out_dir)
+
+    plans = {}
+    for split in cfg.splits:
+        prompts_file = Path(cfg.prompts_dir) / f"{split}.parquet"
+        prompts = read_prompts(prompts_file)
+        if not prompts:
+            raise ValueError(f"{prompts_file}: no prompts")
+        requests = build_requests(prompts, tok, cfg.system_prompt, cfg.seed)
+        check_lengths(requests, cfg.max_new_tokens, model_cfg.get("max_position_embeddings"), str(prompts_file))
+        plans[split] = (requests, {p.id: p.source for p in prompts}, _settings_key(cfg, fingerprint, prompts_file))
+
+    longest = max(len(r.prompt_ids) for reqs, _, _ in plans.values() for r in reqs)
+    backend: list[Backend] = []
+
+    def get_backend() -> Backend:
+        if not backend:
+            backend.append(make_backend(cfg, tok, eos_ids, max_model_len=longest + cfg.max_new_tokens))
+        return backend[0]
+
+    stats: dict = {"backend": cfg.backend, "target_fingerprint": fingerprint, "splits": {}}
+    try:
+        for split, (requests, sources, key) in plans.items():
+            final = out_dir / f"{split}.parquet"
+            if _final_is_current(final, key, requests):
+                log.info("regenerate: %s is up to date", final)
+                rows, counters = _read_rows(final), {"generated": 0, "new_tokens": 0, "seconds": 0.0}
+            else:
+                store = PartStore(out_dir / PARTS_DIR / split, key)
+                counters = generate_split(requests, sources, store, get_backend, tok, eos_ids, cfg,
+                                          desc=f"regenerate {split}")
+                rows = assemble(requests, store.rows(), final, key)
+                store.remove()
+            stats["splits"][split] = _split_stats(rows, counters)
+    finally:
+        for b in backend:
+            b.close()
+    _remove_if_empty(out_dir / PARTS_DIR)
+    write_json(cfg.stats_path, stats)
+    return stats
+
+
+def _split_stats(rows: list[dict], counters: dict) -> dict:
+    secs = counters["seconds"]
+    return {
+        "prompts": len(rows),
+        "response_tokens": sum(len(r["response_ids"]) for r in rows),
+        "finish_stop": sum(r["finish_reason"] == "stop" for r in rows),
+        "finish_length": sum(r["finish_reason"] == "length" for r in rows),
+        "generated_now": counters["generated"],
+        "new_tokens_now": counters["new_tokens"],
+        "generate_seconds": round(secs, 3),
+        "tokens_per_s": round(counters["new_tokens"] / secs, 2) if secs > 0 else None,
+    }
+
+
+def _remove_if_empty(path: Path) -> None:
+    if path.is_dir() and not any(path.iterdir()):
+        path.rmdir()
+
+
+def read_regen(path: str | Path) -> list[dict]:
+    """Rows of a regenerate parquet (dicts with the :data:`COLUMNS` keys)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: regenerate output not found (run the regenerate stage)")
+    rows = _read_rows(path)
+    if rows and set(COLUMNS) - set(rows[0]):
+        raise ValueError(f"{path}: missing columns {sorted(set(COLUMNS) - set(rows[0]))}")
+    return rows
+
+
+__all__ = ["RegenerateConfig", "run_regenerate", "chat_prompt", "build_requests", "eos_token_ids",
+           "make_backend", "generate_split", "PartStore", "read_regen", "COLUMNS"]

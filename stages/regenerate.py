@@ -1,0 +1,15 @@
+"""DVC stage `regenerate`: the target answers every prompt (hf / vllm / openai backend), resumably."""
+import json
+from pathlib import Path
+
+import typer
+
+from dspark_core.data.regenerate import RegenerateConfig, run_regenerate
+
+
+def main(params: Path = typer.Option(Path("params.yaml"), help="params file")) -> None:
+    typer.echo(json.dumps(run_regenerate(RegenerateConfig.load(params, "regenerate")), indent=1))
+
+
+if __name__ == "__main__":  # vLLM spawns workers: the engine must be built under this guard
+    typer.run(main)

@@ -1,0 +1,321 @@
+"""The `regenerate` stage: hf backend (reference greedy, batching, resume), openai stub, hf == vLLM (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import dspark_core.data.regenerate as regen
+from dspark_core.config import ParamsError
+from dspark_core.data.backends import finalize_response
+from dspark_core.data.prompts import Prompt, write_prompts
+from dspark_core.data.regenerate import RegenerateConfig, chat_prompt, read_regen, run_regenerate
+from dspark_core.target import FINGERPRINT_FILE, TargetConfig, load_target, run_target
+from dspark_core.testing import save_tiny_target
+
+REPO = Path(__file__).resolve().parents[1]
+QUESTIONS = ["What is 2 + 3?", "Name a color.", "Write a haiku about rain.", "hi",
+             "Explain gravity in one sentence.", "Count to five."]
+MAX_NEW = 12
+_REAL_MAKE_BACKEND = regen.make_backend
+
+
+def _prompts_dir(root: Path, texts=QUESTIONS) -> Path:
+    d = root / "prompts"
+    prompts = [Prompt(f"q:{i}", "test", (t,)) for i, t in enumerate(texts)]
+    write_prompts(d / "eval.parquet", prompts)
+    write_prompts(d / "train.parquet", [Prompt("t:0", "test", ("Say yes.",))])
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny qwen3 target whose EOS head row is 2x the head row of a token greedy decoding picks early,
+    so some answers stop ('stop') and others run to max_new_tokens ('length')."""
+    root = tmp_path_factory.mktemp("regen")
+    target = save_tiny_target(root / "target", "qwen3")
+    model, tok = load_target(target)
+    _, ids = chat_prompt(tok, QUESTIONS[0])
+    first = _greedy_reference(model, ids, MAX_NEW, eos=-1)[2]
+    with torch.no_grad():
+        head = model.lm_head.weight  # [V, H]
+        head[tok.eos_token_id] = 2.0 * head[first]
+    model.save_pretrained(target)
+    return target, _prompts_dir(root)
+
+
+def _cfg(target: Path, prompts: Path, out: Path, **kw) -> RegenerateConfig:
+    base = dict(backend="hf", temperature=0.0, max_new_tokens=MAX_NEW, batch_size=4, splits=["eval"],
+                target_dir=str(target), prompts_dir=str(prompts), out_dir=str(out),
+                stats_path=str(out.parent / f"{out.name}_stats.json"))
+    return RegenerateConfig.from_dict({**base, **kw})
+
+
+@torch.no_grad()
+def _greedy_reference(model, prompt_ids, max_new: int, eos: int) -> list[int]:
+    """Plain greedy decoding: full forward each step, no cache, no padding."""
+    ids = list(prompt_ids)
+    out: list[int] = []
+    for _ in range(max_new):
+        t = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+        out.append(t)
+        ids.append(t)
+        if t == eos:
+            break
+    return out
+
+
+def test_finalize_response():
+    assert finalize_response([5, 9, 2, 7, 2], "length", [2], 10) == ([5, 9, 2], "stop")
+    assert finalize_response([5, 9, 7], "length", [2, 3], 3) == ([5, 9, 7], "length")
+    assert finalize_response([5, 9, 7, 8], "length", [2], 3) == ([5, 9, 7], "length")
+    assert finalize_response([5, 3], "stop", [2, 3], 8) == ([5, 3], "stop")
+    assert finalize_response([5, 9], "stop", [2, 3], 8) == ([5, 9, 2], "stop")   # server cut the EOS
+    assert finalize_response([], "stop", [2], 8) == ([2], "stop")
+
+
+def test_hf_greedy_equals_reference_loop(tiny, tmp_path):
+    target, prompts = tiny
+    run_regenerate(_cfg(target, prompts, tmp_path / "out"))
+    rows = read_regen(tmp_path / "out" / "eval.parquet")
+    model, tok = load_target(target)
+    eos = tok.eos_token_id
+    assert [r["id"] for r in rows] == [f"q:{i}" for i in range(len(QUESTIONS))]   # prompt order
+    for r, q in zip(rows, QUESTIONS):
+        text, ids = chat_prompt(tok, q)
+        assert r["prompt_ids"] == ids and r["prompt_text"] == text and r["backend"] == "hf"
+        assert r["response_ids"] == _greedy_reference(model, ids, MAX_NEW, eos)
+        assert r["response_text"] == tok.decode(r["response_ids"], skip_special_tokens=True)
+        if r["finish_reason"] == "stop":
+            assert r["response_ids"][-1] == eos and eos not in r["response_ids"][:-1]
+        else:
+            assert r["finish_reason"] == "length" and len(r["response_ids"]) == MAX_NEW
+    assert {r["finish_reason"] for r in rows} == {"stop", "length"}
+    stats = json.loads((tmp_path / "out_stats.json").read_text())["splits"]["eval"]
+    assert stats["new_tokens_now"] == stats["response_tokens"] == sum(len(r["response_ids"]) for r in rows)
+    assert not (tmp_path / "out" / "parts").exists()
+
+
+def test_batching_and_system_prompt(tiny, tmp_path):
+    target, prompts = tiny
+    run_regenerate(_cfg(target, prompts, tmp_path / "a", batch_size=1))
+    run_regenerate(_cfg(target, prompts, tmp_path / "b", batch_size=6))
+    a, b = (read_regen(tmp_path / d / "eval.parquet") for d in "ab")
+    assert [r["response_ids"] for r in a] == [r["response_ids"] for r in b]   # left padding changes nothing
+    run_regenerate(_cfg(target, prompts, tmp_path / "s", system_prompt="Be brief."))
+    s = read_regen(tmp_path / "s" / "eval.parquet")
+    assert s[0]["prompt_text"].startswith("<|im_start|>system\nBe brief.<|im_end|>")
+
+
+class _Recorder:
+    """Wraps a backend: records the ids of every batch, raises after ``fail_after`` batches."""
+
+    def __init__(self, inner, fail_after: int | None = None):
+        self.inner, self.name, self.fail_after, self.batches = inner, inner.name, fail_after, []
+
+    def generate(self, requests):
+        if self.fail_after is not None and len(self.batches) >= self.fail_after:
+            raise KeyboardInterrupt("killed")
+        self.batches.append([r.id for r in requests])
+        return self.inner.generate(requests)
+
+    def close(self):
+        self.inner.close()
+
+
+def _patch_backend(monkeypatch, fail_after=None) -> list[_Recorder]:
+    made: list[_Recorder] = []
+
+    def make(*args, **kw):
+        made.append(_Recorder(_REAL_MAKE_BACKEND(*args, **kw), fail_after))
+        return made[-1]
+
+    monkeypatch.setattr(regen, "make_backend", make)
+    return made
+
+
+def test_resume_after_interrupt_skips_done_ids(tiny, tmp_path, monkeypatch):
+    target, prompts = tiny
+    out = tmp_path / "out"
+    cfg = _cfg(target, prompts, out, batch_size=2, temperature=0.7)
+    first = _patch_backend(monkeypatch, fail_after=1)
+    with pytest.raises(KeyboardInterrupt):
+        run_regenerate(cfg)
+    done = first[0].batches[0]
+    assert len(done) == 2 and not (out / "eval.parquet").exists()
+    assert len(list((out / "parts" / "eval").glob("part-*.parquet"))) == 1
+
+    second = _patch_backend(monkeypatch)
+    run_regenerate(cfg)
+    redone = [i for b in second[0].batches for i in b]
+    assert sorted(redone + done) == sorted(f"q:{i}" for i in range(len(QUESTIONS)))
+    assert not set(redone) & set(done)
+    resumed = read_regen(out / "eval.parquet")
+
+    third = _patch_backend(monkeypatch)
+    run_regenerate(cfg)                       # final file is current: nothing to do, no backend
+    assert third == []
+    assert read_regen(out / "eval.parquet") == resumed
+    assert not (out / "parts").exists()
+
+
+def test_stale_parts_are_discarded(tiny, tmp_path, monkeypatch):
+    target, prompts = tiny
+    out = tmp_path / "out"
+    _patch_backend(monkeypatch, fail_after=1)
+    with pytest.raises(KeyboardInterrupt):
+        run_regenerate(_cfg(target, prompts, out, batch_size=2))
+    made = _patch_backend(monkeypatch)
+    run_regenerate(_cfg(target, prompts, out, batch_size=2, max_new_tokens=5))   # other settings
+    assert sum(len(b) for b in made[0].batches) == len(QUESTIONS)
+    assert all(len(r["response_ids"]) <= 5 for r in read_regen(out / "eval.parquet"))
+
+
+def test_sampling_is_seeded(tiny, tmp_path):
+    target, prompts = tiny
+    kw = dict(temperature=1.0, top_p=1.0, top_k=0)
+    runs = {}
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        run_regenerate(_cfg(target, prompts, tmp_path / name, seed=seed, **kw))
+        runs[name] = [r["response_ids"] for r in read_regen(tmp_path / name / "eval.parquet")]
+    assert runs["a"] == runs["b"] and runs["a"] != runs["c"]
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(ParamsError, match="backend must be one of"):
+        RegenerateConfig.from_dict({"backend": "sglang"})
+    with pytest.raises(ParamsError, match=r"top_p must be in \(0, 1\]"):
+        RegenerateConfig.from_dict({"top_p": 0.0})
+    with pytest.raises(ParamsError, match="splits"):
+        RegenerateConfig.from_dict({"splits": ["test"]})
+    with pytest.raises(ValueError, match="not a directory"):
+        run_regenerate(RegenerateConfig.from_dict({"target_dir": str(tmp_path / "none"),
+                                                   "stats_path": str(tmp_path / "s.json")}))
+
+
+def test_missing_prompts_file(tiny, tmp_path):
+    target, _ = tiny
+    with pytest.raises(ValueError, match=r"eval.parquet: prompts file not found"):
+        run_regenerate(_cfg(target, tmp_path / "nope", tmp_path / "out"))
+
+
+# ----------------------------------------------------------------------------------------------
+# openai backend against a local stub server
+# ----------------------------------------------------------------------------------------------
+class _Stub(BaseHTTPRequestHandler):
+    bodies: list[dict] = []
+
+    def _send(self, code: int, obj: dict) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):  # noqa: N802
+        if self.path == "/v1/models":
+            return self._send(200, {"object": "list", "data": [{"id": "stub-model"}]})
+        return self._send(404, {"error": "no route"})
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path != "/v1/completions" or body.get("model") != "stub-model":
+            return self._send(400, {"error": f"bad request {self.path} {body.get('model')}"})
+        _Stub.bodies.append(body)
+        n = len(body["prompt"])
+        if n % 2 == 0:
+            choice = {"index": 0, "text": f"answer {n}", "finish_reason": "stop"}
+        else:
+            choice = {"index": 0, "text": "word " * 40, "finish_reason": "length"}
+        return self._send(200, {"choices": [choice]})
+
+    def log_message(self, *args):
+        return None
+
+
+@pytest.fixture()
+def stub_server():
+    _Stub.bodies = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def test_openai_backend_against_stub(tiny, tmp_path, stub_server):
+    target, prompts = tiny
+    run_regenerate(_cfg(target, prompts, tmp_path / "out", backend="openai", openai_base_url=stub_server,
+                        temperature=0.7, top_p=0.8, top_k=20, seed=3, openai_timeout_s=20))
+    rows = read_regen(tmp_path / "out" / "eval.parquet")
+    _, tok = load_target(target)
+    by_prompt = {tuple(b["prompt"]): b for b in _Stub.bodies}
+    assert len(by_prompt) == len(rows) == len(QUESTIONS)
+    for r in rows:
+        body = by_prompt[tuple(r["prompt_ids"])]                       # token ids were sent
+        assert (body["temperature"], body["top_p"], body["top_k"], body["max_tokens"]) == (0.7, 0.8, 20, MAX_NEW)
+        assert isinstance(body["seed"], int) and r["backend"] == "openai"
+        n = len(r["prompt_ids"])
+        if n % 2 == 0:
+            want = tok(f"answer {n}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            assert (r["response_ids"], r["finish_reason"]) == (want, "stop")
+        else:
+            want = tok("word " * 40, add_special_tokens=False)["input_ids"][:MAX_NEW]
+            assert (r["response_ids"], r["finish_reason"]) == (want, "length")
+
+
+def test_openai_backend_reports_http_errors(tiny, tmp_path, stub_server):
+    target, prompts = tiny
+    with pytest.raises(RuntimeError, match="HTTP 400"):
+        run_regenerate(_cfg(target, prompts, tmp_path / "out", backend="openai", openai_base_url=stub_server,
+                            openai_model="other", openai_timeout_s=20))
+
+
+# ----------------------------------------------------------------------------------------------
+# the real packaged model: hf and vLLM give the same greedy tokens
+# ----------------------------------------------------------------------------------------------
+def _packaged_target(tmp_path_factory) -> Path:
+    """The real SmolLM2 target converted once per test session (shared with test_target)."""
+    out = tmp_path_factory.getbasetemp() / "smollm2_target"
+    if not (out / FINGERPRINT_FILE).is_file():
+        run_target(TargetConfig(out_dir=str(out)))
+    return out
+
+
+@pytest.mark.slow
+def test_hf_and_vllm_greedy_tokens_match_on_packaged_model(tmp_path_factory, tmp_path):
+    pytest.importorskip("vllm")
+    target = _packaged_target(tmp_path_factory)
+    prompts = _prompts_dir(tmp_path, ["What is 12 times 3?", "Name three fruits.", "Say hello in French."])
+    common = dict(temperature=0.0, max_new_tokens=32, batch_size=3, splits=["eval"], dtype="float32",
+                  target_dir=str(target), prompts_dir=str(prompts), stats_path=str(tmp_path / "stats.json"))
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"regenerate": {**common, "backend": "vllm", "vllm_enforce_eager": True,
+                                                     "out_dir": str(tmp_path / "vllm")}}))
+    # vLLM spawns workers: run the stage script in its own process, under its __main__ guard
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "stages" / "regenerate.py"), "--params", str(params)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_regenerate(RegenerateConfig.from_dict({**common, "backend": "hf", "out_dir": str(tmp_path / "hf")}))
+    v = read_regen(tmp_path / "vllm" / "eval.parquet")
+    h = read_regen(tmp_path / "hf" / "eval.parquet")
+    assert [r["backend"] for r in v] == ["vllm"] * 3 and [r["backend"] for r in h] == ["hf"] * 3
+    assert sum(len(r["response_ids"]) for r in h) > 3 * 8     # real answers, not just an EOS
+    for a, b in zip(v, h):
+        assert a["prompt_ids"] == b["prompt_ids"]
+        assert (a["response_ids"], a["finish_reason"]) == (b["response_ids"], b["finish_reason"]), a["id"]
