@@ -7,9 +7,13 @@ from dspark_core.cache import CacheConfig, run_cache
 
 
 def main(params: Path = typer.Option(Path("params.yaml"), help="params file"),
-         force: bool = typer.Option(False, "--force", help="rebuild stores made with other settings/model/source")
+         force: bool = typer.Option(False, "--force", help="rebuild the stores from scratch"),
+         keep_stale: bool = typer.Option(False, "--keep-stale",
+                                         help="refuse (instead of rebuild) stores made with other settings/model/source"),
          ) -> None:
-    run_cache(CacheConfig.load(params, "cache"), force=force)
+    # Under DVC a params change reruns this stage on its persisted output: rebuild what no longer matches,
+    # resume what does (a killed run).
+    run_cache(CacheConfig.load(params, "cache"), force=force, rebuild_stale=not keep_stale)
 
 
 if __name__ == "__main__":

@@ -95,8 +95,11 @@ def wanted_manifest(cfg: CacheConfig, model_config: Any, fingerprint: str, sampl
     }
 
 
-def open_for_build(path: Path, manifest: dict[str, Any], samples: TokenSamples, force: bool):
-    """Resume a matching store, else create one; refuses a store built otherwise unless ``force``."""
+def open_for_build(path: Path, manifest: dict[str, Any], samples: TokenSamples, force: bool,
+                   rebuild_stale: bool = False):
+    """Resume a matching store, else create one. A store built otherwise (other model, settings or source) is
+    refused, or rebuilt when ``rebuild_stale`` (what the DVC stage does after a params change); ``force``
+    always rebuilds."""
     if path.exists():
         if force:
             remove_store(path)
@@ -109,6 +112,11 @@ def open_for_build(path: Path, manifest: dict[str, Any], samples: TokenSamples, 
                 if diff:
                     what = "a cache from another model" if any(d.startswith("model_fingerprint") for d in diff) \
                         else "a cache built with other settings"
+                    if rebuild_stale:
+                        print(f"{path}: {what} ({'; '.join(diff)}); rebuilding it")
+                        remove_store(path)
+                        return create_store(path, manifest, input_ids=samples.input_ids, loss_mask=samples.loss_mask,
+                                            offsets=samples.offsets, source_index=samples.order)
                     raise ValueError(f"{path}: {what} ({'; '.join(diff)}); rerun the cache stage with --force "
                                      f"to rebuild it")
                 return group
@@ -135,7 +143,7 @@ def _batch_arrays(samples: TokenSamples, model: torch.nn.Module, start: int, end
 
 
 def build_store(model: torch.nn.Module, fingerprint: str, cfg: CacheConfig, source: str | Path,
-                dest: str | Path, force: bool = False,
+                dest: str | Path, force: bool = False, rebuild_stale: bool = False,
                 on_commit: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Build (or resume) one store ``dest`` from the regen parquet ``source``; returns :func:`store_stats`.
 
@@ -145,7 +153,7 @@ def build_store(model: torch.nn.Module, fingerprint: str, cfg: CacheConfig, sour
     check_layer_ids(cfg.aux_layer_ids, model.config.num_hidden_layers)
     samples = load_regen(source, cfg.max_length, cfg.on_too_long, vocab_size=model.config.vocab_size)
     manifest = wanted_manifest(cfg, model.config, fingerprint, samples, source, sha256_file(source))
-    group = open_for_build(dest, manifest, samples, force)
+    group = open_for_build(dest, manifest, samples, force, rebuild_stale)
     if not group.attrs["complete"]:
         _fill(group, samples, model, cfg, dest.stem, on_commit)
     return store_stats(dest)
@@ -175,7 +183,7 @@ def _fill(group, samples: TokenSamples, model: torch.nn.Module, cfg: CacheConfig
         on_commit(done)
 
 
-def run_cache(cfg: CacheConfig, force: bool = False) -> dict[str, Any]:
+def run_cache(cfg: CacheConfig, force: bool = False, rebuild_stale: bool = False) -> dict[str, Any]:
     """The `cache` stage: every split's store, then ``stats_path``. Returns the stats written."""
     sources = {s: Path(cfg.regen_dir) / f"{s}.parquet" for s in cfg.splits}
     for src in sources.values():  # fail on a missing / empty input before loading a large model
@@ -183,7 +191,8 @@ def run_cache(cfg: CacheConfig, force: bool = False) -> dict[str, Any]:
     fingerprint = read_fingerprint(cfg.target_dir)["fingerprint"]
     model, _ = load_target(cfg.target_dir, dtype=cfg.dtype, device=resolve_device(cfg.device))
     check_layer_ids(cfg.aux_layer_ids, model.config.num_hidden_layers)
-    per_split = {s: build_store(model, fingerprint, cfg, src, Path(cfg.out_dir) / f"{s}.zarr", force)
+    per_split = {s: build_store(model, fingerprint, cfg, src, Path(cfg.out_dir) / f"{s}.zarr", force,
+                                 rebuild_stale=rebuild_stale)
                  for s, src in sources.items()}
     stats = combine_stats(per_split)
     write_json(cfg.stats_path, stats)

@@ -1,0 +1,18 @@
+"""DVC stage `bench_online@<variant>`: the real propose -> verify -> update loop of the trained draft on the eval
+prompts: MAL, accept_rate@i, draft/verify ms per cycle, tokens/s, speedup over AR on the same target code path,
+and the peers (transformers' generate, assisted generation, prompt lookup)."""
+
+from pathlib import Path
+
+import typer
+
+from dspark_core.bench_online import run_bench_online_stage
+
+
+def main(variant: str = typer.Option("baseline", help="a key of `variants` in params.yaml"),
+         params: Path = typer.Option(Path("params.yaml"), help="params file")) -> None:
+    run_bench_online_stage(params, variant)
+
+
+if __name__ == "__main__":
+    typer.run(main)
