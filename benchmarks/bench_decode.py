@@ -1,0 +1,270 @@
+"""Decode speed of the online engine (issue 4): AR at real model shapes vs the weight-read limit, and
+speculative decoding with a trained draft.
+
+(a) AR decode, batch 1, random weights, through ``TargetRunner`` (static KV cache; on GPU CUDA graphs of the
+    n = 1 step and, with ``--compile``, torch.compile'd decoder layers) at Qwen3-4B shapes (hidden 2560, 36
+    layers, 32 Q / 8 KV heads, head dim 128, FFN 9728, vocab 151936, tied embeddings) and SmolLM2-135M
+    shapes (Llama: hidden 576, 30 layers, 9 / 3 heads, FFN 1536, vocab 49152, tied). Reference rows:
+    - the weight-read limit = measured device copy bandwidth (bytes read + written per second) / bytes of
+      weights: decoding one token reads every weight once;
+    - transformers' own ``generate`` (eager, dynamic cache), greedy, prefill subtracted;
+    - the verify step (n = block_size + 1 tokens in one forward) vs the n = 1 step.
+    Target (issue 4): >= 70 % of the limit at Qwen3-4B shapes.
+(b) ``--draft DIR --target DIR``: speculative vs AR decoding (greedy, identity checked) on prompts from
+    ``--prompts`` (JSONL with ``turns``) or a few built-in GSM8K-style questions; skipped otherwise.
+
+    python benchmarks/bench_decode.py --compile                         # H200 -> reports/bench/decode.json
+    python benchmarks/bench_decode.py --compile --target data/target --draft data/train/baseline/draft
+    python benchmarks/bench_decode.py --tiny --out /tmp/decode.json     # CPU smoke run on tiny shapes
+
+Imports only torch, transformers and dspark_core (no zarr / dvclive / vllm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from dspark_core.io import write_json  # noqa: E402
+from dspark_core.spec.ar import ARDecoder  # noqa: E402
+from dspark_core.spec.target_runner import TargetRunner  # noqa: E402
+
+SHAPES = {
+    "qwen3-4b": ("qwen3", dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                               head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True,
+                               rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6)),
+    "smollm2-135m": ("llama", dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                   head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+                                   rope_theta=100_000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)),
+}
+TINY = {"tiny-qwen3": ("qwen3", {}), "tiny-llama": ("llama", {})}
+HEADLINE_SHAPE = "qwen3-4b"
+BUILTIN_PROMPTS = [
+    "A baker makes 24 muffins in the morning and 3 times as many in the afternoon. She sells 70 of them. "
+    "How many muffins are left? Think step by step.",
+    "Tom has 5 boxes with 12 pencils each. He gives 17 pencils to his sister and buys 8 more. "
+    "How many pencils does he have now? Think step by step.",
+    "A train travels 60 km per hour for 2.5 hours and then 80 km per hour for 1.5 hours. "
+    "How far does it travel in total? Think step by step.",
+    "A shop sells pens at 3 dollars each. If you buy 4 pens you get 1 free. How much do 15 pens cost? "
+    "Think step by step.",
+]
+
+
+def build_model(family: str, overrides: dict, device: torch.device, dtype: torch.dtype, tiny: bool):
+    """A randomly initialised HF causal LM of the given shapes, directly on ``device``."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    if tiny:
+        from dspark_core.testing import tiny_model
+
+        return tiny_model(family).to(device=device, dtype=dtype)
+    cls = Qwen3Config if family == "qwen3" else LlamaConfig
+    cfg = cls(**overrides, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> float:
+    """Bytes read + written per second by a device-to-device copy (the decode's memory-bound ceiling)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    t = _timer(device)
+    t0 = t()
+    for _ in range(iters):
+        dst.copy_(src)
+    return 2 * nbytes * iters / (t() - t0)
+
+
+def _timer(device: torch.device):
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return now
+
+
+def step_ms(runner: TargetRunner, n: int, iters: int) -> float:
+    """Mean time of one ``forward`` of n tokens at a fixed position (rolled back after each)."""
+    ids = torch.zeros(1, n, dtype=torch.long, device=runner.device)
+    start = runner.length
+    for _ in range(3):
+        runner.forward(ids)
+        runner.truncate(start)
+    t = _timer(runner.device)
+    t0 = t()
+    for _ in range(iters):
+        runner.forward(ids)
+        runner.truncate(start)
+    return 1e3 * (t() - t0) / iters
+
+
+def hf_generate_tokens_per_s(model, prompt: torch.Tensor, new_tokens: int) -> float:
+    """transformers' generate (greedy, its defaults: dynamic cache, eager loop), prefill subtracted."""
+    kw = dict(do_sample=False, attention_mask=torch.ones_like(prompt), pad_token_id=0, eos_token_id=None)
+    t = _timer(prompt.device)
+    model.generate(prompt, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+    t0 = t()
+    model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **kw)
+    t1 = t()
+    model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+    t2 = t()
+    return (new_tokens - 1) / max((t2 - t1) - (t1 - t0), 1e-9)
+
+
+def bench_ar(name: str, family: str, overrides: dict, args, device: torch.device, dtype: torch.dtype,
+             bandwidth: float) -> dict:
+    model = build_model(family, overrides, device, dtype, args.tiny)
+    wbytes = weight_bytes(model)
+    gpu = device.type == "cuda"
+    runner = TargetRunner(model, max_len=args.prompt_len + args.new_tokens + args.block_size + 8,
+                          compile=args.compile, cuda_graph=gpu, graph_max_tokens=args.block_size + 1)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), generator=gen).to(device)
+    ar = ARDecoder(runner)
+    t_build = time.perf_counter()
+    ar.generate(prompt[0], 16)  # warm-up: compile + CUDA graph capture
+    warmup_s = time.perf_counter() - t_build
+    runs = [ar.generate(prompt[0], args.new_tokens) for _ in range(args.repeats)]
+    tokens_per_s = max(r.decode_tokens_per_s for r in runs)
+    runner.prefill(prompt)
+    decode_ms, verify_ms = step_ms(runner, 1, args.step_iters), step_ms(runner, args.block_size + 1, args.step_iters)
+    limit = bandwidth / wbytes
+    row = {"family": family, "weight_bytes": wbytes, "weight_read_limit_tokens_per_s": limit,
+           "ar_tokens_per_s": tokens_per_s, "fraction_of_limit": tokens_per_s / limit,
+           "decode_step_ms": decode_ms, "verify_step_ms": verify_ms, "verify_tokens": args.block_size + 1,
+           "verify_over_decode": verify_ms / decode_ms, "warmup_s": warmup_s,
+           "cuda_graph": gpu, "compile": args.compile}
+    if args.hf_tokens > 0:
+        row["hf_generate_tokens_per_s"] = hf_generate_tokens_per_s(model, prompt, args.hf_tokens)
+    del runner, ar, model
+    if gpu:
+        torch.cuda.empty_cache()
+    return row
+
+
+def bench_spec(args, device: torch.device, dtype: torch.dtype) -> dict:
+    """Speculative vs AR with a trained draft on a real target (greedy), via the bench_online pieces."""
+    from dspark_core.bench_online import (BenchOnlineConfig, decode_dataset, peer_comparison, read_jsonl_prompts,
+                                          stop_ids_of, summarize, truncated_assistant)
+    from dspark_core.draft.model import load_draft
+    from dspark_core.spec.engine import SpeculativeDecoder
+    from dspark_core.target import load_target
+
+    model, tok = load_target(args.target, dtype=dtype, device=device)
+    draft = load_draft(args.draft, model)
+    block = int(draft.block_size)
+    if args.prompts:
+        convs = [r["turns"] for r in read_jsonl_prompts(Path(args.prompts))]
+    else:
+        convs = [[p] for p in BUILTIN_PROMPTS]
+    cfg = BenchOnlineConfig(max_new_tokens=args.spec_new_tokens, max_len=args.spec_max_len,
+                            confidence_threshold=args.confidence_threshold)
+    runner = TargetRunner(model, max_len=cfg.max_len, aux_layer_ids=draft.aux_layer_ids, compile=args.compile,
+                          cuda_graph=device.type == "cuda", graph_max_tokens=block + 1)
+    spec = SpeculativeDecoder(runner, draft, block_size=block, confidence_threshold=cfg.confidence_threshold)
+    ar = ARDecoder(runner)
+    stops = stop_ids_of(model, tok)
+    decode_dataset(convs[:1], tok, spec, ar, cfg.replace(max_new_tokens=16), stops, desc="warm-up")
+    run = decode_dataset(convs, tok, spec, ar, cfg, stops, desc="spec")
+    out = summarize(run, block, greedy=True)
+    if args.peers:
+        assistant = truncated_assistant(model, args.assistant_layers)
+        out["peers"] = peer_comparison(model, run.prompts, [r.tokens for r in run.ar], cfg.max_new_tokens, stops,
+                                       assistant=assistant, pad_token_id=tok.pad_token_id)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (smoke run)")
+    ap.add_argument("--shapes", default=None, help="comma list (default: qwen3-4b,smollm2-135m; tiny: tiny-*)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the decoder layer (GPU)")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--step-iters", type=int, default=50)
+    ap.add_argument("--block-size", type=int, default=7)
+    ap.add_argument("--hf-tokens", type=int, default=32, help="tokens for the transformers generate row (0 = skip)")
+    ap.add_argument("--target", default=None, help="HF dir of the real target for (b)")
+    ap.add_argument("--draft", default=None, help="trained draft dir for (b)")
+    ap.add_argument("--prompts", default=None, help="JSONL with 'turns' for (b)")
+    ap.add_argument("--spec-new-tokens", type=int, default=256)
+    ap.add_argument("--spec-max-len", type=int, default=2048)
+    ap.add_argument("--confidence-threshold", type=float, default=0.0)
+    ap.add_argument("--peers", action="store_true", help="also HF generate / assisted / prompt lookup in (b)")
+    ap.add_argument("--assistant-layers", type=int, default=4)
+    ap.add_argument("--out", default=str(ROOT / "reports" / "bench" / "decode.json"))
+    args = ap.parse_args()
+
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.tiny:
+        args.new_tokens, args.prompt_len, args.step_iters, args.hf_tokens = min(args.new_tokens, 32), 16, 5, 8
+        args.spec_new_tokens = min(args.spec_new_tokens, 32)
+    shapes = TINY if args.tiny else SHAPES
+    names = args.shapes.split(",") if args.shapes else list(shapes)
+    unknown = [n for n in names if n not in shapes]
+    if unknown:
+        raise SystemExit(f"--shapes: unknown {unknown} (known: {', '.join(shapes)})")
+    bandwidth = copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else (1 << 26))
+    rows = {}
+    for name in names:
+        family, overrides = shapes[name]
+        rows[name] = bench_ar(name, family, overrides, args, device, dtype, bandwidth)
+        _print_ar(name, rows[name])
+    spec = None
+    if args.draft and args.target:
+        spec = bench_spec(args, device, dtype)
+        _print_spec(spec)
+    else:
+        print("(b) speculative decoding skipped: pass --target DIR --draft DIR")
+    head = rows.get(HEADLINE_SHAPE) or next(iter(rows.values()))
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__, "copy_bandwidth_bytes_per_s": bandwidth,
+        "headline_shape": HEADLINE_SHAPE if HEADLINE_SHAPE in rows else names[0],
+        "ar_tokens_per_s": head["ar_tokens_per_s"],
+        "weight_read_limit_tokens_per_s": head["weight_read_limit_tokens_per_s"],
+        "fraction_of_limit": head["fraction_of_limit"],
+        "tokens_per_s": spec["tokens_per_s"] if spec else None,
+        "speedup": spec["speedup"] if spec else None,
+        "ar": rows, "spec": spec,
+        "args": vars(args),
+    }
+    write_json(args.out, result)
+    print(f"wrote {args.out}")
+
+
+def _print_ar(name: str, r: dict) -> None:
+    hf = r.get("hf_generate_tokens_per_s")
+    print(f"{name:>14} | AR {r['ar_tokens_per_s']:9.1f} tok/s | limit {r['weight_read_limit_tokens_per_s']:9.1f} | "
+          f"{100 * r['fraction_of_limit']:5.1f}% | step n=1 {r['decode_step_ms']:.3f} ms, n={r['verify_tokens']} "
+          f"{r['verify_step_ms']:.3f} ms | HF generate {hf if hf is None else round(hf, 1)} tok/s")
+
+
+def _print_spec(s: dict) -> None:
+    print(f"spec: MAL {s['mal']:.2f} | {s['tokens_per_s']:.1f} tok/s vs AR {s['ar_tokens_per_s']:.1f} | "
+          f"speedup {s['speedup']:.2f}x | identical {s['identical']} | draft {s['draft_ms']:.2f} ms, "
+          f"verify {s['verify_ms']:.2f} ms per cycle")
+    for peer, row in (s.get("peers") or {}).items():
+        print(f"  peer {peer:>14}: {row['tokens_per_s']:.1f} tok/s, identical {row['identical']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,444 @@
+"""Online speculative decoding benchmark (library of the stage ``bench_online``).
+
+For every dataset of eval prompts, each prompt is decoded twice through the same ``TargetRunner``:
+plain AR (``ARDecoder``) and speculative (``SpeculativeDecoder`` with the trained draft), and per dataset
+(and ``overall``) the metrics are:
+
+- ``mal``: mean tokens committed per cycle, bonus included;
+- ``accept_rate@i`` (i = 0 .. S-1, slot 0 = the first proposed token, as in ``eval_offline``): among the
+  cycles that proposed slot i, the fraction whose slot i was accepted; ``cond_accept_rate@i``: the same
+  among cycles that also accepted every slot before i (the online analogue of the offline per-slot rate);
+- ``draft_ms`` / ``verify_ms`` / ``cycle_ms``: mean per cycle (draft = propose + context update);
+- ``tokens_per_s`` / ``ar_tokens_per_s`` / ``speedup``: decode throughput after the prefill (sum of
+  tokens / sum of decode seconds), speculative vs AR, the same target code path;
+- ``proposal_length_hist`` (counts of 0 .. S proposed tokens), ``mean_proposal_length``;
+- ``identical``: greedy speculative output token-for-token equal to AR on every prompt (None when sampling);
+- ``peers`` (optional): Hugging Face ``generate`` greedy, assisted generation (``assistant_model``) and
+  prompt-lookup decoding (``prompt_lookup_num_tokens``) on the same prompts: tokens/s, and whether the
+  greedy text equals our AR output.
+
+Writes the metrics JSON (atomic) and PNG plots (Agg backend). Datasets: ``gsm8k`` / ``chat`` select the
+prompts of the prepare stage by source (``DATASET_SOURCES``), a source name selects itself, and
+``jsonl:<path>`` reads any JSONL file of records with a ``turns`` list.
+
+Shape legend: S block size, V vocab.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from dspark_core.config import Section, non_negative, positive, require
+from dspark_core.io import atomic_path, write_json
+from dspark_core.spec.ar import ARDecoder
+from dspark_core.spec.engine import SpeculativeDecoder
+from dspark_core.spec.sampling import SamplingParams
+from dspark_core.spec.target_runner import TargetRunner
+from dspark_core.spec.types import GenerationResult
+
+DATASET_SOURCES = {"gsm8k": ("gsm8k_symbolic",), "chat": ("sharegpt",)}
+JSONL_PREFIX = "jsonl:"
+PEERS = ("hf_generate", "assisted", "prompt_lookup")
+
+
+@dataclass(frozen=True)
+class BenchOnlineConfig(Section):
+    """Params section ``bench_online``."""
+
+    datasets: tuple[str, ...] = ("gsm8k", "chat")
+    max_prompts: int = 8                  # per dataset
+    max_new_tokens: int = 96
+    max_turns: int = 1                    # turns of each conversation fed (later turns see our own answers)
+    temperature: float = 0.0              # 0 = greedy (identity with AR checked)
+    top_p: float = 1.0
+    top_k: int = 0
+    confidence_threshold: float = 0.0     # cut a proposal at the first slot below it (0 = off)
+    seed: int = 0
+    system_prompt: str | None = None
+    max_len: int = 2048                   # static KV cache positions (prompt + answer + one block)
+    device: str = "auto"                  # auto: cuda when available
+    dtype: str = "auto"                   # auto: bfloat16 on cuda, float32 on cpu
+    cuda_graph: bool | None = None        # None: on for cuda
+    compile: bool = False                 # torch.compile the decoder layer (GPU)
+    num_threads: int | None = None        # CPU threads for torch (None: torch's default)
+    peers: tuple[str, ...] = ("hf_generate", "assisted", "prompt_lookup")
+    prompt_lookup_num_tokens: int = 10
+    assistant_dir: str | None = None      # HF dir of the assisted-generation peer; None: truncated target
+    assistant_layers: int = 4             # layers of the truncated-target assistant
+    prompts_path: str = "data/prompts/eval.parquet"
+    out_dir: str = "reports/bench_online"
+
+    def validate(self) -> None:
+        require(len(self.datasets) > 0, "datasets must name at least one dataset")
+        positive("max_prompts", self.max_prompts)
+        positive("max_new_tokens", self.max_new_tokens)
+        positive("max_turns", self.max_turns)
+        positive("max_len", self.max_len)
+        SamplingParams(self.temperature, self.top_p, self.top_k)  # raises ValueError on bad values
+        require(0.0 <= self.confidence_threshold <= 1.0,
+                f"confidence_threshold must be in [0, 1]; got {self.confidence_threshold}")
+        non_negative("seed", self.seed)
+        for p in self.peers:
+            require(p in PEERS, f"peers: unknown peer {p!r} (known: {', '.join(PEERS)})")
+        positive("prompt_lookup_num_tokens", self.prompt_lookup_num_tokens)
+        positive("assistant_layers", self.assistant_layers)
+        if self.num_threads is not None:
+            positive("num_threads", self.num_threads)
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k)
+
+
+# -- prompts ----------------------------------------------------------------------------------------
+def load_prompt_sets(prompts_path: str | Path, datasets: Sequence[str], max_prompts: int) -> dict[str, list[list[str]]]:
+    """Conversations (lists of user turns) per dataset, the first ``max_prompts`` of each, in file order."""
+    sets: dict[str, list[list[str]]] = {}
+    rows: list[dict[str, Any]] | None = None
+    for name in datasets:
+        if name.startswith(JSONL_PREFIX):
+            convs = [r["turns"] for r in read_jsonl_prompts(Path(name[len(JSONL_PREFIX):]))]
+        else:
+            rows = rows if rows is not None else _read_prompt_table(Path(prompts_path))
+            sources = DATASET_SOURCES.get(name, (name,))
+            convs = [list(r["turns"]) for r in rows if r["source"] in sources]
+        if not convs:
+            raise ValueError(f"bench_online.datasets: {name!r} selects no prompt from {prompts_path} "
+                             f"(known names: {', '.join(DATASET_SOURCES)}, a source name, or jsonl:<path>)")
+        sets[name] = convs[:max_prompts]
+    return sets
+
+
+def _read_prompt_table(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise ValueError(f"bench_online.prompts_path: {path} not found (run the prepare stage)")
+    if path.suffix == ".jsonl":
+        return read_jsonl_prompts(path)
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(path, columns=["source", "turns"]).to_pylist()
+    return rows
+
+
+def read_jsonl_prompts(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise ValueError(f"{path}: JSONL prompt file not found")
+    out = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        turns = rec.get("turns")
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+            raise ValueError(f"{path}: line {i + 1}: 'turns' must be a non-empty list of strings")
+        out.append({"source": rec.get("source", path.stem), "turns": turns})
+    return out
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` through the tokenizer's chat template, ready for the assistant's answer."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def stop_ids_of(model: Any, tokenizer: Any) -> list[int]:
+    """EOS ids of the generation config and the tokenizer."""
+    ids: set[int] = set()
+    for src in (getattr(getattr(model, "generation_config", None), "eos_token_id", None), tokenizer.eos_token_id):
+        if src is None:
+            continue
+        ids.update([src] if isinstance(src, int) else list(src))
+    return sorted(ids)
+
+
+# -- one dataset ----------------------------------------------------------------------------------
+@dataclass
+class DatasetRun:
+    """Per-generation records of one dataset (one generation per conversation turn)."""
+
+    prompts: list[list[int]] = field(default_factory=list)
+    spec: list[GenerationResult] = field(default_factory=list)
+    ar: list[GenerationResult] = field(default_factory=list)
+
+
+def decode_dataset(conversations: list[list[str]], tokenizer: Any, spec: SpeculativeDecoder, ar: ARDecoder,
+                   cfg: BenchOnlineConfig, stop_ids: Sequence[int], desc: str = "") -> DatasetRun:
+    """AR and speculative decoding of every turn; later turns carry the speculative answer forward."""
+    from tqdm.auto import tqdm
+
+    run = DatasetRun()
+    for turns in tqdm(conversations, desc=desc or "bench_online", leave=False):
+        messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+        for turn in turns[: cfg.max_turns]:
+            messages.append({"role": "user", "content": turn})
+            prompt = chat_ids(tokenizer, messages)
+            run.prompts.append(prompt)
+            run.ar.append(ar.generate(prompt, cfg.max_new_tokens, stop_ids))
+            run.spec.append(spec.generate(prompt, cfg.max_new_tokens, stop_ids))
+            answer = tokenizer.decode(run.spec[-1].tokens, skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": answer})
+    return run
+
+
+def summarize(run: DatasetRun, block_size: int, greedy: bool) -> dict[str, Any]:
+    """The metrics of one dataset's (or all datasets') generations; see the module docstring."""
+    spec, ar = run.spec, run.ar
+    accepted = [a for r in spec for a in r.accepted_per_cycle]
+    proposed = [n for r in spec for n in r.proposal_lengths]
+    cycles = len(accepted)
+    out: dict[str, Any] = {"num_generations": len(spec), "new_tokens": sum(len(r.tokens) for r in spec),
+                           "cycles": cycles, "mal": sum(a + 1 for a in accepted) / cycles if cycles else None}
+    for i in range(block_size):
+        offered = sum(n > i for n in proposed)
+        reached = sum(n > i and a >= i for a, n in zip(accepted, proposed))
+        hits = sum(a > i for a in accepted)
+        out[f"accept_rate@{i}"] = hits / offered if offered else None
+        out[f"cond_accept_rate@{i}"] = hits / reached if reached else None
+    out["mean_proposal_length"] = sum(proposed) / cycles if cycles else None
+    out["proposal_length_hist"] = {str(k): sum(n == k for n in proposed) for k in range(block_size + 1)}
+    draft_s = sum(sum(r.draft_s) for r in spec)
+    verify_s = sum(sum(r.verify_s) for r in spec)
+    out["draft_ms"] = 1e3 * draft_s / cycles if cycles else None
+    out["verify_ms"] = 1e3 * verify_s / cycles if cycles else None
+    out["cycle_ms"] = 1e3 * sum(r.decode_s for r in spec) / cycles if cycles else None
+    out["tokens_per_s"] = _throughput(spec)
+    out["ar_tokens_per_s"] = _throughput(ar)
+    out["speedup"] = (out["tokens_per_s"] / out["ar_tokens_per_s"]
+                      if out["tokens_per_s"] and out["ar_tokens_per_s"] else None)
+    out["prefill_ms"] = 1e3 * sum(r.prefill_s for r in spec) / len(spec) if spec else None
+    out["identical"] = all(s.tokens == a.tokens for s, a in zip(spec, ar)) if greedy else None
+    return out
+
+
+def _throughput(results: Sequence[GenerationResult]) -> float | None:
+    tokens = sum(max(len(r.tokens) - 1, 0) for r in results)
+    seconds = sum(r.decode_s for r in results)
+    return tokens / seconds if seconds > 0 else None
+
+
+# -- peers: Hugging Face generate, assisted generation, prompt lookup --------------------------------
+def truncated_assistant(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
+    """An assistant for HF assisted generation sharing the target's tokenizer: the target's first
+    ``num_layers`` decoder layers + its final norm and LM head (weights copied)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    cfg = copy.deepcopy(model.config)
+    if not 1 <= num_layers < cfg.num_hidden_layers:
+        raise ValueError(f"bench_online.assistant_layers must be in [1, {cfg.num_hidden_layers - 1}]; got {num_layers}")
+    cfg.num_hidden_layers = num_layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:num_layers]
+    first = next(model.parameters())
+    small = AutoModelForCausalLM.from_config(cfg, dtype=first.dtype).to(first.device)
+    state = {k: v for k, v in model.state_dict().items()
+             if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
+    small.load_state_dict(state, strict=False)
+    if getattr(cfg, "tie_word_embeddings", False):
+        small.tie_weights()
+    return small.eval()
+
+
+@torch.no_grad()
+def peer_comparison(model: torch.nn.Module, prompts: Sequence[Sequence[int]], reference: Sequence[Sequence[int]],
+                    max_new_tokens: int, stop_ids: Sequence[int], peers: Sequence[str] = PEERS,
+                    assistant: torch.nn.Module | None = None, prompt_lookup_num_tokens: int = 10,
+                    pad_token_id: int | None = None) -> dict[str, dict[str, Any]]:
+    """Greedy HF ``generate`` variants on ``prompts``: decode tokens/s (prefill excluded, estimated by a
+    1-token run) and whether each output equals ``reference`` (our AR tokens)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for peer in peers:
+        kwargs: dict[str, Any] = {}
+        if peer == "assisted":
+            if assistant is None:
+                raise ValueError("peer 'assisted' needs an assistant model")
+            kwargs["assistant_model"] = assistant
+        elif peer == "prompt_lookup":
+            kwargs["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
+        tokens = seconds = 0.0
+        identical = True
+        for prompt, ref in zip(prompts, reference):
+            out, decode_s = _timed_generate(model, prompt, max_new_tokens, stop_ids, pad_token_id, kwargs)
+            identical &= out == list(ref)
+            tokens += max(len(out) - 1, 0)
+            seconds += decode_s
+        rows[peer] = {"tokens_per_s": tokens / seconds if seconds > 0 else None, "identical": identical}
+    return rows
+
+
+def _timed_generate(model, prompt, max_new_tokens, stop_ids, pad_token_id, kwargs) -> tuple[list[int], float]:
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt)], device=device)
+    common = dict(do_sample=False, eos_token_id=list(stop_ids) or None, pad_token_id=pad_token_id,
+                  attention_mask=torch.ones_like(ids), **kwargs)
+    clock = _clock(device)
+    t0 = clock()
+    model.generate(ids, max_new_tokens=1, **common)  # the prefill's share
+    t1 = clock()
+    out = model.generate(ids, max_new_tokens=max_new_tokens, **common)
+    t2 = clock()
+    return out[0, ids.shape[1]:].tolist(), max((t2 - t1) - (t1 - t0), 1e-9)
+
+
+def _clock(device: torch.device):
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return now
+
+
+# -- the stage ---------------------------------------------------------------------------------------
+TARGET_DIR = Path("data/target")  # fixed by the DAG (dvc.yaml), as in dspark_core.draft.stage
+TRAIN_DIR = Path("data/train")
+
+
+def run_bench_online_stage(params: str | Path, variant: str) -> dict[str, Any]:
+    """Stage ``bench_online@<variant>``: the draft ``data/train/<variant>/final`` on ``data/target``;
+    metrics -> ``<out_dir>/<variant>.json``, plots -> ``<out_dir>/<variant>/``."""
+    from dspark_core.target import read_fingerprint
+
+    cfg = BenchOnlineConfig.load(params, "bench_online")
+    draft_dir = TRAIN_DIR / variant / "final"
+    if not (draft_dir / "config.json").is_file():
+        raise ValueError(f"{draft_dir}: no trained draft of variant {variant!r} (run `dvc repro train@{variant}`)")
+    sets = load_prompt_sets(cfg.prompts_path, cfg.datasets, cfg.max_prompts)
+    out = Path(cfg.out_dir)
+    return run_bench_online(TARGET_DIR, draft_dir, sets, cfg, out_json=out / f"{variant}.json",
+                            plots_dir=out / variant, expected_fingerprint=read_fingerprint(TARGET_DIR)["fingerprint"])
+
+
+# -- the whole benchmark ------------------------------------------------------------------------------
+def resolve_device(cfg: BenchOnlineConfig) -> tuple[torch.device, torch.dtype, bool]:
+    from dspark_core.target import resolve_dtype
+
+    name = cfg.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"bench_online.device: {cfg.device!r} but no CUDA device is available")
+    dtype = resolve_dtype(cfg.dtype) if cfg.dtype != "auto" else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    graphs = cfg.cuda_graph if cfg.cuda_graph is not None else device.type == "cuda"
+    if graphs and device.type != "cuda":
+        raise ValueError("bench_online.cuda_graph: true needs a CUDA device")
+    return device, dtype, graphs
+
+
+def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets: dict[str, list[list[str]]],
+                     cfg: BenchOnlineConfig, *, out_json: str | Path | None = None,
+                     plots_dir: str | Path | None = None, expected_fingerprint: str | None = None) -> dict[str, Any]:
+    """Benchmark the draft in ``draft_dir`` on the target in ``target_dir``; returns (and writes) the metrics."""
+    from dspark_core.draft.model import load_draft
+    from dspark_core.target import load_target
+
+    device, dtype, graphs = resolve_device(cfg)
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
+    model, tokenizer = load_target(target_dir, dtype=dtype, device=device)
+    draft = load_draft(draft_dir, model, expected_fingerprint=expected_fingerprint)
+    block = int(draft.block_size)
+    runner = TargetRunner(model, max_len=cfg.max_len, aux_layer_ids=draft.aux_layer_ids, compile=cfg.compile,
+                          cuda_graph=graphs, graph_max_tokens=block + 1)
+    spec = SpeculativeDecoder(runner, draft, block_size=block, confidence_threshold=cfg.confidence_threshold,
+                              sampling=cfg.sampling, seed=cfg.seed)
+    ar = ARDecoder(runner, sampling=cfg.sampling, seed=cfg.seed)
+    stops = stop_ids_of(model, tokenizer)
+    _warm_up(prompt_sets, tokenizer, spec, ar, stops)
+    runs = {name: decode_dataset(convs, tokenizer, spec, ar, cfg, stops, desc=name)
+            for name, convs in prompt_sets.items()}
+    greedy = cfg.sampling.greedy
+    metrics: dict[str, Any] = {name: summarize(run, block, greedy) for name, run in runs.items()}
+    metrics["overall"] = summarize(_merge(runs.values()), block, greedy)
+    if cfg.peers and greedy:
+        assistant = _assistant(cfg, model) if "assisted" in cfg.peers else None
+        for name, run in runs.items():
+            metrics[name]["peers"] = peer_comparison(
+                model, run.prompts, [r.tokens for r in run.ar], cfg.max_new_tokens, stops, cfg.peers, assistant,
+                cfg.prompt_lookup_num_tokens, tokenizer.pad_token_id)
+    metrics["setup"] = {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "cuda_graph": graphs,
+                        "num_threads": torch.get_num_threads(),
+                        "compile": cfg.compile, "block_size": block, "aux_layer_ids": list(draft.aux_layer_ids),
+                        "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+                        "confidence_threshold": cfg.confidence_threshold, "max_new_tokens": cfg.max_new_tokens}
+    if out_json is not None:
+        write_json(out_json, metrics)
+    if plots_dir is not None:
+        plot_metrics(metrics, Path(plots_dir), block)
+    return metrics
+
+
+def _warm_up(prompt_sets, tokenizer, spec: SpeculativeDecoder, ar: ARDecoder, stops) -> None:
+    """One short generation of each kind first, so CUDA graphs / lazy inits are not timed."""
+    first = next(iter(prompt_sets.values()))[0][0]
+    prompt = chat_ids(tokenizer, [{"role": "user", "content": first}])
+    ar.generate(prompt, 8, stops)
+    spec.generate(prompt, 16, stops)
+
+
+def _merge(runs) -> DatasetRun:
+    merged = DatasetRun()
+    for run in runs:
+        merged.prompts += run.prompts
+        merged.spec += run.spec
+        merged.ar += run.ar
+    return merged
+
+
+def _assistant(cfg: BenchOnlineConfig, model: torch.nn.Module) -> torch.nn.Module:
+    if cfg.assistant_dir:
+        from dspark_core.target import load_target
+
+        first = next(model.parameters())
+        return load_target(cfg.assistant_dir, dtype=first.dtype, device=first.device)[0]
+    return truncated_assistant(model, cfg.assistant_layers)
+
+
+def plot_metrics(metrics: dict[str, Any], plots_dir: Path, block_size: int) -> None:
+    """``accept_rate.png`` (accept_rate@i per dataset) and ``proposal_lengths.png`` (histograms)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [k for k in metrics if k not in ("setup",)]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in names:
+        rates = [metrics[name].get(f"accept_rate@{i}") for i in range(block_size)]
+        ax.plot(range(block_size), [r if r is not None else float("nan") for r in rates], marker="o",
+                label=f"{name} (MAL {_fmt(metrics[name]['mal'])}, x{_fmt(metrics[name]['speedup'])})")
+    ax.set(xlabel="slot i", ylabel="accept_rate@i", ylim=(0, 1), title="online acceptance per slot")
+    ax.legend(fontsize=8)
+    _save(fig, plots_dir / "accept_rate.png")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.8 / max(len(names), 1)
+    for j, name in enumerate(names):
+        hist = metrics[name]["proposal_length_hist"]
+        total = max(sum(hist.values()), 1)
+        ax.bar([int(k) + j * width for k in hist], [v / total for v in hist.values()], width=width, label=name)
+    ax.set(xlabel="proposed tokens per cycle", ylabel="fraction of cycles", title="proposal lengths")
+    ax.legend(fontsize=8)
+    _save(fig, plots_dir / "proposal_lengths.png")
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    with atomic_path(path, ".png") as tmp:
+        fig.savefig(tmp, dpi=100, bbox_inches="tight", format="png")
+    plt.close(fig)

@@ -1,0 +1,84 @@
+"""bench_online library end to end on a tiny saved target and a random DSpark draft (CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from _spec_utils import one_thread  # noqa: F401 (fixture)
+import yaml
+
+from dspark_core.bench_online import BenchOnlineConfig, DatasetRun, load_prompt_sets, run_bench_online_stage, summarize
+from dspark_core.config import ParamsError
+from dspark_core.draft import DraftConfig, DSparkDraft, save_draft
+from dspark_core.spec.types import GenerationResult
+from dspark_core.target import load_target
+from dspark_core.testing import save_tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A project dir laid out as the DAG leaves it: data/target, data/train/baseline/final, prompts, params."""
+    root = tmp_path_factory.mktemp("bench")
+    target_dir = save_tiny_target(root / "data" / "target", "qwen3")
+    model, _ = load_target(target_dir)
+    torch.manual_seed(0)
+    cfg = DraftConfig(num_draft_layers=1, block_size=4, mask_token_id=259, num_anchors=4, markov_rank=8)
+    draft = DSparkDraft(cfg, model.config, model.get_input_embeddings().weight,
+                        model.get_output_embeddings().weight, aux_layer_ids=(1, 3))
+    save_draft(root / "data" / "train" / "baseline" / "final", draft)
+    (root / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"turns": ["What is 2 + 3?", "And times 4?"]}, {"turns": ["Name a colour."]}]) + "\n")
+    section = dict(datasets=["jsonl:prompts.jsonl"], max_prompts=2, max_new_tokens=12, max_turns=2, max_len=256,
+                   assistant_layers=2, peers=["hf_generate", "assisted", "prompt_lookup"], out_dir="reports/bo")
+    (root / "params.yaml").write_text(yaml.safe_dump({"bench_online": section}))
+    return root
+
+
+def test_run_bench_online_stage(workdir, monkeypatch):
+    monkeypatch.chdir(workdir)
+    metrics = run_bench_online_stage("params.yaml", "baseline")
+    m = metrics["jsonl:prompts.jsonl"]
+    assert m["num_generations"] == 3  # two turns + one turn
+    assert m["identical"] is True
+    assert 1.0 <= m["mal"] <= 5.0 and m["tokens_per_s"] > 0 and m["ar_tokens_per_s"] > 0 and m["speedup"] > 0
+    assert sum(m["proposal_length_hist"].values()) == m["cycles"]
+    assert set(m["peers"]) == {"hf_generate", "assisted", "prompt_lookup"}
+    assert all(row["identical"] for row in m["peers"].values()), m["peers"]
+    assert metrics["overall"]["cycles"] == m["cycles"]
+    assert json.loads((workdir / "reports/bo/baseline.json").read_text())["overall"]["mal"] == metrics["overall"]["mal"]
+    for png in ("accept_rate.png", "proposal_lengths.png"):
+        assert (workdir / "reports/bo/baseline" / png).stat().st_size > 1000
+    with pytest.raises(ValueError, match="no trained draft"):
+        run_bench_online_stage("params.yaml", "other")
+
+
+def test_summarize_rates():
+    """accept_rate@i among cycles that proposed slot i; cond_ among those that also reached it."""
+    res = GenerationResult(tokens=list(range(9)), cycles=4, accepted_per_cycle=[0, 2, 3, 1],
+                           proposal_lengths=[3, 3, 3, 1], draft_s=[0.1] * 4, verify_s=[0.2] * 4,
+                           decode_s=1.0)
+    m = summarize(DatasetRun(prompts=[[1]], spec=[res], ar=[res]), block_size=3, greedy=True)
+    assert m["mal"] == (1 + 3 + 4 + 2) / 4
+    assert m["accept_rate@0"] == 3 / 4 and m["accept_rate@1"] == 2 / 3 and m["accept_rate@2"] == 1 / 3
+    assert m["cond_accept_rate@1"] == 2 / 2 and m["cond_accept_rate@2"] == 1 / 2
+    assert m["proposal_length_hist"] == {"0": 0, "1": 1, "2": 0, "3": 3}
+    assert m["draft_ms"] == pytest.approx(100.0) and m["verify_ms"] == pytest.approx(200.0)
+    assert m["speedup"] == 1.0 and m["identical"] is True
+
+
+def test_config_and_prompt_errors(tmp_path):
+    with pytest.raises(ParamsError, match="peers"):
+        BenchOnlineConfig.from_dict({"peers": ["vllm"]})
+    with pytest.raises(ParamsError, match="temperature"):
+        BenchOnlineConfig.from_dict({"temperature": -1.0})
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": []}\n')
+    with pytest.raises(ValueError, match="line 1"):
+        load_prompt_sets("unused", [f"jsonl:{bad}"], 4)
+    with pytest.raises(ValueError, match="not found"):
+        load_prompt_sets(tmp_path / "none.parquet", ["gsm8k"], 4)

@@ -1,0 +1,70 @@
+"""The engine on the real packaged SmolLM2 (slow): the static-cache runner equals HF's own greedy
+``generate``, and greedy speculative decoding equals AR token for token, with the (random) DSpark
+draft and with a noisy draft that is often partly right."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from _fake_draft import FakeDraft
+from _spec_utils import one_thread  # noqa: F401 (fixture)
+from dspark_core.bench_online import chat_ids, stop_ids_of
+from dspark_core.draft import DraftConfig, DSparkDraft
+from dspark_core.spec.ar import ARDecoder
+from dspark_core.spec.engine import SpeculativeDecoder
+from dspark_core.spec.target_runner import TargetRunner
+from dspark_core.spec.types import CycleInfo
+from dspark_core.target import FINGERPRINT_FILE, TargetConfig, load_target, run_target
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+
+QUESTIONS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether?",
+    "Write a haiku about the sea.",
+]
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    out = tmp_path_factory.getbasetemp() / "smollm2_target"  # shared with the other real-model tests
+    if not (out / FINGERPRINT_FILE).is_file():
+        run_target(TargetConfig(out_dir=str(out)))
+    model, tok = load_target(Path(out))
+    prompts = [chat_ids(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    return model, tok, prompts
+
+
+def test_runner_matches_hf_generate_and_spec_matches_ar(real):
+    model, tok, prompts = real
+    torch.manual_seed(0)
+    cfg = DraftConfig(num_draft_layers=1, block_size=5, mask_token_id=16, num_anchors=4, markov_rank=16)
+    dspark = DSparkDraft(cfg, model.config, model.get_input_embeddings().weight,
+                         model.get_output_embeddings().weight, aux_layer_ids=(1, 14, 27)).eval()
+    aux = (-1, 1, 14, 27)  # -1 lets the noisy test draft read tokens back
+    runner = TargetRunner(model, max_len=256, aux_layer_ids=aux)
+    stops = stop_ids_of(model, tok)
+    noisy = FakeDraft(model, embed_weight=model.get_input_embeddings().weight, embed_aux_index=0, block_size=5,
+                      noise=2.0, seed=1)
+    partial = []
+
+    def check(info: CycleInfo) -> None:
+        assert info.target_length == info.draft_context_length == info.next_anchor_position
+        partial.append(0 < info.num_accepted < info.num_proposed)
+
+    dspark_runner = TargetRunner(model, max_len=256, aux_layer_ids=dspark.aux_layer_ids)
+    for prompt in prompts:
+        ar = ARDecoder(runner).generate(prompt, NEW, stops)
+        with torch.no_grad():
+            hf = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=stops,
+                                pad_token_id=tok.pad_token_id or stops[0])
+        assert hf[0, len(prompt):].tolist() == ar.tokens
+        spec = SpeculativeDecoder(runner, noisy, block_size=5, on_cycle=check).generate(prompt, NEW, stops)
+        assert spec.tokens == ar.tokens
+        spec = SpeculativeDecoder(dspark_runner, dspark, block_size=5, on_cycle=check).generate(prompt, NEW, stops)
+        assert spec.tokens == ar.tokens
+    assert any(partial)
