@@ -58,6 +58,21 @@ def _json_default(x: Any) -> Any:
     raise TypeError(f"cannot serialise {type(x).__name__}")
 
 
+def package_dir(package: str, field: str | None = None) -> Path:
+    """Directory of an installed package, found without importing it (``field`` names the param in errors)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        where = f"{field}: " if field else ""
+        raise ValueError(f"{where}package {package!r} is not installed "
+                         f"(pip install --no-deps {package.replace('_', '-')})")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:

