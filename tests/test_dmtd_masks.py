@@ -15,12 +15,7 @@ from dspark_core.dmtd.model import cycle_tails
 TAU = 4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def seed_rule(variant: str, q: dict, k: dict) -> bool:

@@ -9,23 +9,13 @@ import torch.nn.functional as F
 
 from dspark_core.dmtd.config import VARIANTS, DMTDConfig
 from dspark_core.dmtd.model import IGNORE, DMTDModel, PlainModel, default_positions
-from dspark_core.testing import tiny_model
 
 TAU, P, MASK = 4, 4, 259
 ATOL = 2e-5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-@pytest.fixture(scope="module")
-def lms():
-    return {f: tiny_model(f) for f in ("qwen3", "qwen2", "llama")}
 
 
 def dmtd(lm, variant, **kw) -> DMTDModel:

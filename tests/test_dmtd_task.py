@@ -22,12 +22,7 @@ from dspark_core.testing import save_tiny_target, tiny_model, tiny_tokenizer
 MASK = 259
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def write_regen(path, n: int, seed: int) -> None:
