@@ -1,0 +1,122 @@
+"""The `report` stage: one page (``reports/summary.md``) and comparison plots over every variant's metrics.
+
+Reads the metrics JSON the other stages wrote (``reports/eval_offline/<v>.json``, ``reports/bench_online/<v>.json``,
+``reports/dmtd/<v>.json``) for the variants listed in params.yaml and writes:
+- ``reports/summary.md``: a table per family (DSpark variants, DMTD variants);
+- ``reports/plots/dspark_accept_rate.png``: offline accept_rate@i per DSpark variant;
+- ``reports/plots/dmtd_quality_speed.png``: DMTD perplexity vs decode speedup per variant.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from dspark_core.io import atomic_path
+
+REPORTS = Path("reports")
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _fmt(x: Any, nd: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def dspark_rows(variants: Sequence[str], root: Path = REPORTS) -> list[dict[str, Any]]:
+    rows = []
+    for v in variants:
+        off = _load(root / "eval_offline" / f"{v}.json") or {}
+        on = (_load(root / "bench_online" / f"{v}.json") or {}).get("overall", {})
+        rows.append({"variant": v, "tau_prob": off.get("tau_prob"), "accept_rate@0": off.get("accept_rate@0"),
+                     "ce": off.get("ce"), "conf_mae": off.get("conf_mae"), "mal": on.get("mal"),
+                     "tokens_per_s": on.get("tokens_per_s"), "ar_tokens_per_s": on.get("ar_tokens_per_s"),
+                     "speedup": on.get("speedup"), "identical": on.get("identical"),
+                     "_rates": [off.get(f"accept_rate@{i}") for i in range(64) if f"accept_rate@{i}" in off]})
+    return rows
+
+
+def dmtd_rows(variants: Sequence[str], root: Path = REPORTS) -> list[dict[str, Any]]:
+    rows = []
+    for v in variants:
+        d = _load(root / "dmtd" / f"{v}.json") or {}
+        rows.append({"variant": v, "perplexity": d.get("perplexity"), "target_perplexity": d.get("target_perplexity"),
+                     "gsm8k_accuracy": d.get("gsm8k_accuracy"), "target_gsm8k_accuracy": d.get("target_gsm8k_accuracy"),
+                     "tokens_per_s": d.get("tokens_per_s"), "ar_tokens_per_s": d.get("ar_tokens_per_s"),
+                     "speedup": d.get("speedup"), "device": d.get("device")})
+    return rows
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "(none)\n"
+    cols = [c for c in rows[0] if not c.startswith("_")]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(dspark: list[dict[str, Any]], dmtd: list[dict[str, Any]], path: Path) -> None:
+    text = ("# dspark summary\n\nMade by the `report` stage from the metrics under reports/ "
+            "(`dvc metrics show` has every key).\n\n## DSpark drafts (offline teacher-forced / online)\n\n"
+            + markdown_table(dspark) + "\n## Parallel DMTD\n\n" + markdown_table(dmtd))
+    with atomic_path(path, ".md") as tmp:
+        tmp.write_text(text)
+
+
+def plot(dspark: list[dict[str, Any]], dmtd: list[dict[str, Any]], out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in dspark:
+        if r["_rates"]:
+            ax.plot(range(len(r["_rates"])), r["_rates"], "o-", label=f"{r['variant']} (tau {_fmt(r['tau_prob'])})")
+    ax.set(xlabel="slot i", ylabel="offline accept_rate@i", ylim=(0, 1), title="DSpark variants")
+    ax.legend(fontsize=8)
+    _save(fig, out_dir / "dspark_accept_rate.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in dmtd:
+        if r["perplexity"] is not None and r["speedup"] is not None:
+            ax.scatter(r["speedup"], r["perplexity"], s=40)
+            ax.annotate(r["variant"], (r["speedup"], r["perplexity"]), fontsize=8, xytext=(4, 4),
+                        textcoords="offset points")
+    target = next((r["target_perplexity"] for r in dmtd if r["target_perplexity"] is not None), None)
+    if target is not None:
+        ax.axhline(target, ls="--", color="gray", label=f"target perplexity {target:.2f}")
+        ax.legend(fontsize=8)
+    ax.set(xlabel="decode speedup over AR", ylabel="held-out perplexity", yscale="log",
+           title="Parallel DMTD: quality vs speed")
+    _save(fig, out_dir / "dmtd_quality_speed.png")
+
+
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    with atomic_path(path, ".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def run_report(params: str | Path, root: Path = REPORTS) -> None:
+    import yaml
+
+    doc = yaml.safe_load(Path(params).read_text()) or {}
+    variants = list((doc.get("variants") or {}).keys())
+    dmtd_variants = list((doc.get("dmtd") or {}).get("variants") or [])
+    dspark, dmtd = dspark_rows(variants, root), dmtd_rows(dmtd_variants, root)
+    write_summary(dspark, dmtd, root / "summary.md")
+    plot(dspark, dmtd, root / "plots")

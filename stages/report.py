@@ -1,0 +1,15 @@
+"""DVC stage `report`: reports/summary.md and comparison plots over all DSpark and DMTD variants."""
+
+from pathlib import Path
+
+import typer
+
+from dspark_core.report import run_report
+
+
+def main(params: Path = typer.Option(Path("params.yaml"), help="params file")) -> None:
+    run_report(params)
+
+
+if __name__ == "__main__":
+    typer.run(main)

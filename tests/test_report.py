@@ -1,0 +1,29 @@
+"""The report stage tabulates every variant's metrics and draws the comparison plots."""
+
+from __future__ import annotations
+
+import json
+
+from dspark_core.report import run_report
+
+
+def test_report_tables_and_plots(tmp_path):
+    (tmp_path / "eval_offline").mkdir()
+    (tmp_path / "bench_online").mkdir()
+    (tmp_path / "dmtd").mkdir()
+    (tmp_path / "eval_offline" / "baseline.json").write_text(json.dumps(
+        {"tau_prob": 2.5, "accept_rate@0": 0.7, "accept_rate@1": 0.5, "ce": 1.25, "conf_mae": 0.1}))
+    (tmp_path / "bench_online" / "baseline.json").write_text(json.dumps(
+        {"overall": {"mal": 2.75, "tokens_per_s": 30.0, "ar_tokens_per_s": 10.0, "speedup": 3.0, "identical": True}}))
+    (tmp_path / "dmtd" / "bidir_refresh.json").write_text(json.dumps(
+        {"perplexity": 2.5, "target_perplexity": 2.0, "gsm8k_accuracy": 0.5, "target_gsm8k_accuracy": 0.5,
+         "tokens_per_s": 40.0, "ar_tokens_per_s": 20.0, "speedup": 2.0, "device": "cpu"}))
+    params = tmp_path / "params.yaml"
+    params.write_text("variants:\n  baseline: {}\n  other: {}\ndmtd:\n  variants: [bidir_refresh]\n")
+    run_report(params, root=tmp_path)
+    text = (tmp_path / "summary.md").read_text()
+    assert "| baseline | 2.500 | 0.700 | 1.250 | 0.100 | 2.750 | 30.000 | 10.000 | 3.000 | yes |" in text
+    assert "| other | - |" in text  # a variant without results shows dashes, not zeros
+    assert "| bidir_refresh | 2.500 | 2.000 | 0.500 | 0.500 | 40.000 | 20.000 | 2.000 | cpu |" in text
+    for png in ("dspark_accept_rate.png", "dmtd_quality_speed.png"):
+        assert (tmp_path / "plots" / png).read_bytes()[:4] == b"\x89PNG"
