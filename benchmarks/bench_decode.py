@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from dspark_core.io import write_json  # noqa: E402
+from dspark_core.spec.common import synced_clock  # noqa: E402
 from dspark_core.spec.ar import ARDecoder  # noqa: E402
 from dspark_core.spec.target_runner import TargetRunner  # noqa: E402
 
@@ -83,20 +84,11 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 10)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    t = _timer(device)
+    t = synced_clock(device)
     t0 = t()
     for _ in range(iters):
         dst.copy_(src)
     return 2 * nbytes * iters / (t() - t0)
-
-
-def _timer(device: torch.device):
-    def now() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    return now
 
 
 def step_ms(runner: TargetRunner, n: int, iters: int) -> float:
@@ -106,7 +98,7 @@ def step_ms(runner: TargetRunner, n: int, iters: int) -> float:
     for _ in range(3):
         runner.forward(ids)
         runner.truncate(start)
-    t = _timer(runner.device)
+    t = synced_clock(runner.device)
     t0 = t()
     for _ in range(iters):
         runner.forward(ids)
@@ -117,7 +109,7 @@ def step_ms(runner: TargetRunner, n: int, iters: int) -> float:
 def hf_generate_tokens_per_s(model, prompt: torch.Tensor, new_tokens: int) -> float:
     """transformers' generate (greedy, its defaults: dynamic cache, eager loop), prefill subtracted."""
     kw = dict(do_sample=False, attention_mask=torch.ones_like(prompt), pad_token_id=0, eos_token_id=None)
-    t = _timer(prompt.device)
+    t = synced_clock(prompt.device)
     model.generate(prompt, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
     t0 = t()
     model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **kw)

@@ -21,8 +21,6 @@ an fp32 copy of the model.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -32,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark_core.dmtd.config import VARIANTS  # noqa: E402
+from dspark_core.io import write_json  # noqa: E402
 from dspark_core.dmtd.evaluate import decode_speed  # noqa: E402
 from dspark_core.dmtd.inference import ARDecoder, DMTDDecoder  # noqa: E402
 from dspark_core.dmtd.model import DMTDModel, PlainModel  # noqa: E402
@@ -172,12 +171,8 @@ def main(argv=None) -> dict:
             lm_ref.load_state_dict({k: v.float() for k, v in lm.state_dict().items()})
         result["logit_error"] = measure_errors(lm, args, device, vocab, lm_ref)
     print_table(result)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, out)
-    print(f"wrote {out}")
+    write_json(args.out, result)
+    print(f"wrote {args.out}")
     return result
 
 

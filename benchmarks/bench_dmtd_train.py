@@ -12,8 +12,6 @@ Writes ``reports/bench/dmtd_train_check.json``. Needs a GPU; imports only torch,
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -23,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark_core.dmtd.config import VARIANTS  # noqa: E402
+from dspark_core.io import write_json  # noqa: E402
 from dspark_core.dmtd.model import IGNORE, DMTDModel  # noqa: E402
 
 MID = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
@@ -108,12 +107,8 @@ def main(argv=None) -> dict:
               "flex_vs_dense_mid_model": flex_vs_dense(device)}
     torch.cuda.empty_cache()
     result[f"qwen3_4b_fwd_bwd_L{args.length}"] = step_time(device, args.variants, args.length)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, out)
-    print(f"wrote {out}")
+    write_json(args.out, result)
+    print(f"wrote {args.out}")
     return result
 
 

@@ -27,7 +27,6 @@ Shape legend: S block size, V vocab.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -37,6 +36,7 @@ import torch
 from dspark_core.config import Section, non_negative, positive, require
 from dspark_core.io import atomic_path, write_json
 from dspark_core.spec.ar import ARDecoder
+from dspark_core.spec.common import synced_clock
 from dspark_core.spec.engine import SpeculativeDecoder
 from dspark_core.spec.sampling import SamplingParams
 from dspark_core.spec.target_runner import TargetRunner
@@ -280,22 +280,13 @@ def _timed_generate(model, prompt, max_new_tokens, stop_ids, pad_token_id, kwarg
     ids = torch.tensor([list(prompt)], device=device)
     common = dict(do_sample=False, eos_token_id=list(stop_ids) or None, pad_token_id=pad_token_id,
                   attention_mask=torch.ones_like(ids), **kwargs)
-    clock = _clock(device)
+    clock = synced_clock(device)
     t0 = clock()
     model.generate(ids, max_new_tokens=1, **common)  # the prefill's share
     t1 = clock()
     out = model.generate(ids, max_new_tokens=max_new_tokens, **common)
     t2 = clock()
     return out[0, ids.shape[1]:].tolist(), max((t2 - t1) - (t1 - t0), 1e-9)
-
-
-def _clock(device: torch.device):
-    def now() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    return now
 
 
 # -- the stage ---------------------------------------------------------------------------------------

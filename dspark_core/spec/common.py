@@ -59,3 +59,13 @@ class Clock:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+
+def synced_clock(device: torch.device):
+    """A ``perf_counter`` that first waits for ``device`` (CUDA work is asynchronous)."""
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return now
