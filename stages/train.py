@@ -5,6 +5,7 @@
 """
 
 from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -12,8 +13,11 @@ from dspark_core.draft.stage import run_train_stage
 
 
 def main(variant: str = typer.Option("baseline", help="a key of `variants` in params.yaml"),
-         params: Path = typer.Option(Path("params.yaml"), help="params file")) -> None:
-    run_train_stage(params, variant)
+         params: Path = typer.Option(Path("params.yaml"), help="params file"),
+         time_budget_s: Optional[float] = typer.Option(
+             None, "--time-budget-s", help="stop (checkpoint + export) after the step that passes this many seconds"),
+         ) -> None:
+    run_train_stage(params, variant, time_budget_s=time_budget_s)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,23 @@ def test_flex_attention_matches_dense_on_cpu():
     torch.testing.assert_close(outs["flex"], outs["dense"], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["dense", "flex"])
+def test_padded_context_bucket_changes_nothing(backend):
+    # The compiled GPU path pads the context to CONTEXT_BUCKET positions; the padding is never attended.
+    target = tiny_model("qwen3")
+    draft = _draft(target)
+    draft.attention_backend = backend
+    batch = _batch(target)
+    args = (batch["input_ids"], batch["aux_hidden"], batch["anchors"], batch["anchor_valid"])
+    with torch.no_grad():
+        plain = draft.forward_train(*args)
+        draft.context_bucket = 16
+        padded = draft.forward_train(*args)
+    assert batch["input_ids"].shape[1] % 16 != 0
+    valid = batch["anchor_valid"]
+    torch.testing.assert_close(padded[valid], plain[valid], rtol=0, atol=1e-5)
+
+
 def test_family_details_mirror_the_target():
     q3, q2, ll = (_draft(tiny_model(f)) for f in ("qwen3", "qwen2", "llama"))
     att = lambda d: d.layers[0].self_attn  # noqa: E731

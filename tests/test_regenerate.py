@@ -168,6 +168,34 @@ def test_resume_after_interrupt_skips_done_ids(tiny, tmp_path, monkeypatch):
     assert not (out / "parts").exists()
 
 
+def test_time_budget_answers_a_subset_and_a_rerun_completes(tiny, tmp_path, monkeypatch):
+    target, prompts = tiny
+    out = tmp_path / "out"
+    cfg = _cfg(target, prompts, out, batch_size=2)
+    first = _patch_backend(monkeypatch)
+    stats = run_regenerate(cfg, time_budget_s=1e-6)   # runs out at once: the split still gets one batch
+    assert len(first[0].batches) == 1
+    rows = read_regen(out / "eval.parquet")
+    assert [r["id"] for r in rows] == [i for i in (f"q:{k}" for k in range(len(QUESTIONS)))
+                                       if i in first[0].batches[0]]  # prompt order, answered ones only
+    assert stats["splits"]["eval"]["skipped_prompts"] == len(QUESTIONS) - 2
+    assert (out / "parts" / "eval").is_dir()         # kept: a rerun continues
+
+    second = _patch_backend(monkeypatch)
+    stats = run_regenerate(cfg)                       # no budget: the rest
+    assert sorted(i for b in second[0].batches for i in b) == sorted(
+        f"q:{k}" for k in range(len(QUESTIONS)) if f"q:{k}" not in first[0].batches[0])
+    assert len(read_regen(out / "eval.parquet")) == len(QUESTIONS)
+    assert "skipped_prompts" not in stats["splits"]["eval"] and not (out / "parts").exists()
+    full = read_regen(out / "eval.parquet")
+    ref = tmp_path / "ref"
+    run_regenerate(_cfg(target, prompts, ref, batch_size=2))
+    assert full == read_regen(ref / "eval.parquet")  # greedy: the same rows as one uninterrupted run
+
+    with pytest.raises(ValueError, match="time budget must be > 0"):
+        run_regenerate(cfg, time_budget_s=0)
+
+
 def test_stale_parts_are_discarded(tiny, tmp_path, monkeypatch):
     target, prompts = tiny
     out = tmp_path / "out"

@@ -196,3 +196,16 @@ def _exact_distributions(model, prompt, params) -> tuple[np.ndarray, np.ndarray]
     return joint.numpy(), (joint[:, :, None] * p3).sum((0, 1)).numpy()
 
 
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0)])
+def test_ar_output_does_not_depend_on_sync_every(target, sampling):
+    """The AR loop reads tokens back every ``sync_every`` steps; a stop token met mid-chunk cuts the same."""
+    _, runner, greedy = target
+    stop = greedy[len(greedy) // 2]
+    outs = [ARDecoder(runner, sampling=sampling, seed=7, sync_every=k).generate(PROMPT, MAX_NEW, stop_ids=[stop])
+            for k in (1, 3, 16)]
+    assert outs[0].tokens == outs[1].tokens == outs[2].tokens
+    assert outs[0].cycles == outs[1].cycles == outs[2].cycles
+    if sampling.greedy:
+        assert outs[0].tokens[-1] == stop and outs[0].stop_reason == "stop"

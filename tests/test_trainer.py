@@ -94,6 +94,46 @@ def test_resume_is_bit_identical(tmp_path):
     assert [h["loss"] for h in full.history[3:]] == [h["loss"] for h in resumed.history]
 
 
+def test_time_budget_stops_with_a_checkpoint_and_resumes(tmp_path):
+    full = train(ToyTask(), _cfg(tmp_path / "full"), progress=False)
+    cut = train(ToyTask(), _cfg(tmp_path / "cut"), progress=False, time_budget_s=1e-9)  # out of time at step 1
+    assert cut.steps == 1 and len(cut.history) == 1
+    assert (tmp_path / "cut" / "checkpoints" / "step_00000001").is_dir()
+    rest = train(ToyTask(), _cfg(tmp_path / "cut"), progress=False)  # resumes at step 1
+    assert rest.steps == 8 and len(rest.history) == 7
+    for (k, va), vb in zip(_params(full.model).items(), _params(rest.model).values()):
+        assert torch.equal(va, vb), k
+    with pytest.raises(ValueError, match="time budget"):
+        train(ToyTask(), _cfg(tmp_path / "bad"), progress=False, time_budget_s=0)
+
+
+def test_data_workers_give_the_same_run(tmp_path):
+    inline = train(ToyTask(), _cfg(tmp_path / "a", micro_batch_size=4), progress=False)
+    workers = train(ToyTask(), _cfg(tmp_path / "b", micro_batch_size=4, data_workers=2), progress=False)
+    assert [h["loss"] for h in inline.history] == [h["loss"] for h in workers.history]
+    for (k, va), vb in zip(_params(inline.model).items(), _params(workers.model).values()):
+        assert torch.equal(va, vb), k
+    cut = train(ToyTask(), _cfg(tmp_path / "c", data_workers=2), progress=False, time_budget_s=1e-9)
+    assert cut.steps == 1  # leaving steps unread stops the workers cleanly
+
+
+def test_run_training_without_dvclive(tmp_path, monkeypatch, capsys):
+    import json
+    import sys
+
+    from dspark_core.train.run import run_training
+
+    monkeypatch.setitem(sys.modules, "dvclive", None)  # `import dvclive` raises ImportError
+    cfg = _cfg(tmp_path / "out", log_every=2)
+    res = run_training(ToyTask(), cfg, {"x": 1}, tmp_path / "report", time_budget_s=None)
+    assert res.steps == 8
+    assert "dvclive is not installed" in capsys.readouterr().out
+    metrics = json.loads((tmp_path / "report" / "metrics.json").read_text())
+    assert metrics["step"] == 8 and metrics["train"]["loss"] == pytest.approx(res.history[-1]["loss"])
+    rows = (tmp_path / "report" / "plots" / "metrics" / "train" / "loss.tsv").read_text().splitlines()
+    assert rows[0] == "step\tloss" and [int(r.split("\t")[0]) for r in rows[1:]] == [2, 4, 6, 8]
+
+
 def test_schedule_and_data_order():
     cfg = TrainConfig.from_dict(dict(total_steps=100, warmup_ratio=0.1, min_lr_ratio=0.1))
     assert lr_factor(0, cfg) == pytest.approx(0.1)
@@ -111,6 +151,8 @@ def test_bad_params_are_named():
         TrainConfig.from_dict({"total_steps": 10, "max_steps": 20})
     with pytest.raises(ParamsError, match="not a known parameter"):
         TrainConfig.from_dict({"lrr": 1e-3})
+    with pytest.raises(ParamsError, match="data_workers"):
+        TrainConfig.from_dict({"data_workers": -1})
     with pytest.raises(ValueError, match="global_batch_size"):
         TrainConfig.from_dict({"global_batch_size": 6, "micro_batch_size": 4}).grad_accum(1)
 

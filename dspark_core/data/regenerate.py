@@ -19,6 +19,14 @@ assembled in prompt order at the end and the parts are removed; a final parquet 
 same settings makes the split a no-op (so ``persist: true`` in dvc.yaml is safe). ``stats_path``
 records tokens and tokens/s per split.
 
+Time budget (``run_regenerate(cfg, time_budget_s=...)``, ``stages/regenerate.py --time-budget-s``; off by
+default): no new batch starts once that many seconds have passed since the stage started (the batch in
+flight finishes; a split with no answered prompt yet still gets one batch). The batches, length-sorted
+inside, then run in a seeded random order, so the answered prompts are a random subset of every split's
+prompts rather than its longest ones. A split cut short writes its final parquet with the answered
+prompts only (prompt order; ``skipped_prompts`` in the stats) and keeps its parts, so a rerun continues
+with the rest.
+
 The vLLM backend spawns worker processes: call :func:`run_regenerate` under
 ``if __name__ == "__main__":``.
 
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import shutil
 import time
 from pathlib import Path
@@ -260,19 +269,30 @@ def _settings_key(cfg: RegenerateConfig, fingerprint: str, prompts_file: Path) -
 
 def generate_split(requests: Sequence[Request], sources: dict[str, str], store: PartStore,
                    get_backend: Callable[[], Backend], tok, eos_ids: Sequence[int], cfg: RegenerateConfig,
-                   desc: str = "regenerate") -> dict:
-    """Generate every request whose id is not in ``store`` yet, one part a batch. Returns counters."""
+                   desc: str = "regenerate", deadline: float | None = None) -> dict:
+    """Generate every request whose id is not in ``store`` yet, one part a batch. Returns counters.
+
+    ``deadline`` (a ``time.perf_counter()`` value): start no batch after it, except a split's first when
+    it has no answered prompt yet; the batches then run in a seeded random order (``stopped_early`` in the
+    counters when some were left)."""
     from tqdm.auto import tqdm
 
     done = store.done_ids()
     todo = sorted((r for r in requests if r.id not in done), key=lambda r: -len(r.prompt_ids))
-    stats = {"generated": 0, "new_tokens": 0, "seconds": 0.0}
+    stats = {"generated": 0, "new_tokens": 0, "seconds": 0.0, "stopped_early": False}
     if not todo:
         return stats
+    batches = [todo[start:start + cfg.batch_size] for start in range(0, len(todo), cfg.batch_size)]
+    if deadline is not None:
+        random.Random(cfg.seed).shuffle(batches)
     backend = get_backend()
     with tqdm(total=len(requests), initial=len(requests) - len(todo), desc=desc, unit="prompt") as bar:
-        for start in range(0, len(todo), cfg.batch_size):
-            batch = todo[start:start + cfg.batch_size]
+        for batch in batches:
+            if deadline is not None and (stats["generated"] or done) and time.perf_counter() >= deadline:
+                stats["stopped_early"] = True
+                log.warning("regenerate: time budget reached; %d of %d prompts of %s left unanswered",
+                            len(requests) - bar.n, len(requests), desc)
+                break
             t0 = time.perf_counter()
             gens = backend.generate(batch)
             stats["seconds"] += time.perf_counter() - t0
@@ -288,15 +308,17 @@ def generate_split(requests: Sequence[Request], sources: dict[str, str], store: 
     return stats
 
 
-def assemble(requests: Sequence[Request], rows: list[dict], path: Path, key: str) -> list[dict]:
-    """Write the split's rows in prompt order to ``path`` (atomic); every request must have a row."""
+def assemble(requests: Sequence[Request], rows: list[dict], path: Path, key: str,
+             allow_missing: bool = False) -> list[dict]:
+    """Write the split's rows in prompt order to ``path`` (atomic); every request must have a row unless
+    ``allow_missing`` (a run cut by its time budget: the answered ones, at least one)."""
     by_id = {}
     for r in rows:
         by_id.setdefault(r["id"], r)
     missing = [r.id for r in requests if r.id not in by_id]
-    if missing:
+    if missing and (not allow_missing or len(missing) == len(requests)):
         raise RuntimeError(f"{path}: {len(missing)} prompts have no generation (first: {missing[0]!r})")
-    ordered = [by_id[r.id] for r in requests]
+    ordered = [by_id[r.id] for r in requests if r.id in by_id]
     _write_rows(path, ordered, key)
     return ordered
 
@@ -309,9 +331,15 @@ def _final_is_current(path: Path, key: str, requests: Sequence[Request]) -> bool
     return pq.read_table(path, columns=["id"]).column("id").to_pylist() == [r.id for r in requests]
 
 
-def run_regenerate(cfg: RegenerateConfig) -> dict:
-    """The ``regenerate`` stage. Returns (and writes to ``stats_path``) per-split counters."""
+def run_regenerate(cfg: RegenerateConfig, time_budget_s: float | None = None) -> dict:
+    """The ``regenerate`` stage. Returns (and writes to ``stats_path``) per-split counters.
+
+    ``time_budget_s``: start no batch after that many seconds from now (see the module docstring)."""
     from transformers import AutoTokenizer
+
+    if time_budget_s is not None and not time_budget_s > 0:
+        raise ValueError(f"regenerate: time budget must be > 0 seconds; got {time_budget_s!r}")
+    deadline = None if time_budget_s is None else time.perf_counter() + time_budget_s
 
     from dspark_core.target import read_fingerprint, validate_hf_dir
 
@@ -349,10 +377,11 @@ def run_regenerate(cfg: RegenerateConfig) -> dict:
             else:
                 store = PartStore(out_dir / PARTS_DIR / split, key)
                 counters = generate_split(requests, sources, store, get_backend, tok, eos_ids, cfg,
-                                          desc=f"regenerate {split}")
-                rows = assemble(requests, store.rows(), final, key)
-                store.remove()
-            stats["splits"][split] = _split_stats(rows, counters)
+                                          desc=f"regenerate {split}", deadline=deadline)
+                rows = assemble(requests, store.rows(), final, key, allow_missing=counters["stopped_early"])
+                if len(rows) == len(requests):
+                    store.remove()
+            stats["splits"][split] = _split_stats(rows, counters, len(requests))
     finally:
         for b in backend:
             b.close()
@@ -361,9 +390,9 @@ def run_regenerate(cfg: RegenerateConfig) -> dict:
     return stats
 
 
-def _split_stats(rows: list[dict], counters: dict) -> dict:
+def _split_stats(rows: list[dict], counters: dict, num_requests: int | None = None) -> dict:
     secs = counters["seconds"]
-    return {
+    out = {
         "prompts": len(rows),
         "response_tokens": sum(len(r["response_ids"]) for r in rows),
         "finish_stop": sum(r["finish_reason"] == "stop" for r in rows),
@@ -373,6 +402,9 @@ def _split_stats(rows: list[dict], counters: dict) -> dict:
         "generate_seconds": round(secs, 3),
         "tokens_per_s": round(counters["new_tokens"] / secs, 2) if secs > 0 else None,
     }
+    if num_requests is not None and num_requests > len(rows):
+        out["skipped_prompts"] = num_requests - len(rows)  # left by a time budget
+    return out
 
 
 def _remove_if_empty(path: Path) -> None:

@@ -17,7 +17,9 @@ Sums returned (the trainer divides by the global denominator ``weight = sum w_i`
 Memory: :class:`_ChunkedDistill` walks the N slots ``vocab_chunk_slots`` at a time. For each chunk it
 forms the draft and teacher logits [n, V] (float32 accumulation), the per-slot CE / L1, and -- when a
 gradient is wanted -- the analytic gradient of ``distill`` w.r.t. the logits, which it immediately pushes
-through the LM head and W2 (``dh = G W_lm``, ``dm = G W2``, ``dW2 += G^T m``). Only [N, Ht], [N, r] and
+through the LM head and W2 (``[dh ; dm] = G [W_lm ; W2]``, ``dW2 += G^T m``). The Markov bias rides in the
+LM-head GEMM (``[h ; m] @ [W_lm ; W2]^T``, the weights concatenated once per step), so the float32 logits
+are written once, not re-read and re-written by a second GEMM's epilogue. Only [N, Ht], [N, r] and
 [V, r] gradients are kept for backward, so peak memory is a few [n, V] float32 buffers and the LM-head
 matmuls run 3 times (2 forward, 1 backward) instead of 5 with per-chunk recomputation. The frozen
 LM head gets no gradient.
@@ -101,15 +103,45 @@ def chunk_math(logits: torch.Tensor, teacher: torch.Tensor, targets: torch.Tenso
     return ce, l1, grad.to(grad_dtype)
 
 
+LOSS_KERNELS = ("auto", "triton", "compile", "torch")
+
+
+def loss_kernel(device: torch.device) -> str:
+    """Which implementation of the chunk math runs: ``DSPARK_LOSS_KERNEL`` (auto | triton | compile | torch),
+    where auto = the Triton kernels on CUDA when Triton imports, else torch.compile on CUDA, else eager torch.
+
+    A speed knob, not a hyperparameter: every choice computes the same numbers (tests), so it lives in the
+    environment rather than in params.yaml."""
+    import os
+
+    from dspark_core.kernels import triton_ok
+
+    choice = os.environ.get("DSPARK_LOSS_KERNEL", "auto")
+    if choice not in LOSS_KERNELS:
+        raise ValueError(f"DSPARK_LOSS_KERNEL must be one of {', '.join(LOSS_KERNELS)}; got {choice!r}")
+    if choice == "auto":
+        if device.type != "cuda":
+            return "torch"
+        return "triton" if triton_ok(device) else "compile"
+    if choice == "triton" and not triton_ok(device):
+        raise ValueError(f"DSPARK_LOSS_KERNEL=triton but Triton cannot run on {device}")
+    return choice
+
+
 def _math_fn(device: torch.device):
-    """The chunk math, fused by torch.compile on GPU (it is memory-bound: a dozen passes over [n, V]).
-    Dynamic shapes: the last chunk's size varies from step to step."""
+    """The chunk math for ``device`` (see :func:`loss_kernel`). It is memory-bound: a dozen passes over [n, V].
+    The compiled variant uses dynamic shapes: the last chunk's size varies from step to step."""
     global _compiled_math
-    if device.type != "cuda":
-        return chunk_math
-    if _compiled_math is None:
-        _compiled_math = torch.compile(chunk_math, dynamic=True)
-    return _compiled_math
+    kind = loss_kernel(device)
+    if kind == "triton":
+        from dspark_core.kernels.distill import chunk_math_triton
+
+        return chunk_math_triton
+    if kind == "compile":
+        if _compiled_math is None:
+            _compiled_math = torch.compile(chunk_math, dynamic=True)
+        return _compiled_math
+    return chunk_math
 
 
 class _ChunkedDistill(torch.autograd.Function):
@@ -122,28 +154,30 @@ class _ChunkedDistill(torch.autograd.Function):
         dev = head_h.device
         with torch.autocast(dev.type, enabled=False):
             w_lm = lm_w.to(cdtype)  # [V, Ht] (no copy when already cdtype)
-            w_mk = w2.to(cdtype) if markov is not None else None  # [V, r]
+            ht = head_h.shape[1]
+            if markov is not None:  # one GEMM for lm_head(h) + W2 m: [h ; m] @ [W_lm ; W2]^T (no second pass over [n, V])
+                w_in = torch.cat([w_lm, w2.to(cdtype)], dim=1)  # [V, Ht + r]
+                x_in = torch.cat([head_h.to(cdtype), markov.to(cdtype)], dim=1)  # [N, Ht + r]
+            else:
+                w_in, x_in = w_lm, head_h  # [V, Ht], [N, Ht]
             ce = torch.empty(n_slots, device=dev)
             l1 = torch.empty(n_slots, device=dev)
-            d_head = torch.empty(n_slots, head_h.shape[1], device=dev) if with_grad else None  # [N, Ht]
-            d_mk = torch.empty(n_slots, markov.shape[1], device=dev) if with_grad and markov is not None else None
+            d_in = torch.empty(n_slots, w_in.shape[1], device=dev) if with_grad else None  # [N, Ht (+ r)]
             d_w2 = torch.zeros(w2.shape, device=dev) if with_grad and markov is not None else None  # [V, r]
             math = _math_fn(dev)
             for s in range(0, n_slots, chunk):
                 e = min(n_slots, s + chunk)
-                logits = _mm_f32(head_h[s:e].to(cdtype), w_lm.t())  # [n, V]
-                m_c = markov[s:e].to(cdtype) if markov is not None else None
-                if m_c is not None:
-                    _add_mm_f32_(logits, m_c, w_mk.t())  # + W2 m
+                logits = _mm_f32(x_in[s:e].to(cdtype), w_in.t())  # [n, V]
                 teacher = _mm_f32(teacher_h[s:e].to(cdtype), w_lm.t())  # [n, V]
                 ce[s:e], l1[s:e], g = math(logits, teacher, targets[s:e], weights[s:e], ce_alpha, l1_alpha,
                                            cdtype if with_grad else None)
                 del logits, teacher
                 if with_grad:
-                    d_head[s:e] = _mm_f32(g, w_lm)
-                    if m_c is not None:
-                        d_mk[s:e] = _mm_f32(g, w_mk)
-                        d_w2 += _mm_f32(g.t(), m_c)
+                    d_in[s:e] = _mm_f32(g, w_in)  # [dh ; dm]
+                    if markov is not None:
+                        _add_mm_f32_(d_w2, g.t(), x_in[s:e, ht:])  # dW2 += G^T m in the GEMM epilogue
+            d_head = d_in[:, :ht] if with_grad else None  # [N, Ht]
+            d_mk = d_in[:, ht:] if with_grad and markov is not None else None  # [N, r]
             distill = (weights * (ce_alpha * ce + l1_alpha * l1)).sum()
         ctx.save_for_backward(d_head, d_mk, d_w2)
         ctx.dtypes = (head_h.dtype, None if markov is None else markov.dtype, None if w2 is None else w2.dtype)

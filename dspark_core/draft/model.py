@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -210,6 +211,7 @@ class DSparkDraft(nn.Module):
         self.attention_backend = "auto"  # auto: flex_attention on GPU, dense SDPA on CPU
         self.gradient_checkpointing = False  # recompute each layer in backward (less activation memory)
         self.compile_layers = True  # on GPU: torch.compile the layer step (fuses norms / RoPE / MLP with flex)
+        self.context_bucket = 1  # uncompiled path: pad the context to a multiple of this (tests; GPU: CONTEXT_BUCKET)
         self._build_frozen(embed_weight, lm_head_weight)
         self._build_mask(cfg, vocab, t_hidden)
         norm_cls, _, rotary_cls = family_classes(self.model_type)
@@ -344,6 +346,11 @@ class DSparkDraft(nn.Module):
                              f"{tuple(aux_hidden.shape)} and anchors {tuple(anchors.shape)} disagree")
         x = self._block_states(input_ids.gather(1, anchors), extras)  # [B, Q, H]
         c = self.context_features(aux_hidden)  # [B, L, H]
+        compiled = x.is_cuda and self.compile_layers
+        bucket = CONTEXT_BUCKET if compiled else self.context_bucket
+        if bucket > 1:  # static-shape kernels: pad the context to a bucket (padding is never visible: c < anchor)
+            length = length + (-length) % bucket
+            c = F.pad(c, (0, 0, 0, length - c.shape[1]))  # [B, Lp, H]
         ctx_pos = torch.arange(length, device=c.device).expand(batch, length)  # [B, L]
         blk_pos = (anchors.unsqueeze(-1) + torch.arange(slots, device=c.device)).reshape(batch, -1)  # [B, Q]
         ctx_rope, blk_rope = self.rope(c, ctx_pos), self.rope(x, blk_pos)
@@ -352,7 +359,7 @@ class DSparkDraft(nn.Module):
         mask = build_attention_mask(anchors, anchor_valid, length, slots,
                                     extra.owner if extra is not None else None, self.attention_backend)
         extra_states = extra.states if extra is not None else None
-        step = _compiled_layer_step() if x.is_cuda and self.compile_layers else _layer_step
+        step = _compiled_layer_step() if compiled else _layer_step
         for layer in self.layers:
             args = (layer, x, c, ctx_rope, extra_states, extra_rope, blk_rope, mask)
             if self.gradient_checkpointing and torch.is_grad_enabled():
@@ -404,12 +411,22 @@ def _layer_step(layer: DraftLayer, x: torch.Tensor, c: torch.Tensor, ctx_rope: R
 
 
 _COMPILED_STEP: list = []
+# The compiled training forward pads the context to a multiple of this many positions and compiles
+# static shapes: flex_attention's kernels then know every length is a multiple of their 128-wide tiles
+# (measured on an H200 at Qwen3-4B shapes, L = 4096: 2.41 ms forward + backward per layer against 3.68 ms
+# with dynamic shapes). One graph per (batch, bucket, anchors) -- a handful over a run.
+CONTEXT_BUCKET = 512
 
 
 def _compiled_layer_step():
-    """``_layer_step`` under torch.compile (one dynamic-shape graph shared by every layer), built once."""
+    """``_layer_step`` under torch.compile (static shapes, one graph per shape shared by every layer), built once."""
     if not _COMPILED_STEP:
-        _COMPILED_STEP.append(torch.compile(_layer_step, dynamic=True))
+        import torch._dynamo
+
+        for name in ("recompile_limit", "cache_size_limit"):  # one entry per shape bucket
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
+        _COMPILED_STEP.append(torch.compile(_layer_step, dynamic=False))
     return _COMPILED_STEP[0]
 
 

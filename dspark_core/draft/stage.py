@@ -31,7 +31,7 @@ def variant_configs(params: Path, variant: str) -> tuple[DraftConfig, LossConfig
     return draft, loss, train
 
 
-def run_train_stage(params: Path, variant: str) -> None:
+def run_train_stage(params: Path, variant: str, time_budget_s: float | None = None) -> None:
     from dspark_core.cache.dataset import CacheDataset
     from dspark_core.draft.task import DSparkTask
     from dspark_core.train.run import run_training
@@ -42,7 +42,7 @@ def run_train_stage(params: Path, variant: str) -> None:
     run_config = {"variant": variant, "draft": draft_cfg.to_dict(), "loss": loss_cfg.to_dict(),
                   "train": train_cfg.to_dict(), "target": task.target_fingerprint,
                   "cache": sha256_json(data.manifest)}
-    run_training(task, train_cfg, run_config, Path("reports/train") / variant)
+    run_training(task, train_cfg, run_config, Path("reports/train") / variant, time_budget_s=time_budget_s)
 
 
 def run_eval_offline_stage(params: Path, variant: str) -> dict:

@@ -23,11 +23,22 @@ layer (before / after the attention) and the head through ``torch.compile`` (one
 half shared by all layers: weights are arguments), which fuses the element-wise work between the
 matmuls. Outputs of a graph replay live in static buffers: they are valid until the next ``forward``.
 
-Measured on one H200 at Qwen3-4B shapes (bf16, batch 1, benchmarks/bench_decode.py): n = 1 step
-5.0 ms with compile + CUDA graphs (7.7 ms graphs only) against 1.9 ms for reading the weights once;
-the matmuls are ~3.6 ms of it: cuBLAS's batch-1 GEMV kernels stream bf16 weights at 2.0-2.5 TB/s on
-large matrices and ~0.3 TB/s on the 1024 x 2560 K/V projections (copy bandwidth: 4.3 TB/s). A
-bandwidth-bound GEMV kernel (Triton) is the missing piece for >= 70 % of the limit.
+``kernels=True`` (CUDA, batch 1) runs every chunk of n <= 16 tokens through the Triton kernels of
+``dspark_core.kernels.decode`` instead: 6 kernels per decoder layer (norm fused into the Q/K/V and
+gate/up matrix-vector products, SiLU and residual adds in their epilogues, q/k norm + RoPE + cache write
+in one kernel, split-KV attention). The Q/K/V and gate/up weights are concatenated once and the HF
+module weights re-pointed to views of the concatenation (values unchanged, no second copy).
+
+Measured on one H200 at Qwen3-4B shapes (bf16, batch 1, random weights, ``benchmarks/bench_decode.py``;
+weight-read limit 520 tokens/s at the measured 4.2 TB/s copy bandwidth):
+
+| path | n = 1 step | AR tokens/s | of the limit |
+|---|---|---|---|
+| compile + CUDA graphs (cuBLAS GEMVs, separate Q/K/V) | 4.94 ms | 197.5 | 37 % |
+| ``kernels=True`` + CUDA graphs, no PDL | 2.67 ms | 370.2 | 70 % |
+| ``kernels=True`` + CUDA graphs + PDL | 2.52 ms | 392.3 | 75 % |
+
+(the kernel rows before the batch-invariant verify, which does not change the n = 1 step.)
 
 Shape legend: B batch, n tokens in this call, M cache positions (max_len rounded up to 16), L decoder
 layers, Hq / Hkv query / KV heads, D head dim, G = Hq / Hkv, H hidden, F FFN width, K aux layers, V vocab.
@@ -199,12 +210,47 @@ class _Path:
     head_fn: Callable[..., torch.Tensor]
 
 
+class FusedWeights(NamedTuple):
+    """One decoder layer for the Triton step: Q/K/V and gate/up concatenated along the output rows."""
+
+    ln1: torch.Tensor
+    qkv_w: torch.Tensor  # [(Hq + 2 Hkv) D, H]
+    qkv_b: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    ln2: torch.Tensor
+    gate_up_w: torch.Tensor  # [2F, H]
+    gate_up_b: torch.Tensor | None
+    down_w: torch.Tensor
+    down_b: torch.Tensor | None
+
+
+def _concat_rows(modules: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the modules' weights (and biases) along the output rows, then re-point each module's
+    parameters to its view of the concatenation (same values; the separate copies are freed)."""
+    weight = torch.cat([m.weight.detach() for m in modules])
+    has_bias = [m.bias is not None for m in modules]
+    if any(has_bias) and not all(has_bias):
+        raise ValueError("fused projections need biases on all or none of " + ", ".join(type(m).__name__ for m in modules))
+    bias = torch.cat([m.bias.detach() for m in modules]) if all(has_bias) else None
+    start = 0
+    for m in modules:
+        rows = m.weight.shape[0]
+        m.weight.data = weight[start : start + rows]
+        if bias is not None:
+            m.bias.data = bias[start : start + rows]
+        start += rows
+    return weight, bias
+
+
 class TargetRunner:
     """Static-KV-cache forward of an HF Qwen3 / Qwen2 / Llama causal LM (see module docstring)."""
 
     def __init__(self, model: torch.nn.Module, *, max_len: int, aux_layer_ids: Sequence[int] = (),
                  batch_size: int = 1, compile: bool = False, cuda_graph: bool = False,
-                 graph_max_tokens: int = 16) -> None:
+                 graph_max_tokens: int = 16, kernels: bool = False) -> None:
         cfg = model.config
         _check_supported(model)
         self.model = model  # keeps the weights alive; never modified
@@ -220,6 +266,10 @@ class TargetRunner:
             raise ValueError(f"cuda_graph=True needs the model on a CUDA device; it is on {self.device}")
         self.max_len, self.batch_size = int(max_len), int(batch_size)
         self.length = 0
+        self.kernels = bool(kernels)
+        if self.kernels:
+            _check_kernels(model, batch_size)
+            self._fused = self._fuse_weights(model)  # before _init_weights: it re-points the HF weights
         self._init_weights(model)
         self._init_cache()
         self._eager = _Path(decoder_layer, lm_head)  # the prompt (any length)
@@ -257,6 +307,21 @@ class TargetRunner:
             cos, sin = body.rotary_emb(probe, positions)  # [1, M, D] in the model dtype, as HF applies them
         self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()  # [M, D]
         self._key_pos = torch.arange(self._alloc_len, device=self.device)  # [M]
+
+    @staticmethod
+    def _fuse_weights(model: torch.nn.Module) -> list[FusedWeights]:
+        fused = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv_w, qkv_b = _concat_rows([attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up_w, gate_up_b = _concat_rows([mlp.gate_proj, mlp.up_proj])
+            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            fused.append(FusedWeights(layer.input_layernorm.weight, qkv_w, qkv_b,
+                                      None if q_norm is None else q_norm.weight,
+                                      None if k_norm is None else k_norm.weight,
+                                      attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
+                                      gate_up_w, gate_up_b, mlp.down_proj.weight, mlp.down_proj.bias))
+        return fused
 
     def _init_cache(self) -> None:
         shape = (self.num_layers, self.batch_size, self.num_kv_heads, self._alloc_len, self.head_dim)
@@ -299,7 +364,8 @@ class TargetRunner:
         for start in range(0, n, chunk_tokens):
             final = start + chunk_tokens >= n
             head = "last" if (last_logits_only and final) else ("none" if last_logits_only else "all")
-            logits, aux = self._run_eager(ids[:, start : start + chunk_tokens], head=head, path=self._eager)
+            logits, aux = self._run_eager(ids[:, start : start + chunk_tokens], head=head, path=self._eager,
+                                          kernels=False)
             if logits is not None:
                 logits_parts.append(logits)
             aux_parts.append(aux)
@@ -317,7 +383,7 @@ class TargetRunner:
             graph.graph.replay()
             self.length += n
             return graph.logits, graph.aux
-        return self._run_eager(ids, head="all", path=self._fast)
+        return self._run_eager(ids, head="all", path=self._fast, kernels=self.kernels)
 
     __call__ = forward
 
@@ -331,19 +397,23 @@ class TargetRunner:
                              f"max_len={self.max_len}; build the TargetRunner with a larger max_len")
         return ids.to(self.device, torch.long)
 
-    def _run_eager(self, ids: torch.Tensor, *, head: str, path: _Path) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _run_eager(self, ids: torch.Tensor, *, head: str, path: _Path, kernels: bool
+                   ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Run without a CUDA graph (the prompt, or chunks longer than ``graph_max_tokens``)."""
         n = ids.shape[1]
         pos = self._key_pos[self.length : self.length + n]  # [n]
-        logits, aux = self._step(ids, pos, head=head, path=path)
+        logits, aux = self._step(ids, pos, head=head, path=path, kernels=kernels)
         self.length += n
         return logits, aux
 
-    def _step(self, ids: torch.Tensor, pos: torch.Tensor, *, head: str = "all", path: _Path | None = None
-              ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _step(self, ids: torch.Tensor, pos: torch.Tensor, *, head: str = "all", path: _Path | None = None,
+              kernels: bool | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The sync-free forward of ``ids [B, n]`` at positions ``pos [n]`` (a device tensor).
 
         ``head``: "all" (logits for every position), "last" (only the last) or "none"."""
+        kernels = self.kernels if kernels is None else kernels  # graph capture: the runner's choice
+        if kernels and ids.shape[1] <= self._kernel_max_tokens():
+            return self._kernel_step(ids, pos, head=head)
         path = path or self._fast
         group = self.num_heads // self.num_kv_heads
         x = F.embedding(ids, self._embed_w)  # [B, n, H]
@@ -361,6 +431,38 @@ class TargetRunner:
             return None, aux
         rows = x[:, -1:] if head == "last" else x
         return path.head_fn(rows, self._norm_w, self._head_w, self._head_b, self._spec), aux
+
+    @staticmethod
+    def _kernel_max_tokens() -> int:
+        from dspark_core.kernels.decode import MAX_TOKENS
+
+        return MAX_TOKENS
+
+    def _kernel_step(self, ids: torch.Tensor, pos: torch.Tensor, *, head: str = "all"
+                     ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The Triton path of :meth:`_step` (batch 1, n <= 16 tokens; see the module docstring)."""
+        from dspark_core.kernels.decode import decode_attention, fused_linear, qk_norm_rope_cache
+
+        n, eps = ids.shape[1], self._spec.eps
+        x = F.embedding(ids[0], self._embed_w)  # [n, H]
+        collected: dict[int, torch.Tensor] = {-1: x} if -1 in self.aux_layer_ids else {}
+        for layer, w in enumerate(self._fused):
+            k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]  # [1, Hkv, M, D]
+            qkv = fused_linear(x, w.qkv_w, w.qkv_b, norm_weight=w.ln1, eps=eps)  # [n, (Hq + 2 Hkv) D]
+            q = qk_norm_rope_cache(qkv, w.q_norm, w.k_norm, self._cos, self._sin, pos, k_cache, v_cache,
+                                   self.num_heads, self.num_kv_heads, eps)  # [n, Hq, D]
+            attn = decode_attention(q, k_cache, v_cache, pos, self._spec.scaling)  # [n, Hq, D]
+            x = fused_linear(attn.view(n, -1), w.o_w, w.o_b, residual=x)  # [n, H]
+            h = fused_linear(x, w.gate_up_w, w.gate_up_b, norm_weight=w.ln2, eps=eps, gated=True)  # [n, F]
+            x = fused_linear(h, w.down_w, w.down_b, residual=x)  # [n, H]
+            if layer in self.aux_layer_ids:
+                collected[layer] = x
+        aux = self._stack_aux({k: v.unsqueeze(0) for k, v in collected.items()}, x.unsqueeze(0))  # [1, n, K, H]
+        if head == "none":
+            return None, aux
+        rows = x[-1:] if head == "last" else x
+        logits = fused_linear(rows, self._head_w, self._head_b, norm_weight=self._norm_w, eps=eps)  # [n, V]
+        return logits.unsqueeze(0), aux
 
     def _stack_aux(self, collected: dict[int, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         if not self.aux_layer_ids:
@@ -404,6 +506,30 @@ def _check_supported(model: torch.nn.Module) -> None:
     if rope_type in _UNSUPPORTED_ROPE:
         raise ValueError(f"target config rope_type {rope_type!r} is not supported (its table depends on the "
                          "sequence length)")
+
+
+def _check_kernels(model: torch.nn.Module, batch_size: int) -> None:
+    """Refuse ``kernels=True`` where the Triton step does not apply (with the reason)."""
+    from dspark_core.kernels import triton_ok
+
+    device = next(model.parameters()).device
+    attn0, mlp0 = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    head_dim = int(attn0.head_dim)
+    act = getattr(model.config, "hidden_act", "silu")
+    problems = []
+    if not triton_ok(device):
+        problems.append(f"Triton cannot run on {device}")
+    if batch_size != 1:
+        problems.append(f"batch_size is {batch_size} (the kernels decode batch 1)")
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        problems.append(f"head_dim {head_dim} is not a power of two >= 16")
+    if act not in ("silu", "swish"):
+        problems.append(f"hidden_act {act!r} is not SiLU")
+    act_fn = getattr(mlp0, "act_fn", None)
+    if not isinstance(act_fn, torch.nn.SiLU) and "SiLU" not in type(act_fn).__name__:
+        problems.append(f"the MLP's act_fn is {type(act_fn).__name__}, not SiLU")
+    if problems:
+        raise ValueError("TargetRunner(kernels=True) does not apply: " + "; ".join(problems))
 
 
 def _check_aux_ids(aux_layer_ids: Sequence[int], num_layers: int) -> tuple[int, ...]:

@@ -1,5 +1,9 @@
 """Run a training stage end to end: stale-checkpoint check, dvclive, the trainer, export, final metrics.
 
+Without dvclive installed (a GPU machine with no DVC), :class:`JsonLive` stands in for ``dvclive.Live``
+after a one-line warning: the same ``metrics.json`` summary and ``plots/metrics/<name>.tsv`` curves under
+the report dir, plus ``params.json`` (no DVC experiment, no dvc.yaml / report files).
+
 Shared by ``stages/train.py`` (DSpark variants) and ``stages/dmtd_train.py`` (DMTD variants).
 
 The stage's output folder is DVC-``persist``ed so a killed run resumes from its last checkpoint. A run
@@ -31,10 +35,61 @@ def _prepare_out_dir(out_dir: Path, run_config: dict[str, Any]) -> bool:
     return False
 
 
-def run_training(task: Any, cfg: TrainConfig, run_config: dict[str, Any], report_dir: str | Path) -> TrainResult:
-    """Train ``task`` into ``cfg.out_dir`` (checkpoints + ``final/``), curves and metrics into ``report_dir``."""
-    from dvclive import Live
+class JsonLive:
+    """The part of ``dvclive.Live`` the trainer uses: ``step``, ``log_params``, ``log_metric``, ``make_summary``,
+    ``end``. Writes ``<dir>/metrics.json`` ({"step": n, <nested metrics>}) and ``<dir>/plots/metrics/<name>.tsv``
+    (``step<TAB>name`` rows, appended; a fresh, non-resumed run starts them over)."""
 
+    def __init__(self, dir: str, resume: bool = False, **_: Any) -> None:
+        self.dir = Path(dir)
+        self.step = 0
+        self._latest: dict[str, float] = {}
+        self._plots = self.dir / "plots" / "metrics"
+        if not resume and self._plots.exists():
+            shutil.rmtree(self._plots)
+        self._plots.mkdir(parents=True, exist_ok=True)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        write_json(self.dir / "params.json", params)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self._latest[name] = float(value)
+        path = self._plots / f"{name}.tsv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.is_file()
+        with path.open("a") as fh:
+            if new:
+                fh.write(f"step\t{Path(name).name}\n")
+            fh.write(f"{self.step}\t{float(value)!r}\n")
+
+    def make_summary(self) -> None:
+        summary: dict[str, Any] = {"step": self.step}
+        for name, value in self._latest.items():
+            cur = summary
+            *parents, leaf = name.split("/")
+            for p in parents:
+                cur = cur.setdefault(p, {})
+            cur[leaf] = value
+        write_json(self.dir / "metrics.json", summary)
+
+    def end(self) -> None:
+        self.make_summary()
+
+
+def _live_class() -> Any:
+    try:
+        from dvclive import Live
+    except ImportError:
+        print("warning: dvclive is not installed; training metrics go to metrics.json + plots/metrics/*.tsv "
+              "under the report dir (no DVC experiment tracking)")
+        return JsonLive
+    return Live
+
+
+def run_training(task: Any, cfg: TrainConfig, run_config: dict[str, Any], report_dir: str | Path,
+                 time_budget_s: float | None = None) -> TrainResult:
+    """Train ``task`` into ``cfg.out_dir`` (checkpoints + ``final/``), curves and metrics into ``report_dir``.
+    ``time_budget_s``: see :func:`dspark_core.train.trainer.train`."""
     from dspark_core.train.trainer import init_distributed
 
     out_dir = Path(cfg.out_dir)
@@ -44,10 +99,11 @@ def run_training(task: Any, cfg: TrainConfig, run_config: dict[str, Any], report
         import torch.distributed as dist
 
         dist.barrier()
-    live = Live(dir=str(report_dir), resume=resume, save_dvc_exp=False, dvcyaml=None, report=None) if d.is_main else None
-    if live is not None:
+    live = None
+    if d.is_main:
+        live = _live_class()(dir=str(report_dir), resume=resume, save_dvc_exp=False, dvcyaml=None, report=None)
         live.log_params({"run_config_hash": sha256_json(run_config)})
-    result = train(task, cfg, live=live)
+    result = train(task, cfg, live=live, time_budget_s=time_budget_s)
     if d.is_main and hasattr(task, "export"):  # DMTD: the last checkpoint is the model
         task.export(result.model, out_dir / "final")
         if live is not None:

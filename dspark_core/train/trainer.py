@@ -4,6 +4,8 @@ One optimiser step consumes ``global_batch_size`` samples = world_size x micro_b
 Samples come from an endless stream of seeded epoch permutations, so the data of step ``s`` depends
 only on (seed, s): a resumed run (model, optimiser, scheduler and RNG restored from the last
 checkpoint) continues bit-identically. Loss normalisation is global (see ``train/task.py``).
+``data_workers`` > 0 prepares the next steps' batches in DataLoader worker processes (the same batches,
+made ahead; on GPU pinned for the host-to-device copy), so reading and collating overlap the steps.
 
 Launch on several processes with ``torchrun --nproc_per_node N stages/train.py ...``: the trainer reads
 ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``, uses NCCL on GPU and gloo on CPU, and wraps the model in DDP.
@@ -23,6 +25,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.utils.data
 from torch import nn
 
 from dspark_core.config import Section, non_negative, one_of, positive, require
@@ -49,6 +52,7 @@ class TrainConfig(Section):
     keep_checkpoints: int = 2
     log_every: int = 10
     precision: str = "auto"          # auto | fp32 | bf16
+    data_workers: int = 0            # processes preparing the next steps' batches (0: in the training loop)
     out_dir: str = "data/train"
 
     def validate(self) -> None:
@@ -68,6 +72,7 @@ class TrainConfig(Section):
         positive("keep_checkpoints", self.keep_checkpoints)
         positive("log_every", self.log_every)
         one_of("precision", self.precision, ("auto", "fp32", "bf16"))
+        non_negative("data_workers", self.data_workers)
 
     @property
     def stop_step(self) -> int:
@@ -135,6 +140,38 @@ def sample_indices(step: int, n: int, cfg: TrainConfig) -> list[int]:
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
         out.extend(perm[offset: offset + g - len(out)].tolist())
     return out
+
+
+class StepBatches(torch.utils.data.Dataset):
+    """Item i = the CPU micro-batches of optimiser step ``start + i`` for this rank: a pure function of
+    (seed, step), so the batches are the same whether made in the loop or by DataLoader worker processes."""
+
+    def __init__(self, task: TrainTask, cfg: TrainConfig, d: Dist, start: int, stop: int) -> None:
+        self.task, self.cfg, self.d, self.start, self.stop = task, cfg, d, start, stop
+        self.data = task.train_dataset()
+        self.accum = cfg.grad_accum(d.world_size)
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, i: int) -> list[dict[str, torch.Tensor]]:
+        step, cfg, d = self.start + i, self.cfg, self.d
+        order = sample_indices(step, len(self.data), cfg)
+        return [self.task.collate([self.data[order[s]] for s in micro_slots(m, d, cfg)],
+                                  [item_generator(cfg, step, s) for s in micro_slots(m, d, cfg)])
+                for m in range(self.accum)]
+
+
+def step_batch_stream(task: TrainTask, cfg: TrainConfig, d: Dist, start: int, pin_memory: bool = False):
+    """Iterator over the CPU micro-batches of steps ``start .. stop_step - 1``, in order. With
+    ``cfg.data_workers`` > 0 a DataLoader's worker processes prepare the next steps meanwhile (the dataset
+    must be safe to use after a fork, as ``CacheDataset`` is)."""
+    steps = StepBatches(task, cfg, d, start, cfg.stop_step)
+    if cfg.data_workers == 0:
+        return (steps[i] for i in range(len(steps)))
+    loader = torch.utils.data.DataLoader(steps, batch_size=None, shuffle=False, num_workers=cfg.data_workers,
+                                         prefetch_factor=2, pin_memory=pin_memory)
+    return iter(loader)
 
 
 def micro_slots(micro: int, d: Dist, cfg: TrainConfig) -> range:
@@ -242,8 +279,14 @@ def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
 
 def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
           on_step: Callable[[int, dict[str, float]], None] | None = None,
-          progress: bool = True) -> TrainResult:
-    """Run (or resume) training of ``task`` until ``cfg.stop_step``. Returns the (unwrapped) model."""
+          progress: bool = True, time_budget_s: float | None = None) -> TrainResult:
+    """Run (or resume) training of ``task`` until ``cfg.stop_step``. Returns the (unwrapped) model.
+
+    ``time_budget_s`` (off by default): stop after the first step that ends that many seconds after the
+    loop started (compilation included), with a checkpoint, as if ``max_steps`` were that step; the lr
+    schedule is not stretched. ``TrainResult.steps`` is the step reached."""
+    if time_budget_s is not None and not time_budget_s > 0:
+        raise ValueError(f"train: time budget must be > 0 seconds; got {time_budget_s!r}")
     d = init_distributed()
     accum = cfg.grad_accum(d.world_size)
     device, amp_dtype = pick_device_dtype(cfg, d)
@@ -261,19 +304,19 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
     if d.world_size > 1:
         wrapped = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
-    data = task.train_dataset()
-    n = len(data)
+    if start < cfg.stop_step and len(task.train_dataset()) <= 0:
+        raise ValueError("the training dataset is empty")
+    stream = step_batch_stream(task, cfg, d, start, pin_memory=device.type == "cuda")
     history: list[dict[str, float]] = []
     bar = None
     if progress and d.is_main:
         from tqdm.auto import tqdm
         bar = tqdm(total=cfg.stop_step, initial=start, desc=f"train {task.name}", unit="step")
+    t_loop = time.perf_counter()
+    last = start
     for step in range(start, cfg.stop_step):
         t0 = time.perf_counter()
-        order = sample_indices(step, n, cfg)
-        batches = [_to(task.collate([data[order[s]] for s in micro_slots(m, d, cfg)],
-                                    [item_generator(cfg, step, s) for s in micro_slots(m, d, cfg)]), device)
-                   for m in range(accum)]
+        batches = [_to(b, device) for b in next(stream)]
         dens = _global_denominators(task, batches, d, device)
         sums_acc: dict[str, torch.Tensor] = {}
         for m, batch in enumerate(batches):
@@ -293,9 +336,16 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
         row = _step_metrics(task, sums_acc, dens, d, device)
         row.update(lr=lr, grad_norm=grad_norm, step_s=time.perf_counter() - t0)
         history.append(row)
-        done = step + 1
+        done = last = step + 1
+        out_of_time = False
+        if time_budget_s is not None:
+            out_of_time = time.perf_counter() - t_loop >= time_budget_s
+            if d.world_size > 1:  # every rank stops at the same step
+                flag = torch.tensor([float(out_of_time)], device=device)
+                out_of_time = bool(_all_reduce_(flag, d).item() > 0)
+        final = done == cfg.stop_step or out_of_time
         if d.is_main:
-            if live is not None and (done % cfg.log_every == 0 or done == cfg.stop_step):
+            if live is not None and (done % cfg.log_every == 0 or final):
                 live.step = done
                 for k, v in row.items():
                     live.log_metric(f"train/{k}", v)
@@ -305,14 +355,20 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
                 bar.set_postfix(loss=f"{row['loss']:.4f}")
         if on_step is not None:
             on_step(done, row)
-        if done % cfg.checkpoint_every == 0 or done == cfg.stop_step:
+        if done % cfg.checkpoint_every == 0 or final:
             if d.is_main:
                 save_checkpoint(ckpt_root, done, model, opt, sched, cfg.keep_checkpoints)
             if d.world_size > 1:
                 dist.barrier()
+        if out_of_time and done < cfg.stop_step:
+            if d.is_main:
+                print(f"train: time budget of {time_budget_s:g} s reached after step {done} of {cfg.stop_step}; "
+                      f"stopping there")
+            break
     if bar is not None:
         bar.close()
-    return TrainResult(model=model, steps=cfg.stop_step, history=history)
+    del stream  # stops DataLoader workers (a time budget can leave steps unread)
+    return TrainResult(model=model, steps=last, history=history)
 
 
 class _null:

@@ -1,0 +1,229 @@
+"""Kernel-level timings behind issues 3 and 4, on one GPU (H200), at Qwen3-4B shapes.
+
+- ``gemv``: each decode matrix of Qwen3-4B (fused Q/K/V, O, fused gate/up, down, LM head) at n = 1 and
+  n = 8 tokens: cuBLAS (``F.linear``, no fusion) vs ``dspark_core.kernels.decode.fused_linear`` (with its
+  norm / SiLU / residual fusions), as weight bytes read per second.
+- ``loss``: the per-chunk distillation math (512 slots x vocab 151,936, float32 logits, bf16 gradient):
+  torch.compile of ``chunk_math`` vs the Triton kernels.
+- ``flex``: the DSpark training attention (512 anchors x block 7 queries, 32 / 8 heads, head dim 128,
+  context L) forward + backward through flex_attention under several kernel options.
+- ``decode_profile``: the top CUDA kernels of Triton decode steps (no CUDA graph, so names are visible).
+
+    python benchmarks/bench_kernels.py                       # all parts -> reports/bench/kernels.json
+    python benchmarks/bench_kernels.py --parts gemv loss
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from dspark_core.io import write_json  # noqa: E402
+
+H, FFN, HQ, HKV, D, VOCAB = 2560, 9728, 32, 8, 128, 151936
+
+
+def bench(fn, iters: int = 50, warmup: int = 5) -> float:
+    """Mean ms of ``fn`` (CUDA events around ``iters`` calls)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def part_gemv(dev) -> list[dict]:
+    from dspark_core.kernels.decode import fused_linear
+
+    bf = torch.bfloat16
+    shapes = {  # name: (rows of W, K, fusion kwargs builder)
+        "qkv": ((HQ + 2 * HKV) * D, H, "norm"),
+        "o": (H, HQ * D, "resid"),
+        "gate_up": (2 * FFN, H, "gated"),
+        "down": (H, FFN, "resid"),
+        "lm_head": (VOCAB, H, "norm"),
+    }
+    rows = []
+    for n in (1, 8):
+        for name, (n_rows, k, kind) in shapes.items():
+            w = torch.randn(n_rows, k, device=dev, dtype=bf) * 0.02
+            x = torch.randn(n, k, device=dev, dtype=bf)
+            n_out = n_rows // 2 if kind == "gated" else n_rows
+            kw = {}
+            if kind in ("norm", "gated"):
+                kw.update(norm_weight=torch.ones(k, device=dev, dtype=bf), eps=1e-6)
+            if kind == "gated":
+                kw["gated"] = True
+            if kind == "resid":
+                kw["residual"] = torch.randn(n, n_out, device=dev, dtype=bf)
+            wbytes = w.numel() * 2
+            t_cublas = bench(lambda: F.linear(x, w))
+            fused_linear(x, w, **kw)  # tunes
+            t_triton = bench(lambda: fused_linear(x, w, **kw))
+            rows.append({"n": n, "matrix": name, "shape": [n_rows, k], "fusion": kind, "cublas_ms": t_cublas,
+                         "triton_ms": t_triton, "cublas_tb_s": wbytes / t_cublas / 1e9,
+                         "triton_tb_s": wbytes / t_triton / 1e9})
+            print(f"gemv n={n} {name:8s} {n_rows:>6}x{k:<5} cuBLAS {t_cublas * 1e3:7.1f} us "
+                  f"({rows[-1]['cublas_tb_s']:.2f} TB/s)  triton+{kind} {t_triton * 1e3:7.1f} us "
+                  f"({rows[-1]['triton_tb_s']:.2f} TB/s)", flush=True)
+            del w
+    from dspark_core.kernels.decode import _TUNED
+
+    print("tuned configs:", {str(k[1:4]): v for k, v in _TUNED.items()})
+    return rows
+
+
+def part_loss(dev) -> list[dict]:
+    from dspark_core.draft.loss import chunk_math
+    from dspark_core.kernels.distill import chunk_math_triton
+
+    n = 512
+    g = torch.Generator(device=dev).manual_seed(0)
+    logits = torch.randn(n, VOCAB, device=dev, generator=g) * 4
+    teacher = torch.randn(n, VOCAB, device=dev, generator=g) * 4
+    targets = torch.randint(0, VOCAB, (n,), device=dev, generator=g)
+    weights = torch.rand(n, device=dev, generator=g)
+    compiled = torch.compile(chunk_math, dynamic=True)
+    args = (logits, teacher, targets, weights, 0.1, 0.9, torch.bfloat16)
+    ref = compiled(*args)
+    out = chunk_math_triton(*args)
+    err = max(float((a.float() - b.float()).abs().max()) for a, b in zip(ref, out))
+    rows = []
+    for name, fn in (("compile", compiled), ("triton", chunk_math_triton), ("eager", chunk_math)):
+        ms = bench(lambda: fn(*args), iters=20)
+        rows.append({"impl": name, "slots": n, "vocab": VOCAB, "ms": ms,
+                     "min_bytes_tb_s": (2 * n * VOCAB * 4 + n * VOCAB * 2) / ms / 1e9})
+        print(f"loss chunk {name:8s} {ms:7.3f} ms", flush=True)
+    rows.append({"max_abs_diff_compile_vs_triton": err})
+    print(f"loss chunk max |compile - triton| = {err:.3g}")
+    return rows
+
+
+def part_flex(dev, lengths=(2048, 4096)) -> list[dict]:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from dspark_core.draft.attention import make_mask_mod
+
+    anchors_n, block = 512, 7
+    # (name, dynamic shapes, compile mode, kernel_options); static shapes only at the longest L
+    variants = [("default", True, None, None), ("max_autotune", True, "max-autotune-no-cudagraphs", None),
+                ("static", False, None, None), ("m64n64", True, None, {"BLOCK_M": 64, "BLOCK_N": 64})]
+    rows = []
+    for length in lengths:
+        g = torch.Generator().manual_seed(0)
+        cand = torch.arange(length // 16, length - block - 1)
+        anchors = cand[torch.randperm(cand.numel(), generator=g)[:anchors_n]].sort().values.view(1, -1).to(dev)
+        valid = torch.ones_like(anchors, dtype=torch.bool)
+        q_len = anchors_n * block
+        kv_len = length + q_len
+        mask_mod = make_mask_mod(anchors, valid, length, block)
+        bm = create_block_mask(mask_mod, B=1, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=dev)
+        q = torch.randn(1, HQ, q_len, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(1, HKV, kv_len, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(1, HKV, kv_len, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        do = torch.randn(1, HQ, q_len, D, device=dev, dtype=torch.bfloat16)
+        pairs = _visible_pairs(anchors[0].cpu(), length, block)
+        flops_fwd = 4 * pairs * HQ * D
+        print(f"flex L={length}: {bm}".split("\n")[0], flush=True)
+        for name, dyn, mode, opts in variants:
+            if not dyn and length != max(lengths):
+                continue
+            fn = torch.compile(flex_attention, dynamic=dyn, mode=mode)
+            t0 = time.perf_counter()
+            try:
+                def step():
+                    out = fn(q, k, v, block_mask=bm, scale=D ** -0.5, enable_gqa=True, kernel_options=opts)
+                    out.backward(do)
+
+                def fwd():
+                    with torch.no_grad():
+                        fn(q, k, v, block_mask=bm, scale=D ** -0.5, enable_gqa=True, kernel_options=opts)
+
+                t_fwd = bench(fwd, iters=20)
+                t_all = bench(step, iters=20)
+            except Exception as e:  # noqa: BLE001 - options a kernel cannot take are recorded and skipped
+                rows.append({"L": length, "variant": name, "error": str(e).split("\n")[0][:200]})
+                print(f"  {name:12s}: failed ({rows[-1]['error'][:80]})", flush=True)
+                continue
+            rows.append({"L": length, "variant": name, "dynamic": dyn, "mode": mode, "kernel_options": opts,
+                         "fwd_ms": t_fwd, "fwd_bwd_ms": t_all, "bwd_ms": t_all - t_fwd, "visible_pairs": pairs,
+                         "fwd_tflops": flops_fwd / t_fwd / 1e9, "bwd_tflops": 2.5 * flops_fwd / (t_all - t_fwd) / 1e9})
+            print(f"  {name:12s}: fwd {t_fwd:.3f} ms, fwd+bwd {t_all:.3f} ms ({flops_fwd / t_fwd / 1e9:.0f} TFLOP/s "
+                  f"fwd; {time.perf_counter() - t0:.0f} s incl. compile)", flush=True)
+    return rows
+
+
+def _visible_pairs(anchors: torch.Tensor, length: int, block: int) -> int:
+    """(query, key) pairs the mask lets through: each block sees its context prefix and its own block."""
+    return int((anchors.long() * block).sum() + anchors.numel() * block * block)
+
+
+def part_decode_profile(dev) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from dspark_core.spec.target_runner import TargetRunner
+
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN, num_hidden_layers=36,
+                      num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D, tie_word_embeddings=True,
+                      rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6)
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    runner = TargetRunner(model, max_len=512, kernels=True)
+    runner.prefill(torch.randint(0, VOCAB, (1, 128), device=dev))
+    ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
+    for _ in range(3):
+        runner.forward(ids)
+    torch.cuda.synchronize()
+    steps = 10
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            runner.forward(ids)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60)
+    print(table)
+    total_us = sum(e.self_device_time_total for e in prof.key_averages()) / steps
+    print(f"decode step kernel time (sum of kernels, no graph): {total_us / 1e3:.3f} ms")
+    rows = [{"name": e.key[:80], "us_per_step": e.self_device_time_total / steps, "calls_per_step": e.count / steps}
+            for e in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:15]]
+    return [{"kernel_ms_per_step": total_us / 1e3, "top": rows}]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", nargs="+", default=["gemv", "loss", "flex", "decode_profile"])
+    ap.add_argument("--out", default=str(ROOT / "reports" / "bench" / "kernels.json"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernels.py needs a CUDA device")
+    dev = torch.device("cuda")
+    report = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__}
+    parts = {"gemv": part_gemv, "loss": part_loss, "flex": part_flex, "decode_profile": part_decode_profile}
+    for name in args.parts:
+        t0 = time.perf_counter()
+        try:
+            report[name] = parts[name](dev)
+        except Exception as e:  # noqa: BLE001 - one failing part must not lose the others' numbers
+            report[name] = {"error": repr(e)[:500]}
+            print(f"part {name} failed: {e!r}", flush=True)
+        print(f"[{name}: {time.perf_counter() - t0:.1f} s]", flush=True)
+        write_json(Path(args.out), report)
+    print(json.dumps({k: v for k, v in report.items() if k in ("device", "torch")}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,427 @@
+"""Triton kernels of the target's decode / verify step (batch 1, n <= 16 new tokens), used by
+``dspark_core.spec.target_runner.TargetRunner(kernels=True)``.
+
+Decoding reads every weight once per step, so the step is a chain of memory-bound matrix-vector
+products; what costs time besides the bytes is the number of kernels (each a few microseconds even
+inside a CUDA graph). One decoder layer is 6 kernels here:
+
+1. ``fused_linear(x, W_qkv, norm_weight=ln1)``: input RMSNorm fused into the fused Q/K/V projection;
+2. ``qk_norm_rope_cache``: Qwen3's per-head q/k RMSNorm, RoPE, and the K/V cache write;
+3. + 4. ``decode_attention``: split-KV attention over the cache (flash-decoding) and the combine;
+5. ``fused_linear(attn, W_o, residual=x)``: output projection + residual;
+6. ``fused_linear(x, W_gate_up, norm_weight=ln2, gated=True)`` then ``fused_linear(h, W_down, residual=x)``:
+   post-attention RMSNorm + gate/up projection + SiLU(gate) * up, and the down projection + residual.
+
+Element-wise steps round to the model dtype where Hugging Face's modules do (projection outputs, RoPE
+products, SiLU, residual adds); the RMSNorms are folded into the products (``W (g x rstd) = rstd W (g x)``,
+one pass over the weights), so the fast step differs from the eager reference by rounding only (tested
+against it, and against float32 in bf16).
+
+Shape legend: n tokens of the step, K input features, N output features, Hq / Hkv heads, G = Hq / Hkv,
+D head dim, M cache positions, S attention splits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_TOKENS = 16  # the widest step these kernels take (verify of a 15-token proposal)
+
+
+def _pdl_supported() -> bool:
+    """Programmatic dependent launch (Hopper+): each kernel is launched while the previous one drains and
+    waits (``gdc_wait``, first thing) for it to finish; hides launch latency between the small kernels.
+    ``DSPARK_PDL=0`` turns it off."""
+    if INTERPRET or os.environ.get("DSPARK_PDL", "1") == "0" or not torch.cuda.is_available():
+        return False
+    try:
+        import dataclasses
+
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+
+        has_option = any(f.name == "launch_pdl" for f in dataclasses.fields(CUDAOptions))
+        return has_option and torch.cuda.get_device_capability()[0] >= 9
+    except Exception:  # noqa: BLE001 - any missing piece: launch without PDL
+        return False
+
+
+PDL = _pdl_supported()
+if PDL:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+else:  # never traced: every use sits under ``if PDL_ON:`` (a constexpr False)
+    gdc_launch_dependents = gdc_wait = None
+_LAUNCH = {"launch_pdl": True} if PDL else {}
+
+
+# --------------------------------------------------------------------------------------------------
+# fused linear: y = [residual +] act?(W @ norm?(x)) for x [n <= 16, K]
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _gemv(X, NW, W, BIAS, R, Y, M, N, K, eps, NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+          RESID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL_ON: tl.constexpr):
+    """Token ``pid % M`` (x [M, K]): rows [(pid // M) * BLOCK_N, +BLOCK_N) of W, fp32 FMA.
+
+    Every token is computed by the same instructions whatever M is (batch-invariant: a verify step of n
+    tokens gives bit for bit the logits of n single steps); the M programs of one weight tile run side by
+    side, so the tile comes from DRAM once and from L2 for the others.
+    NORM in one pass: ``W (g * x * rstd) = rstd * (W (g * x))``, the sum of squares accumulated alongside."""
+    if PDL_ON:
+        gdc_wait()  # the previous kernel's outputs are complete and visible after this
+    pid = tl.program_id(0)
+    tok = pid % M
+    pid = pid // M
+    X += tok * K
+    Y += tok * N
+    R += tok * N
+    dt = Y.dtype.element_ty
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    ss = tl.zeros([BLOCK_K], tl.float32)
+    w_rows = W + rows.to(tl.int64)[:, None] * K
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        cmask = cols < K
+        xf = tl.load(X + cols, mask=cmask, other=0.0).to(tl.float32)
+        if NORM:
+            ss += xf * xf
+            xf = xf * tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
+        m2 = rmask[:, None] & cmask[None, :]
+        acc += tl.load(w_rows + cols[None, :], mask=m2, other=0.0).to(tl.float32) * xf[None, :]
+        if GATED:
+            acc2 += tl.load(w_rows + N * K + cols[None, :], mask=m2, other=0.0).to(tl.float32) * xf[None, :]
+    if PDL_ON:
+        gdc_launch_dependents()  # let the next kernel launch while this one finishes
+    y = tl.sum(acc, 1)
+    rstd = 1.0
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+        y = y * rstd
+    if HAS_BIAS:
+        y += tl.load(BIAS + rows, mask=rmask, other=0.0).to(tl.float32)
+    y = y.to(dt).to(tl.float32)
+    if GATED:
+        u = tl.sum(acc2, 1) * rstd
+        if HAS_BIAS:
+            u += tl.load(BIAS + N + rows, mask=rmask, other=0.0).to(tl.float32)
+        u = u.to(dt).to(tl.float32)
+        y = (y * tl.sigmoid(y)).to(dt).to(tl.float32)
+        y = (y * u).to(dt).to(tl.float32)
+    if RESID:
+        y = tl.load(R + rows, mask=rmask, other=0.0).to(tl.float32) + y
+    tl.store(Y + rows, y.to(dt), mask=rmask)
+
+
+@triton.jit
+def _gemm_small(X, NW, W, BIAS, R, Y, M, N, K, eps, NORM: tl.constexpr, GATED: tl.constexpr,
+                HAS_BIAS: tl.constexpr, RESID: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL_ON: tl.constexpr):
+    """Up to BLOCK_M tokens (x [M, K]): columns [pid * BLOCK_N, +BLOCK_N) of y, tensor-core dots
+    (IEEE float32 dots for float32 inputs: no TF32). NORM in one pass as in ``_gemv``."""
+    if PDL_ON:
+        gdc_wait()  # the previous kernel's outputs are complete and visible after this
+    pid = tl.program_id(0)
+    dt = Y.dtype.element_ty
+    rm = tl.arange(0, BLOCK_M)
+    mmask = rm < M
+    cn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = cn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    ss = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    w_rows = W + cn.to(tl.int64)[:, None] * K
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        cmask = cols < K
+        xv = tl.load(X + rm[:, None] * K + cols[None, :], mask=mmask[:, None] & cmask[None, :], other=0.0)
+        if NORM:
+            xf = xv.to(tl.float32)
+            ss += xf * xf
+            xv = (xf * tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]).to(xv.dtype)
+        m2 = nmask[:, None] & cmask[None, :]
+        w = tl.load(w_rows + cols[None, :], mask=m2, other=0.0)
+        if IEEE:
+            acc = tl.dot(xv, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xv, tl.trans(w), acc)
+        if GATED:
+            w2 = tl.load(w_rows + N * K + cols[None, :], mask=m2, other=0.0)
+            if IEEE:
+                acc2 = tl.dot(xv, tl.trans(w2), acc2, input_precision="ieee")
+            else:
+                acc2 = tl.dot(xv, tl.trans(w2), acc2)
+    if PDL_ON:
+        gdc_launch_dependents()  # let the next kernel launch while this one finishes
+    y = acc
+    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(ss, 1) / K + eps)
+        y = y * rstd[:, None]
+    if HAS_BIAS:
+        y += tl.load(BIAS + cn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    y = y.to(dt).to(tl.float32)
+    if GATED:
+        u = acc2 * rstd[:, None]
+        if HAS_BIAS:
+            u += tl.load(BIAS + N + cn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        u = u.to(dt).to(tl.float32)
+        y = (y * tl.sigmoid(y)).to(dt).to(tl.float32)
+        y = (y * u).to(dt).to(tl.float32)
+    offs = rm[:, None] * N + cn[None, :]
+    omask = mmask[:, None] & nmask[None, :]
+    if RESID:
+        y = tl.load(R + offs, mask=omask, other=0.0).to(tl.float32) + y
+    tl.store(Y + offs, y.to(dt), mask=omask)
+
+
+# (BLOCK_N, BLOCK_K, num_warps) candidates; the first is the default before tuning / in the interpreter
+_GEMV_CONFIGS = [(4, 512, 4), (2, 1024, 4), (1, 2048, 4), (1, 4096, 4), (2, 4096, 8), (2, 2048, 4), (4, 2048, 8),
+                 (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 512, 8)]
+_GEMM_CONFIGS = [(32, 128, 4), (16, 256, 4), (32, 256, 4), (64, 128, 4), (16, 512, 8), (64, 256, 8), (16, 1024, 8)]
+_TUNED: dict[tuple, tuple[int, int, int]] = {}
+TUNE = os.environ.get("DSPARK_TUNE_KERNELS", "1") != "0"
+# Batch invariance (default): a step of n tokens computes each token exactly as a step of one token would,
+# so greedy speculative decoding reproduces AR decoding bit for bit in bf16 too. DSPARK_BATCH_INVARIANT=0
+# uses tensor-core tiles for n > 1 instead (faster verify, but a near-tie can then flip a greedy token).
+BATCH_INVARIANT = os.environ.get("DSPARK_BATCH_INVARIANT", "1") != "0"
+
+
+def _launch(x, w, bias, norm_weight, eps, residual, y, n_out, gated, cfg):
+    m, k = x.shape
+    flags = dict(NORM=norm_weight is not None, GATED=gated, HAS_BIAS=bias is not None, RESID=residual is not None)
+    nw = norm_weight if norm_weight is not None else x
+    b = bias if bias is not None else x
+    r = residual if residual is not None else y
+    bn, bk, warps = cfg
+    grid = (triton.cdiv(n_out, bn),)
+    if m == 1 or BATCH_INVARIANT:
+        _gemv[(m * grid[0],)](x, nw, w, b, r, y, m, n_out, k, eps, **flags, BLOCK_N=bn, BLOCK_K=bk, PDL_ON=PDL,
+                              num_warps=warps, **_LAUNCH)
+    else:
+        _gemm_small[grid](x, nw, w, b, r, y, m, n_out, k, eps, **flags, IEEE=x.dtype == torch.float32, BLOCK_M=16,
+                          BLOCK_N=bn, BLOCK_K=bk, PDL_ON=PDL, num_warps=warps, **_LAUNCH)
+
+
+def _config(x, w, bias, norm_weight, eps, residual, y, n_out, gated):
+    """The fastest candidate for this shape, timed once on first use (never while a CUDA graph is captured).
+
+    Batch-invariant mode: every n uses the configuration tuned for n = 1 (same tiles, same sums)."""
+    m, k = x.shape
+    if m > 1 and BATCH_INVARIANT:
+        one = (residual[:1] if residual is not None else None)
+        return _config(x[:1], w, bias, norm_weight, eps, one, y[:1], n_out, gated)
+    configs = _GEMV_CONFIGS if m == 1 else _GEMM_CONFIGS
+    key = (m == 1, m, n_out, k, gated, x.dtype, str(x.device))
+    if key in _TUNED:
+        return _TUNED[key]
+    if INTERPRET or not TUNE or not x.is_cuda or torch.cuda.is_current_stream_capturing():
+        return configs[0]
+    best, best_ms = configs[0], float("inf")
+    for cfg in configs:
+        try:
+            ms = triton.testing.do_bench(
+                lambda: _launch(x, w, bias, norm_weight, eps, residual, y, n_out, gated, cfg), warmup=5, rep=20)
+        except Exception:  # a config that does not compile (resources) is skipped  # noqa: BLE001
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    _TUNED[key] = best
+    return best
+
+
+def fused_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n, K] (n <= 16) -> y [n, N]: ``residual + act(linear(rmsnorm(x)))`` with each part optional.
+
+    ``w`` is [N, K], or [2N, K] with ``gated`` (rows = gate then up; y = SiLU(gate) * up); ``bias`` [N]
+    or [2N]; ``norm_weight`` [K] applies HF's RMSNorm to x first; ``residual`` [n, N] is added last."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_TOKENS:
+        raise ValueError(f"fused_linear takes x [n <= {MAX_TOKENS}, K]; got {tuple(x.shape)}")
+    x, w = x.contiguous(), w.contiguous()
+    m, k = x.shape
+    if w.shape[1] != k:
+        raise ValueError(f"fused_linear: x has {k} features, w is {tuple(w.shape)}")
+    n_out = w.shape[0] // 2 if gated else w.shape[0]
+    y = torch.empty(m, n_out, device=x.device, dtype=x.dtype)
+    cfg = _config(x, w, bias, norm_weight, eps, residual, y, n_out, gated)
+    _launch(x, w, bias, norm_weight, eps, residual, y, n_out, gated, cfg)
+    return y
+
+
+def fused_linear_reference(x, w, bias=None, *, norm_weight=None, eps=0.0, gated=False, residual=None):
+    """The same computation in plain torch (HF's module order and roundings)."""
+    import torch.nn.functional as F
+
+    if norm_weight is not None:
+        xf = x.float()
+        x = norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = F.linear(x, w, bias)
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y if residual is None else residual + y
+
+
+# --------------------------------------------------------------------------------------------------
+# q/k RMSNorm + RoPE + cache write
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _qk_rope_cache(QKV, QN, KN, COS, SIN, POS, KC, VC, QOUT, M_ALLOC, eps, HQ: tl.constexpr, HKV: tl.constexpr,
+                   D: tl.constexpr, HAS_NORM: tl.constexpr, PDL_ON: tl.constexpr):
+    if PDL_ON:
+        gdc_wait()  # the previous kernel's outputs are complete and visible after this
+    t = tl.program_id(0)
+    j = tl.program_id(1)  # q heads [0, HQ), then k heads [HQ, HQ + HKV)
+    dt = QOUT.dtype.element_ty
+    pos = tl.load(POS + t).to(tl.int64)
+    row = QKV + t * (HQ + 2 * HKV) * D
+    d = tl.arange(0, D)
+    half = D // 2
+    rot = tl.where(d < half, d + half, d - half)
+    is_q = (d * 0 + j) < HQ  # [D] (a vector: the interpreter wants vector masks)
+    x = tl.load(row + j * D + d).to(tl.float32)
+    xr = tl.load(row + j * D + rot).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+        wq = tl.load(QN + d).to(tl.float32)
+        wk = tl.load(KN + d).to(tl.float32)
+        wqr = tl.load(QN + rot).to(tl.float32)
+        wkr = tl.load(KN + rot).to(tl.float32)
+        x = (tl.where(is_q, wq, wk) * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        xr = (tl.where(is_q, wqr, wkr) * (xr * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    if PDL_ON:
+        gdc_launch_dependents()  # let the next kernel launch while this one finishes
+    cos = tl.load(COS + pos * D + d).to(tl.float32)
+    sin = tl.load(SIN + pos * D + d).to(tl.float32)
+    xr = tl.where(d < half, -xr, xr)
+    out = ((x * cos).to(dt).to(tl.float32) + (xr * sin).to(dt).to(tl.float32)).to(dt)
+    tl.store(QOUT + (t * HQ + j) * D + d, out, mask=is_q)
+    h = tl.maximum(j - HQ, 0).to(tl.int64)
+    is_k = ~is_q
+    tl.store(KC + (h * M_ALLOC + pos) * D + d, out, mask=is_k)
+    v = tl.load(row + (HQ + HKV + h) * D + d, mask=is_k, other=0.0)
+    tl.store(VC + (h * M_ALLOC + pos) * D + d, v, mask=is_k)
+
+
+def qk_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                       cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float) -> torch.Tensor:
+    """qkv [n, (Hq + 2 Hkv) D] -> q [n, Hq, D] (normed, rotated); writes k / v at ``pos [n]`` of the layer's
+    caches [1, Hkv, M, D]. ``cos`` / ``sin`` [M, D] are the full tables (rows picked by ``pos`` on the device)."""
+    n = qkv.shape[0]
+    d = cos.shape[1]
+    q = torch.empty(n, num_heads, d, device=qkv.device, dtype=qkv.dtype)
+    has_norm = q_norm is not None
+    qn = q_norm if has_norm else cos
+    kn = k_norm if has_norm else cos
+    _qk_rope_cache[(n, num_heads + num_kv_heads)](qkv, qn, kn, cos, sin, pos, k_cache, v_cache, q,
+                                                  k_cache.shape[2], eps, HQ=num_heads, HKV=num_kv_heads, D=d,
+                                                  HAS_NORM=has_norm, PDL_ON=PDL, num_warps=1 if d <= 64 else 2,
+                                                  **_LAUNCH)
+    return q
+
+
+# --------------------------------------------------------------------------------------------------
+# split-KV attention over the cache
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _attn_split(Q, KC, VC, POS, OP, MP, LP, M_ALLOC, split_len, scale, G: tl.constexpr, HKV: tl.constexpr,
+                D: tl.constexpr, ROWS: tl.constexpr, NS_P: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
+                PDL_ON: tl.constexpr):
+    """Program (kv head h, split s, token t): the G query heads of token t over keys
+    [s * split_len, +split_len) that t may see (<= its position). One token per program: batch-invariant."""
+    if PDL_ON:
+        gdc_wait()  # the previous kernel's outputs are complete and visible after this
+    h = tl.program_id(0)
+    s = tl.program_id(1)
+    t = tl.program_id(2)
+    g = tl.arange(0, ROWS)  # query head h * G + g
+    gvalid = g < G
+    last = tl.load(POS + t) + 1  # token t sees keys [0, last)
+    d = tl.arange(0, D)
+    q = tl.load(Q + ((t * HKV * G + h * G + g) * D)[:, None] + d[None, :], mask=gvalid[:, None], other=0.0)
+    start = s * split_len
+    end = tl.minimum(start + split_len, last)
+    m_i = tl.full([ROWS], -1.0e30, tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D], tl.float32)
+    base = h.to(tl.int64) * M_ALLOC * D
+    for m0 in range(start, end, BLOCK):
+        km = m0 + tl.arange(0, BLOCK)
+        kmask = km < end
+        k = tl.load(KC + base + km[:, None].to(tl.int64) * D + d[None, :], mask=kmask[:, None], other=0.0)
+        if IEEE:
+            sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [ROWS, BLOCK]
+        else:
+            sc = tl.dot(q, tl.trans(k)) * scale
+        sc = tl.where(kmask[None, :], sc, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.where(kmask[None, :], tl.exp(sc - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VC + base + km[:, None].to(tl.int64) * D + d[None, :], mask=kmask[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    if PDL_ON:
+        gdc_launch_dependents()  # let the next kernel launch while this one finishes
+    idx = ((t * HKV + h) * NS_P + s) * ROWS + g
+    tl.store(MP + idx, m_i)
+    tl.store(LP + idx, l_i)
+    tl.store(OP + idx[:, None] * D + d[None, :], acc)
+
+
+@triton.jit
+def _attn_combine(OP, MP, LP, OUT, NS, NS_P: tl.constexpr, G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                  ROWS: tl.constexpr, PDL_ON: tl.constexpr):
+    if PDL_ON:
+        gdc_wait()  # the previous kernel's outputs are complete and visible after this
+    h = tl.program_id(0)
+    r = tl.program_id(1)
+    t = r // G
+    g = r % G
+    s = tl.arange(0, NS_P)
+    smask = s < NS
+    idx = ((t * HKV + h) * NS_P + s) * ROWS + g
+    m = tl.load(MP + idx, mask=smask, other=-1.0e30)
+    l_s = tl.load(LP + idx, mask=smask, other=0.0)
+    mx = tl.max(m, 0)
+    w = tl.exp(m - mx) * (l_s > 0)
+    d = tl.arange(0, D)
+    o = tl.load(OP + idx[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)  # [NS_P, D]
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w * l_s, 0)
+    tl.store(OUT + (t * HKV * G + h * G + g) * D + d, out.to(OUT.dtype.element_ty))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                     scale: float, block: int = 64) -> torch.Tensor:
+    """q [n, Hq, D] at positions ``pos [n]`` (device) over the layer's caches [1, Hkv, M, D] (keys <= each
+    token's own position) -> [n, Hq, D]. Split-KV: (Hkv x S x n) programs, then a combine."""
+    n, hq, d = q.shape
+    hkv, m_alloc = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    rows = max(16, triton.next_power_of_2(g))
+    splits = max(1, min(64, triton.cdiv(m_alloc, 64)))  # ~64 keys per program: latency, not bandwidth, rules
+    split_len = triton.cdiv(triton.cdiv(m_alloc, splits), block) * block
+    splits = triton.cdiv(m_alloc, split_len)
+    ns_p = triton.next_power_of_2(splits)
+    op = torch.empty(n, hkv, ns_p, rows, d, device=q.device, dtype=torch.float32)
+    mp = torch.empty(n, hkv, ns_p, rows, device=q.device, dtype=torch.float32)
+    lp = torch.empty_like(mp)
+    _attn_split[(hkv, splits, n)](q, k_cache, v_cache, pos, op, mp, lp, m_alloc, split_len, scale, G=g, HKV=hkv,
+                                  D=d, ROWS=rows, NS_P=ns_p, BLOCK=block, IEEE=q.dtype == torch.float32, PDL_ON=PDL,
+                                  num_warps=4, **_LAUNCH)
+    out = torch.empty_like(q)
+    _attn_combine[(hkv, n * g)](op, mp, lp, out, splits, NS_P=ns_p, G=g, HKV=hkv, D=d, ROWS=rows, PDL_ON=PDL,
+                                num_warps=1, **_LAUNCH)
+    return out

@@ -1,0 +1,123 @@
+"""Fused per-row math of the DSpark distillation loss (Triton), the GPU fast path of
+``dspark_core.draft.loss.chunk_math``.
+
+Shape legend: n rows (slots of one vocabulary chunk), V vocab.
+
+Given draft logits ``l`` and teacher logits ``t`` [n, V] (float32), per row:
+``q = softmax(l)``, ``p = softmax(t)``, ``CE = lse(l) - l[target]``, ``L1 = sum |q - p|`` and the gradient
+``G = d(w (ce_alpha CE + l1_alpha L1)) / dl = q * w (l1_alpha (s - <q, s>) + ce_alpha) - ce_alpha w onehot``
+with ``s = sign(q - p)``. Three passes over the two [n, V] inputs, one program per row:
+
+1. ``_stats``: online max / sum-exp of l and t -> lse_l, lse_t [n];
+2. ``_reduce``: L1 [n] and <q, s> [n];
+3. ``_grad`` (training only): G [n, V] in the gradient dtype.
+
+That is 6 reads of [n, V] float32 and one write of G: the whole loss is memory-bound, and this is
+about 3x fewer bytes than what Inductor generated for ``chunk_math`` (split reductions, no online
+softmax; 1.6 ms per 512-slot chunk at vocab 151,936 on an H200).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK_V = 2048
+_NUM_WARPS = 8
+_NEG = -1.0e30  # finite "minus infinity" for running maxima (avoids inf - inf)
+
+
+@triton.jit
+def _stats(L, T, LSE_L, LSE_T, V, stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base_l = L + row * stride
+    base_t = T + row * stride
+    m_l = tl.full([BLOCK], -1.0e30, tl.float32)
+    s_l = tl.zeros([BLOCK], tl.float32)
+    m_t = tl.full([BLOCK], -1.0e30, tl.float32)
+    s_t = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < V
+        x = tl.load(base_l + cols, mask=mask, other=float("-inf"))
+        y = tl.load(base_t + cols, mask=mask, other=float("-inf"))
+        new_l = tl.maximum(m_l, x)
+        s_l = s_l * tl.exp(m_l - new_l) + tl.exp(x - new_l)
+        m_l = new_l
+        new_t = tl.maximum(m_t, y)
+        s_t = s_t * tl.exp(m_t - new_t) + tl.exp(y - new_t)
+        m_t = new_t
+    ml = tl.max(m_l, 0)
+    mt = tl.max(m_t, 0)
+    tl.store(LSE_L + row, ml + tl.log(tl.sum(s_l * tl.exp(m_l - ml), 0)))
+    tl.store(LSE_T + row, mt + tl.log(tl.sum(s_t * tl.exp(m_t - mt), 0)))
+
+
+@triton.jit
+def _reduce(L, T, LSE_L, LSE_T, L1, QS, V, stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base_l = L + row * stride
+    base_t = T + row * stride
+    lse_l = tl.load(LSE_L + row)
+    lse_t = tl.load(LSE_T + row)
+    acc_l1 = tl.zeros([BLOCK], tl.float32)
+    acc_qs = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < V
+        q = tl.exp(tl.load(base_l + cols, mask=mask, other=float("-inf")) - lse_l)
+        p = tl.exp(tl.load(base_t + cols, mask=mask, other=float("-inf")) - lse_t)
+        d = q - p
+        acc_l1 += tl.abs(d)
+        acc_qs += tl.where(d > 0, q, tl.where(d < 0, -q, 0.0))
+    tl.store(L1 + row, tl.sum(acc_l1, 0))
+    tl.store(QS + row, tl.sum(acc_qs, 0))
+
+
+@triton.jit
+def _grad(L, T, LSE_L, LSE_T, QS, W, TGT, G, V, stride, g_stride, ce_alpha, l1_alpha, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base_l = L + row * stride
+    base_t = T + row * stride
+    lse_l = tl.load(LSE_L + row)
+    lse_t = tl.load(LSE_T + row)
+    qs = tl.load(QS + row)
+    w = tl.load(W + row)
+    tgt = tl.load(TGT + row)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < V
+        q = tl.exp(tl.load(base_l + cols, mask=mask, other=float("-inf")) - lse_l)
+        p = tl.exp(tl.load(base_t + cols, mask=mask, other=float("-inf")) - lse_t)
+        d = q - p
+        sign = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
+        g = q * (w * (l1_alpha * (sign - qs) + ce_alpha))
+        g = tl.where(cols == tgt, g - ce_alpha * w, g)
+        tl.store(G + row * g_stride + cols, g.to(G.dtype.element_ty), mask=mask)
+
+
+def chunk_math_triton(logits: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+                      ce_alpha: float, l1_alpha: float, grad_dtype: torch.dtype | None):
+    """Same contract as ``dspark_core.draft.loss.chunk_math``: logits / teacher [n, V] float32 ->
+    CE [n], L1 [n], G [n, V] in ``grad_dtype`` (None: no gradient, two passes only)."""
+    if logits.dtype != torch.float32 or teacher.dtype != torch.float32:
+        raise ValueError(f"chunk_math_triton wants float32 logits; got {logits.dtype}, {teacher.dtype}")
+    logits, teacher = logits.contiguous(), teacher.contiguous()
+    n, vocab = logits.shape
+    lse_l = torch.empty(n, device=logits.device, dtype=torch.float32)
+    lse_t = torch.empty_like(lse_l)
+    l1 = torch.empty_like(lse_l)
+    qs = torch.empty_like(lse_l)
+    grid = (n,)
+    _stats[grid](logits, teacher, lse_l, lse_t, vocab, logits.stride(0), BLOCK=_BLOCK_V, num_warps=_NUM_WARPS)
+    _reduce[grid](logits, teacher, lse_l, lse_t, l1, qs, vocab, logits.stride(0), BLOCK=_BLOCK_V,
+                  num_warps=_NUM_WARPS)
+    ce = lse_l - logits.gather(1, targets.view(n, 1)).squeeze(1)  # [n]
+    if grad_dtype is None:
+        return ce, l1, None
+    grad = torch.empty(n, vocab, device=logits.device, dtype=grad_dtype)
+    _grad[grid](logits, teacher, lse_l, lse_t, qs, weights.float().contiguous(), targets.contiguous(), grad, vocab,
+                logits.stride(0), grad.stride(0), float(ce_alpha), float(l1_alpha), BLOCK=_BLOCK_V,
+                num_warps=_NUM_WARPS)
+    return ce, l1, grad

