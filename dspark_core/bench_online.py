@@ -66,6 +66,7 @@ class BenchOnlineConfig(Section):
     dtype: str = "auto"                   # auto: bfloat16 on cuda, float32 on cpu
     cuda_graph: bool | None = None        # None: on for cuda
     compile: bool = False                 # torch.compile the decoder layer (GPU)
+    kernels: bool | None = None           # the Triton decode step (GPU); None: on for cuda where it applies
     num_threads: int | None = None        # CPU threads for torch (None: torch's default)
     peers: tuple[str, ...] = ("hf_generate", "assisted", "prompt_lookup")
     prompt_lookup_num_tokens: int = 10
@@ -327,6 +328,23 @@ def resolve_device(cfg: BenchOnlineConfig) -> tuple[torch.device, torch.dtype, b
     return device, dtype, graphs
 
 
+def _resolve_kernels(cfg: BenchOnlineConfig, model: torch.nn.Module, device: torch.device) -> bool:
+    """``bench_online.kernels``: None = the Triton decode step on CUDA where it applies; True insists (with the
+    reason when it cannot); False never."""
+    from dspark_core.spec.target_runner import kernels_problem
+
+    if cfg.kernels is False:
+        return False
+    if device.type != "cuda":
+        if cfg.kernels:
+            raise ValueError("bench_online.kernels: true needs a CUDA device")
+        return False
+    problem = kernels_problem(model, batch_size=1)
+    if problem and cfg.kernels:
+        raise ValueError(f"bench_online.kernels: true, but {problem}")
+    return problem is None
+
+
 def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets: dict[str, list[list[str]]],
                      cfg: BenchOnlineConfig, *, out_json: str | Path | None = None,
                      plots_dir: str | Path | None = None, expected_fingerprint: str | None = None) -> dict[str, Any]:
@@ -340,8 +358,9 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
     model, tokenizer = load_target(target_dir, dtype=dtype, device=device)
     draft = load_draft(draft_dir, model, expected_fingerprint=expected_fingerprint)
     block = int(draft.block_size)
+    kernels = _resolve_kernels(cfg, model, device)
     runner = TargetRunner(model, max_len=cfg.max_len, aux_layer_ids=draft.aux_layer_ids, compile=cfg.compile,
-                          cuda_graph=graphs, graph_max_tokens=block + 1)
+                          cuda_graph=graphs, graph_max_tokens=block + 1, kernels=kernels)
     spec = SpeculativeDecoder(runner, draft, block_size=block, confidence_threshold=cfg.confidence_threshold,
                               sampling=cfg.sampling, seed=cfg.seed)
     ar = ARDecoder(runner, sampling=cfg.sampling, seed=cfg.seed)
@@ -359,6 +378,7 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
                 model, run.prompts, [r.tokens for r in run.ar], cfg.max_new_tokens, stops, cfg.peers, assistant,
                 cfg.prompt_lookup_num_tokens, tokenizer.pad_token_id)
     metrics["setup"] = {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "cuda_graph": graphs,
+                        "kernels": kernels,
                         "num_threads": torch.get_num_threads(),
                         "compile": cfg.compile, "block_size": block, "aux_layer_ids": list(draft.aux_layer_ids),
                         "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,

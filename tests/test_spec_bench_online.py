@@ -82,3 +82,15 @@ def test_config_and_prompt_errors(tmp_path):
         load_prompt_sets("unused", [f"jsonl:{bad}"], 4)
     with pytest.raises(ValueError, match="not found"):
         load_prompt_sets(tmp_path / "none.parquet", ["gsm8k"], 4)
+
+
+def test_kernels_setting_is_resolved_with_reasons():
+    from dspark_core.bench_online import _resolve_kernels
+    from dspark_core.testing import tiny_model
+
+    model = tiny_model("qwen3")
+    cpu = torch.device("cpu")
+    assert _resolve_kernels(BenchOnlineConfig(), model, cpu) is False  # auto: never on CPU
+    assert _resolve_kernels(BenchOnlineConfig(kernels=False), model, cpu) is False
+    with pytest.raises(ValueError, match="bench_online.kernels: true needs a CUDA device"):
+        _resolve_kernels(BenchOnlineConfig(kernels=True), model, cpu)

@@ -508,8 +508,8 @@ def _check_supported(model: torch.nn.Module) -> None:
                          "sequence length)")
 
 
-def _check_kernels(model: torch.nn.Module, batch_size: int) -> None:
-    """Refuse ``kernels=True`` where the Triton step does not apply (with the reason)."""
+def kernels_problem(model: torch.nn.Module, batch_size: int = 1) -> str | None:
+    """Why ``kernels=True`` does not apply to ``model`` (None when it does)."""
     from dspark_core.kernels import triton_ok
 
     device = next(model.parameters()).device
@@ -528,8 +528,14 @@ def _check_kernels(model: torch.nn.Module, batch_size: int) -> None:
     act_fn = getattr(mlp0, "act_fn", None)
     if not isinstance(act_fn, torch.nn.SiLU) and "SiLU" not in type(act_fn).__name__:
         problems.append(f"the MLP's act_fn is {type(act_fn).__name__}, not SiLU")
-    if problems:
-        raise ValueError("TargetRunner(kernels=True) does not apply: " + "; ".join(problems))
+    return "; ".join(problems) if problems else None
+
+
+def _check_kernels(model: torch.nn.Module, batch_size: int) -> None:
+    """Refuse ``kernels=True`` where the Triton step does not apply (with the reason)."""
+    problem = kernels_problem(model, batch_size)
+    if problem:
+        raise ValueError("TargetRunner(kernels=True) does not apply: " + problem)
 
 
 def _check_aux_ids(aux_layer_ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
