@@ -2,7 +2,9 @@
 
 - ``gemv``: each decode matrix of Qwen3-4B (fused Q/K/V, O, fused gate/up, down, LM head) at n = 1 and
   n = 8 tokens: cuBLAS (``F.linear``, no fusion) vs ``dspark_core.kernels.decode.fused_linear`` (with its
-  norm / SiLU / residual fusions), as weight bytes read per second.
+  norm / SiLU / residual fusions), as weight bytes read per second. These are eager calls back to back, so
+  the Triton wrapper's host launch (~20-30 us) bounds the small matrices; the decode step inside a CUDA graph
+  (``bench_decode.py --kernels``, and ``decode_profile`` below) is the figure that counts.
 - ``loss``: the per-chunk distillation math (512 slots x vocab 151,936, float32 logits, bf16 gradient):
   torch.compile of ``chunk_math`` vs the Triton kernels.
 - ``flex``: the DSpark training attention (512 anchors x block 7 queries, 32 / 8 heads, head dim 128,

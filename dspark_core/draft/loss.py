@@ -155,7 +155,7 @@ class _ChunkedDistill(torch.autograd.Function):
         with torch.autocast(dev.type, enabled=False):
             w_lm = lm_w.to(cdtype)  # [V, Ht] (no copy when already cdtype)
             ht = head_h.shape[1]
-            if markov is not None:  # one GEMM for lm_head(h) + W2 m: [h ; m] @ [W_lm ; W2]^T (no second pass over [n, V])
+            if markov is not None:  # lm_head(h) + W2 m as one GEMM [h ; m] @ [W_lm ; W2]^T: one pass over [n, V]
                 w_in = torch.cat([w_lm, w2.to(cdtype)], dim=1)  # [V, Ht + r]
                 x_in = torch.cat([head_h.to(cdtype), markov.to(cdtype)], dim=1)  # [N, Ht + r]
             else:

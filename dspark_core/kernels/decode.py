@@ -260,9 +260,10 @@ def fused_linear_reference(x, w, bias=None, *, norm_weight=None, eps=0.0, gated=
     """The same computation in plain torch (HF's module order and roundings)."""
     import torch.nn.functional as F
 
+    from dspark_core.spec.target_runner import rms_norm
+
     if norm_weight is not None:
-        xf = x.float()
-        x = norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        x = rms_norm(x, norm_weight, eps)
     y = F.linear(x, w, bias)
     if gated:
         gate, up = y.chunk(2, dim=-1)

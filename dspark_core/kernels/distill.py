@@ -25,7 +25,6 @@ import triton.language as tl
 
 _BLOCK_V = 2048
 _NUM_WARPS = 8
-_NEG = -1.0e30  # finite "minus infinity" for running maxima (avoids inf - inf)
 
 
 @triton.jit
@@ -55,6 +54,15 @@ def _stats(L, T, LSE_L, LSE_T, V, stride, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _q_diff_sign(base_l, base_t, lse_l, lse_t, cols, mask):
+    """q = softmax(l), d = q - p and sign(d) (0 on ties, as torch.sign) on the columns ``cols`` of one row."""
+    q = tl.exp(tl.load(base_l + cols, mask=mask, other=float("-inf")) - lse_l)
+    p = tl.exp(tl.load(base_t + cols, mask=mask, other=float("-inf")) - lse_t)
+    d = q - p
+    return q, d, tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
+
+
+@triton.jit
 def _reduce(L, T, LSE_L, LSE_T, L1, QS, V, stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base_l = L + row * stride
@@ -65,12 +73,9 @@ def _reduce(L, T, LSE_L, LSE_T, L1, QS, V, stride, BLOCK: tl.constexpr):
     acc_qs = tl.zeros([BLOCK], tl.float32)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols < V
-        q = tl.exp(tl.load(base_l + cols, mask=mask, other=float("-inf")) - lse_l)
-        p = tl.exp(tl.load(base_t + cols, mask=mask, other=float("-inf")) - lse_t)
-        d = q - p
+        q, d, sign = _q_diff_sign(base_l, base_t, lse_l, lse_t, cols, cols < V)
         acc_l1 += tl.abs(d)
-        acc_qs += tl.where(d > 0, q, tl.where(d < 0, -q, 0.0))
+        acc_qs += q * sign
     tl.store(L1 + row, tl.sum(acc_l1, 0))
     tl.store(QS + row, tl.sum(acc_qs, 0))
 
@@ -88,10 +93,7 @@ def _grad(L, T, LSE_L, LSE_T, QS, W, TGT, G, V, stride, g_stride, ce_alpha, l1_a
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < V
-        q = tl.exp(tl.load(base_l + cols, mask=mask, other=float("-inf")) - lse_l)
-        p = tl.exp(tl.load(base_t + cols, mask=mask, other=float("-inf")) - lse_t)
-        d = q - p
-        sign = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
+        q, _, sign = _q_diff_sign(base_l, base_t, lse_l, lse_t, cols, mask)
         g = q * (w * (l1_alpha * (sign - qs) + ce_alpha))
         g = tl.where(cols == tgt, g - ce_alpha * w, g)
         tl.store(G + row * g_stride + cols, g.to(G.dtype.element_ty), mask=mask)

@@ -4,8 +4,9 @@ Prefill -> first token from the last prompt logits -> one n = 1 ``forward`` per 
 graph replay when the runner was built with ``cuda_graph=True``). The next token stays on the device
 (the graph reads it from there), and the host reads tokens back only every ``sync_every`` steps to check
 stop tokens: the GPU never waits for the host between steps (gpt-fast's loop does the same). Tokens made
-after a stop token within those steps are dropped, so the output is the same for any ``sync_every``. Same stop / max_new_tokens rules and
-the same ``GenerationResult`` (one cycle per token, MAL 1), so speedups compare like with like.
+after a stop token within those steps are dropped, so the output is the same for any ``sync_every``.
+Same stop / max_new_tokens rules and the same ``GenerationResult`` (one cycle per token, MAL 1), so speedups
+compare like with like.
 
 Shape legend: V vocab.
 """

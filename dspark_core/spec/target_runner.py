@@ -233,7 +233,8 @@ def _concat_rows(modules: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torc
     weight = torch.cat([m.weight.detach() for m in modules])
     has_bias = [m.bias is not None for m in modules]
     if any(has_bias) and not all(has_bias):
-        raise ValueError("fused projections need biases on all or none of " + ", ".join(type(m).__name__ for m in modules))
+        names = ", ".join(type(m).__name__ for m in modules)
+        raise ValueError(f"fused projections need biases on all or none of {names}")
     bias = torch.cat([m.bias.detach() for m in modules]) if all(has_bias) else None
     start = 0
     for m in modules:
