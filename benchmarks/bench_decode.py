@@ -119,6 +119,35 @@ def hf_generate_tokens_per_s(model, prompt: torch.Tensor, new_tokens: int) -> fl
     return (new_tokens - 1) / max((t2 - t1) - (t1 - t0), 1e-9)
 
 
+def static_cycle(model, prompt: torch.Tensor, args) -> dict:
+    """Cost of one greedy speculative cycle of the static engine (``StaticSpeculativeDecoder``: propose ->
+    verify S+1 tokens -> accept -> context update, CUDA graphs on GPU) with a random DSpark draft of
+    ``--cycle-draft-layers`` layers on these shapes. The draft is untrained (MAL ~1), so this measures time per
+    cycle, not speedup: speculative beats AR when MAL > cycle_ms / decode_step_ms."""
+    from dspark_core.draft import DraftConfig, DSparkDraft
+    from dspark_core.spec.static_engine import StaticSpeculativeDecoder
+
+    layers = model.config.num_hidden_layers
+    aux = sorted({max(1, round(i * (layers - 2) / 4)) for i in range(5)})  # 5 layers spread like the seed's
+    first = next(model.parameters())
+    torch.manual_seed(0)
+    cfg = DraftConfig(num_draft_layers=args.cycle_draft_layers, block_size=args.block_size, mask_token_id=None)
+    draft = DSparkDraft(cfg, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
+                        aux_layer_ids=aux).to(device=first.device, dtype=first.dtype).eval()
+    gpu = first.device.type == "cuda"
+    runner = TargetRunner(model, max_len=args.prompt_len + args.new_tokens + 2 * args.block_size + 8,
+                          aux_layer_ids=aux, compile=args.compile, cuda_graph=gpu,
+                          graph_max_tokens=args.block_size + 1, kernels=args.kernels)
+    static = StaticSpeculativeDecoder(runner, draft, time_every=4)
+    static.generate(prompt[0], 16)  # warm-up: capture
+    res = static.generate(prompt[0], args.new_tokens)
+    out = {"cycle_ms": 1e3 * res.decode_s / res.cycles, "cycle_draft_ms": 1e3 * sum(res.draft_s) / len(res.draft_s),
+           "cycle_verify_ms": 1e3 * sum(res.verify_s) / len(res.verify_s), "cycle_draft_layers": args.cycle_draft_layers,
+           "cycle_draft_kernels": static.static.kernels, "cycle_random_draft_mal": res.mean_accepted_length}
+    del static, runner, draft
+    return out
+
+
 def bench_ar(name: str, family: str, overrides: dict, args, device: torch.device, dtype: torch.dtype,
              bandwidth: float) -> dict:
     model = build_model(family, overrides, device, dtype, args.tiny)
@@ -145,7 +174,12 @@ def bench_ar(name: str, family: str, overrides: dict, args, device: torch.device
            "cuda_graph": gpu, "compile": args.compile, "kernels": args.kernels}
     if args.hf_tokens > 0:
         row["hf_generate_tokens_per_s"] = hf_generate_tokens_per_s(model, prompt, args.hf_tokens)
-    del runner, ar, model
+    del runner, ar
+    if args.cycle_draft_layers > 0:
+        row.update(static_cycle(model, prompt, args))
+        row["break_even_mal"] = row["cycle_ms"] / decode_ms  # MAL at which speculative = AR
+        row["mal_for_2.5x"] = 2.5 * row["cycle_ms"] / decode_ms
+    del model
     if gpu:
         torch.cuda.empty_cache()
     return row
@@ -153,10 +187,10 @@ def bench_ar(name: str, family: str, overrides: dict, args, device: torch.device
 
 def bench_spec(args, device: torch.device, dtype: torch.dtype) -> dict:
     """Speculative vs AR with a trained draft on a real target (greedy), via the bench_online pieces."""
-    from dspark_core.bench_online import (BenchOnlineConfig, decode_dataset, peer_comparison, read_jsonl_prompts,
-                                          stop_ids_of, summarize, truncated_assistant)
+    from dspark_core.bench_online import (BenchOnlineConfig, decode_dataset, make_engine, peer_comparison,
+                                          read_jsonl_prompts, resolve_engine, stop_ids_of, summarize,
+                                          truncated_assistant)
     from dspark_core.draft.model import load_draft
-    from dspark_core.spec.engine import SpeculativeDecoder
     from dspark_core.target import load_target
 
     model, tok = load_target(args.target, dtype=dtype, device=device)
@@ -164,18 +198,22 @@ def bench_spec(args, device: torch.device, dtype: torch.dtype) -> dict:
     block = int(draft.block_size)
     if args.prompts:
         convs = [r["turns"] for r in read_jsonl_prompts(Path(args.prompts))]
+        convs = convs[: args.max_prompts] if args.max_prompts > 0 else convs
     else:
         convs = [[p] for p in BUILTIN_PROMPTS]
     cfg = BenchOnlineConfig(max_new_tokens=args.spec_new_tokens, max_len=args.spec_max_len,
                             confidence_threshold=args.confidence_threshold)
     runner = TargetRunner(model, max_len=cfg.max_len, aux_layer_ids=draft.aux_layer_ids, compile=args.compile,
                           cuda_graph=device.type == "cuda", graph_max_tokens=block + 1, kernels=args.kernels)
-    spec = SpeculativeDecoder(runner, draft, block_size=block, confidence_threshold=cfg.confidence_threshold)
+    engine = args.engine or ("static" if device.type == "cuda" else "reference")
+    cfg = cfg.replace(engine=engine)
+    spec = make_engine(resolve_engine(engine, cfg.sampling, draft, device), runner, draft, cfg)
     ar = ARDecoder(runner)
     stops = stop_ids_of(model, tok)
     decode_dataset(convs[:1], tok, spec, ar, cfg.replace(max_new_tokens=16), stops, desc="warm-up")
     run = decode_dataset(convs, tok, spec, ar, cfg, stops, desc="spec")
     out = summarize(run, block, greedy=True)
+    out["engine"] = engine
     if args.peers:
         assistant = truncated_assistant(model, args.assistant_layers)
         out["peers"] = peer_comparison(model, run.prompts, [r.tokens for r in run.ar], cfg.max_new_tokens, stops,
@@ -202,8 +240,14 @@ def main() -> None:
     ap.add_argument("--spec-new-tokens", type=int, default=256)
     ap.add_argument("--spec-max-len", type=int, default=2048)
     ap.add_argument("--confidence-threshold", type=float, default=0.0)
+    ap.add_argument("--engine", choices=("static", "reference"), default=None,
+                    help="speculative engine for (b): static (device-side cycle, CUDA graphs; default on GPU) or "
+                         "reference (SpeculativeDecoder; default on CPU)")
     ap.add_argument("--peers", action="store_true", help="also HF generate / assisted / prompt lookup in (b)")
     ap.add_argument("--assistant-layers", type=int, default=4)
+    ap.add_argument("--cycle-draft-layers", type=int, default=2,
+                    help="(a) also time one static speculative cycle with a random draft of this depth (0 = skip)")
+    ap.add_argument("--max-prompts", type=int, default=0, help="(b) at most this many prompts (0 = all)")
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench" / "decode.json"))
     args = ap.parse_args()
 
@@ -251,6 +295,10 @@ def _print_ar(name: str, r: dict) -> None:
     print(f"{name:>14} | AR {r['ar_tokens_per_s']:9.1f} tok/s | limit {r['weight_read_limit_tokens_per_s']:9.1f} | "
           f"{100 * r['fraction_of_limit']:5.1f}% | step n=1 {r['decode_step_ms']:.3f} ms, n={r['verify_tokens']} "
           f"{r['verify_step_ms']:.3f} ms | HF generate {hf if hf is None else round(hf, 1)} tok/s")
+    if "cycle_ms" in r:
+        print(f"{'':>14} | static spec cycle {r['cycle_ms']:.3f} ms (draft {r['cycle_draft_ms']:.3f}, verify + update "
+              f"{r['cycle_verify_ms']:.3f}) | break-even MAL {r['break_even_mal']:.2f}, 2.5x needs MAL "
+              f"{r['mal_for_2.5x']:.2f}")
 
 
 def _print_spec(s: dict) -> None:

@@ -1,14 +1,16 @@
 """Online speculative decoding benchmark (library of the stage ``bench_online``).
 
 For every dataset of eval prompts, each prompt is decoded twice through the same ``TargetRunner``:
-plain AR (``ARDecoder``) and speculative (``SpeculativeDecoder`` with the trained draft), and per dataset
+plain AR (``ARDecoder``) and speculative with the trained draft (``bench_online.engine``: the reference
+``SpeculativeDecoder``, or greedy ``StaticSpeculativeDecoder`` whose cycle runs as CUDA graphs), and per dataset
 (and ``overall``) the metrics are:
 
 - ``mal``: mean tokens committed per cycle, bonus included;
 - ``accept_rate@i`` (i = 0 .. S-1, slot 0 = the first proposed token, as in ``eval_offline``): among the
   cycles that proposed slot i, the fraction whose slot i was accepted; ``cond_accept_rate@i``: the same
   among cycles that also accepted every slot before i (the online analogue of the offline per-slot rate);
-- ``draft_ms`` / ``verify_ms`` / ``cycle_ms``: mean per cycle (draft = propose + context update);
+- ``draft_ms`` / ``verify_ms`` / ``cycle_ms``: mean per cycle (draft = propose + context update; the static
+  engine times the two parts on every 16th cycle only, and its context update is part of verify);
 - ``tokens_per_s`` / ``ar_tokens_per_s`` / ``speedup``: decode throughput after the prefill (sum of
   tokens / sum of decode seconds), speculative vs AR, the same target code path;
 - ``proposal_length_hist`` (counts of 0 .. S proposed tokens), ``mean_proposal_length``;
@@ -45,6 +47,8 @@ from dspark_core.spec.types import GenerationResult
 DATASET_SOURCES = {"gsm8k": ("gsm8k_symbolic",), "chat": ("sharegpt",)}
 JSONL_PREFIX = "jsonl:"
 PEERS = ("hf_generate", "assisted", "prompt_lookup")
+ENGINES = ("auto", "reference", "static")
+TIME_EVERY = 16  # the static engine times draft / verify separately on every 16th cycle
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class BenchOnlineConfig(Section):
     cuda_graph: bool | None = None        # None: on for cuda
     compile: bool = False                 # torch.compile the decoder layer (GPU)
     kernels: bool | None = None           # the Triton decode step (GPU); None: on for cuda where it applies
+    engine: str = "auto"                  # reference | static | auto (static for greedy on cuda where it applies)
     num_threads: int | None = None        # CPU threads for torch (None: torch's default)
     peers: tuple[str, ...] = ("hf_generate", "assisted", "prompt_lookup")
     prompt_lookup_num_tokens: int = 10
@@ -89,6 +94,7 @@ class BenchOnlineConfig(Section):
             require(p in PEERS, f"peers: unknown peer {p!r} (known: {', '.join(PEERS)})")
         positive("prompt_lookup_num_tokens", self.prompt_lookup_num_tokens)
         positive("assistant_layers", self.assistant_layers)
+        require(self.engine in ENGINES, f"engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
         if self.num_threads is not None:
             positive("num_threads", self.num_threads)
 
@@ -205,10 +211,10 @@ def summarize(run: DatasetRun, block_size: int, greedy: bool) -> dict[str, Any]:
         out[f"cond_accept_rate@{i}"] = hits / reached if reached else None
     out["mean_proposal_length"] = sum(proposed) / cycles if cycles else None
     out["proposal_length_hist"] = {str(k): sum(n == k for n in proposed) for k in range(block_size + 1)}
-    draft_s = sum(sum(r.draft_s) for r in spec)
-    verify_s = sum(sum(r.verify_s) for r in spec)
-    out["draft_ms"] = 1e3 * draft_s / cycles if cycles else None
-    out["verify_ms"] = 1e3 * verify_s / cycles if cycles else None
+    draft_s = [t for r in spec for t in r.draft_s]  # every cycle (reference engine) or the timed ones (static)
+    verify_s = [t for r in spec for t in r.verify_s]
+    out["draft_ms"] = 1e3 * sum(draft_s) / len(draft_s) if draft_s else None
+    out["verify_ms"] = 1e3 * sum(verify_s) / len(verify_s) if verify_s else None
     out["cycle_ms"] = 1e3 * sum(r.decode_s for r in spec) / cycles if cycles else None
     out["tokens_per_s"] = _throughput(spec)
     out["ar_tokens_per_s"] = _throughput(ar)
@@ -345,6 +351,35 @@ def _resolve_kernels(cfg: BenchOnlineConfig, model: torch.nn.Module, device: tor
     return problem is None
 
 
+def resolve_engine(name: str, sampling: SamplingParams, draft: Any, device: torch.device) -> str:
+    """``bench_online.engine``: "static" (the device-side cycle, greedy, baseline draft hooks), "reference"
+    (``SpeculativeDecoder``: any sampling, any variant), or "auto": static for greedy decoding on CUDA where it
+    applies, else reference. Asking for "static" where it cannot run is a ValueError with the reason."""
+    from dspark_core.spec.static_draft import static_draft_problem
+
+    if name == "reference":
+        return name
+    problem = static_draft_problem(draft)
+    if not sampling.greedy:
+        problem = f"temperature {sampling.temperature} (the static engine is greedy)"
+    if name == "static":
+        if problem:
+            raise ValueError(f"bench_online.engine: static, but {problem}")
+        return name
+    return "static" if device.type == "cuda" and problem is None else "reference"
+
+
+def make_engine(engine: str, runner: TargetRunner, draft: Any, cfg: "BenchOnlineConfig"):
+    """The speculative decoder named by ``engine`` (see :func:`resolve_engine`)."""
+    if engine == "static":
+        from dspark_core.spec.static_engine import StaticSpeculativeDecoder
+
+        return StaticSpeculativeDecoder(runner, draft, confidence_threshold=cfg.confidence_threshold,
+                                        time_every=TIME_EVERY)
+    return SpeculativeDecoder(runner, draft, block_size=int(draft.block_size),
+                              confidence_threshold=cfg.confidence_threshold, sampling=cfg.sampling, seed=cfg.seed)
+
+
 def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets: dict[str, list[list[str]]],
                      cfg: BenchOnlineConfig, *, out_json: str | Path | None = None,
                      plots_dir: str | Path | None = None, expected_fingerprint: str | None = None) -> dict[str, Any]:
@@ -361,8 +396,8 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
     kernels = _resolve_kernels(cfg, model, device)
     runner = TargetRunner(model, max_len=cfg.max_len, aux_layer_ids=draft.aux_layer_ids, compile=cfg.compile,
                           cuda_graph=graphs, graph_max_tokens=block + 1, kernels=kernels)
-    spec = SpeculativeDecoder(runner, draft, block_size=block, confidence_threshold=cfg.confidence_threshold,
-                              sampling=cfg.sampling, seed=cfg.seed)
+    engine = resolve_engine(cfg.engine, cfg.sampling, draft, device)
+    spec = make_engine(engine, runner, draft, cfg)
     ar = ARDecoder(runner, sampling=cfg.sampling, seed=cfg.seed)
     stops = stop_ids_of(model, tokenizer)
     _warm_up(prompt_sets, tokenizer, spec, ar, stops)
@@ -378,7 +413,7 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
                 model, run.prompts, [r.tokens for r in run.ar], cfg.max_new_tokens, stops, cfg.peers, assistant,
                 cfg.prompt_lookup_num_tokens, tokenizer.pad_token_id)
     metrics["setup"] = {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "cuda_graph": graphs,
-                        "kernels": kernels,
+                        "kernels": kernels, "engine": engine,
                         "num_threads": torch.get_num_threads(),
                         "compile": cfg.compile, "block_size": block, "aux_layer_ids": list(draft.aux_layer_ids),
                         "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,

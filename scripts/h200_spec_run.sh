@@ -30,6 +30,8 @@
 #   DSPARK_TOTAL_S           seconds (default 570) with DSPARK_BENCH_RESERVE_S (default 140) left for the bench
 #   DSPARK_BENCH_ARGS        extra flags for bench_decode.py (e.g. "--kernels"); DSPARK_SPEC_NEW_TOKENS (256)
 #   DSPARK_FROM=STEP         start at STEP (target|prepare|regenerate|cache|train|bench), reusing $DSPARK_WORK
+#                            (train resumes from its last checkpoint: a run can span two device calls)
+#   DSPARK_UNTIL=STEP        stop after STEP (e.g. train: the next call continues with DSPARK_FROM=train)
 #   DSPARK_WHL_DIR, DSPARK_SITE, DSPARK_WORK, PYTHON   wheel dir (.whl), install dir (/tmp/site), work dir, python3
 set -euo pipefail
 
@@ -44,6 +46,7 @@ WHL_DIR="${DSPARK_WHL_DIR:-$REPO/.whl}"
 SITE="${DSPARK_SITE:-/tmp/site}"
 PY="${PYTHON:-python3}"
 FROM="${DSPARK_FROM:-}"
+UNTIL="${DSPARK_UNTIL:-}"
 if [ "$TINY" = "1" ]; then
   REGEN_BUDGET_S="${DSPARK_REGEN_BUDGET_S:-600}"; TRAIN_BUDGET_S="${DSPARK_TRAIN_BUDGET_S:-600}"
 else
@@ -138,17 +141,23 @@ step() {  # step NAME COMMAND...
   local name=$1; shift
   CUR=$name
   if skip "$name"; then echo "=== step $name: skipped (DSPARK_FROM=$FROM)"; return 0; fi
+  if [ -n "$STOPPED" ]; then echo "=== step $name: skipped (DSPARK_UNTIL=$UNTIL)"; return 0; fi
   local t=$(date +%s.%N)
   echo "=== [$(since "$T0") s] step $name: $*"
   "$@"
   local dt; dt=$(since "$t")
   echo "$name $dt" >> "$TIMES"
   echo "=== [$(since "$T0") s] step $name done in $dt s"
+  [ "$name" != "$UNTIL" ] || STOPPED=1
 }
+STOPPED=
 
 # ---------------------------------------------------------------------------------------------- 0 setup
 t=$(date +%s.%N)
 echo "=== h200_spec_run: repo $REPO, out $OUT_DIR, work $WORK, tiny=$TINY, budgets regen ${REGEN_BUDGET_S}s train ${TRAIN_BUDGET_S}s"
+if [ -n "$UNTIL" ]; then
+  case " ${STEPS[*]} " in *" $UNTIL "*) ;; *) echo "DSPARK_UNTIL=$UNTIL: not a step (${STEPS[*]})"; exit 2;; esac
+fi
 if [ -n "$FROM" ]; then
   case " ${STEPS[*]} " in *" $FROM "*) ;; *) echo "DSPARK_FROM=$FROM: not a step (${STEPS[*]})"; exit 2;; esac
   [ -f "$WORK/params.yaml" ] || { echo "DSPARK_FROM=$FROM needs an earlier run's $WORK/params.yaml"; exit 2; }

@@ -62,61 +62,58 @@ _LAUNCH = {"launch_pdl": True} if PDL else {}
 # --------------------------------------------------------------------------------------------------
 # fused linear: y = [residual +] act?(W @ norm?(x)) for x [n <= 16, K]
 # --------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _gemv(X, NW, W, BIAS, R, Y, M, N, K, eps, NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
           RESID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL_ON: tl.constexpr):
-    """Token ``pid % M`` (x [M, K]): rows [(pid // M) * BLOCK_N, +BLOCK_N) of W, fp32 FMA.
+    """Rows [pid * BLOCK_N, +BLOCK_N) of W for each of the M tokens of x [M, K] in turn, fp32 FMA.
 
-    Every token is computed by the same instructions whatever M is (batch-invariant: a verify step of n
-    tokens gives bit for bit the logits of n single steps); the M programs of one weight tile run side by
-    side, so the tile comes from DRAM once and from L2 for the others.
+    Every token goes through the same loop body whatever M is (batch-invariant: a verify step of n tokens
+    gives bit for bit the logits of n single steps; M is never specialised). The program's weight tile is
+    read from DRAM for the first token and from the SM's L1 / L2 for the next ones (one program per tile:
+    a program per (token, tile) made the n tokens read the tile from L2 n times, L2-bandwidth-bound).
     NORM in one pass: ``W (g * x * rstd) = rstd * (W (g * x))``, the sum of squares accumulated alongside."""
     if PDL_ON:
         gdc_wait()  # the previous kernel's outputs are complete and visible after this
     pid = tl.program_id(0)
-    tok = pid % M
-    pid = pid // M
-    X += tok * K
-    Y += tok * N
-    R += tok * N
     dt = Y.dtype.element_ty
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    ss = tl.zeros([BLOCK_K], tl.float32)
     w_rows = W + rows.to(tl.int64)[:, None] * K
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        cmask = cols < K
-        xf = tl.load(X + cols, mask=cmask, other=0.0).to(tl.float32)
+    for tok in range(M):
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        ss = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            cmask = cols < K
+            xf = tl.load(X + tok * K + cols, mask=cmask, other=0.0).to(tl.float32)
+            if NORM:
+                ss += xf * xf
+                xf = xf * tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
+            m2 = rmask[:, None] & cmask[None, :]
+            acc += tl.load(w_rows + cols[None, :], mask=m2, other=0.0).to(tl.float32) * xf[None, :]
+            if GATED:
+                acc2 += tl.load(w_rows + N * K + cols[None, :], mask=m2, other=0.0).to(tl.float32) * xf[None, :]
+        y = tl.sum(acc, 1)
+        rstd = 1.0
         if NORM:
-            ss += xf * xf
-            xf = xf * tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
-        m2 = rmask[:, None] & cmask[None, :]
-        acc += tl.load(w_rows + cols[None, :], mask=m2, other=0.0).to(tl.float32) * xf[None, :]
+            rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+            y = y * rstd
+        if HAS_BIAS:
+            y += tl.load(BIAS + rows, mask=rmask, other=0.0).to(tl.float32)
+        y = y.to(dt).to(tl.float32)
         if GATED:
-            acc2 += tl.load(w_rows + N * K + cols[None, :], mask=m2, other=0.0).to(tl.float32) * xf[None, :]
+            u = tl.sum(acc2, 1) * rstd
+            if HAS_BIAS:
+                u += tl.load(BIAS + N + rows, mask=rmask, other=0.0).to(tl.float32)
+            u = u.to(dt).to(tl.float32)
+            y = (y * tl.sigmoid(y)).to(dt).to(tl.float32)
+            y = (y * u).to(dt).to(tl.float32)
+        if RESID:
+            y = tl.load(R + tok * N + rows, mask=rmask, other=0.0).to(tl.float32) + y
+        tl.store(Y + tok * N + rows, y.to(dt), mask=rmask)
     if PDL_ON:
         gdc_launch_dependents()  # let the next kernel launch while this one finishes
-    y = tl.sum(acc, 1)
-    rstd = 1.0
-    if NORM:
-        rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
-        y = y * rstd
-    if HAS_BIAS:
-        y += tl.load(BIAS + rows, mask=rmask, other=0.0).to(tl.float32)
-    y = y.to(dt).to(tl.float32)
-    if GATED:
-        u = tl.sum(acc2, 1) * rstd
-        if HAS_BIAS:
-            u += tl.load(BIAS + N + rows, mask=rmask, other=0.0).to(tl.float32)
-        u = u.to(dt).to(tl.float32)
-        y = (y * tl.sigmoid(y)).to(dt).to(tl.float32)
-        y = (y * u).to(dt).to(tl.float32)
-    if RESID:
-        y = tl.load(R + rows, mask=rmask, other=0.0).to(tl.float32) + y
-    tl.store(Y + rows, y.to(dt), mask=rmask)
 
 
 @triton.jit
@@ -202,8 +199,8 @@ def _launch(x, w, bias, norm_weight, eps, residual, y, n_out, gated, cfg):
     bn, bk, warps = cfg
     grid = (triton.cdiv(n_out, bn),)
     if m == 1 or BATCH_INVARIANT:
-        _gemv[(m * grid[0],)](x, nw, w, b, r, y, m, n_out, k, eps, **flags, BLOCK_N=bn, BLOCK_K=bk, PDL_ON=PDL,
-                              num_warps=warps, **_LAUNCH)
+        _gemv[grid](x, nw, w, b, r, y, m, n_out, k, eps, **flags, BLOCK_N=bn, BLOCK_K=bk, PDL_ON=PDL,
+                    num_warps=warps, **_LAUNCH)
     else:
         _gemm_small[grid](x, nw, w, b, r, y, m, n_out, k, eps, **flags, IEEE=x.dtype == torch.float32, BLOCK_M=16,
                           BLOCK_N=bn, BLOCK_K=bk, PDL_ON=PDL, num_warps=warps, **_LAUNCH)
@@ -221,7 +218,9 @@ def _config(x, w, bias, norm_weight, eps, residual, y, n_out, gated):
     key = (m == 1, m, n_out, k, gated, x.dtype, str(x.device))
     if key in _TUNED:
         return _TUNED[key]
-    if INTERPRET or not TUNE or not x.is_cuda or torch.cuda.is_current_stream_capturing():
+    if INTERPRET:  # the CPU interpreter runs programs one by one: the fewest, widest tiles
+        return max(configs, key=lambda c: c[0])
+    if not TUNE or not x.is_cuda or torch.cuda.is_current_stream_capturing():
         return configs[0]
     best, best_ms = configs[0], float("inf")
     for cfg in configs:

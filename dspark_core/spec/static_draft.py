@@ -1,0 +1,244 @@
+"""The DSpark draft's greedy propose and context update as static-shape, sync-free device code.
+
+``draft.propose`` / ``draft.extend_context`` (``dspark_core.draft.inference``) are the reference: clear,
+any hook, any sampling, but eager, with host-side lengths and ~100 small launches per block. This module
+computes the same thing for the baseline architecture with every length and position in device tensors,
+so a whole speculative cycle can be captured as one CUDA graph (``dspark_core.spec.static_engine``):
+
+- the context K/V live in a static cache ``[nl, 1, nkv, M, d]``; the block attends to *all* M cached
+  positions under a mask ``key < p`` (p, the anchor position, is a device tensor) plus its own S keys, which
+  equals attending to the first p positions;
+- ``extend(aux, pos)`` writes the projected context of positions ``pos`` (device) into the cache; the engine
+  writes all S+1 verified positions every cycle and only the accepted ones count (the rest are beyond the
+  new length: never visible, overwritten later);
+- the Markov slots pick tokens sequentially on the device (greedy), each reading the previous token there.
+
+``kernels=True`` (Triton on CUDA, or its interpreter in tests) runs the draft layers through the same
+fused kernels as the target's decode step (``dspark_core.kernels.decode``: norm folded into the Q/K/V and
+gate/up products, q/k norm + RoPE + cache write, split-KV attention; the block's own K/V are written at
+positions p..p+S-1 of the cache and every block query sees keys <= p+S-1, i.e. bidirectional within the
+block) and each Markov slot through two kernels (``dspark_core.kernels.markov``). The prompt's context
+(any length) always goes through the torch path.
+
+Shape legend: S block size, V vocab, K aux layers, Ht target hidden, H draft hidden, nl draft layers,
+nq / nkv heads, d head dim, M cache positions (max_len rounded up to 16), n positions of an extend.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from dspark_core.draft.attention import AttentionMask
+from dspark_core.draft.model import DSparkDraft
+
+HOOKS = ("block_inputs", "markov_features", "extra_kv", "score_candidates")
+
+
+class DraftLayerWeights(NamedTuple):
+    """One draft layer for the Triton path (Q/K/V and gate/up concatenated: copies, the module is untouched)."""
+
+    ln1: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    ln2: torch.Tensor
+    gate_up_w: torch.Tensor
+    gate_up_b: torch.Tensor | None
+    down_w: torch.Tensor
+    down_b: torch.Tensor | None
+
+
+def static_draft_problem(draft: DSparkDraft) -> str | None:
+    """Why the static path does not apply to ``draft`` (None when it does)."""
+    problems = []
+    for hook in HOOKS:
+        if getattr(type(draft), hook) is not getattr(DSparkDraft, hook):
+            problems.append(f"{type(draft).__name__} overrides the variant hook {hook}()")
+    return "; ".join(problems) if problems else None
+
+
+def draft_kernels_problem(draft: DSparkDraft) -> str | None:
+    """Why the Triton path does not apply to the draft's layers (None when it does)."""
+    from dspark_core.kernels import triton_ok
+
+    problems = []
+    if not triton_ok(draft.fc.weight.device):
+        problems.append(f"Triton cannot run on {draft.fc.weight.device}")
+    d = draft.hf_config.head_dim
+    if d & (d - 1) or d < 16:
+        problems.append(f"draft head_dim {d} is not a power of two >= 16")
+    mlp = draft.layers[0].mlp
+    if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        problems.append(f"the draft MLP {type(mlp).__name__} is not a gated MLP")
+    act = getattr(mlp, "act_fn", None)
+    if not isinstance(act, torch.nn.SiLU) and "SiLU" not in type(act).__name__:
+        problems.append(f"the draft MLP's act_fn is {type(act).__name__}, not SiLU")
+    if draft.block_size + 1 > 16:
+        problems.append(f"block_size {draft.block_size} + 1 exceeds the kernels' 16 tokens")
+    return "; ".join(problems) if problems else None
+
+
+def _bias(linear: torch.nn.Linear) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach()
+
+
+def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
+    biases = [_bias(m) for m in linears]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b if b is not None else torch.zeros(m.out_features, dtype=m.weight.dtype,
+                                                           device=m.weight.device) for b, m in zip(biases, linears)])
+
+
+def _fuse(layer: torch.nn.Module) -> DraftLayerWeights:
+    a, mlp = layer.self_attn, layer.mlp
+    return DraftLayerWeights(
+        layer.input_layernorm.weight.detach(),
+        torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(), _cat_bias(a.q_proj, a.k_proj, a.v_proj),
+        None if a.q_norm is None else a.q_norm.weight.detach(), None if a.k_norm is None else a.k_norm.weight.detach(),
+        a.o_proj.weight.detach(), _bias(a.o_proj), layer.post_attention_layernorm.weight.detach(),
+        torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), _cat_bias(mlp.gate_proj, mlp.up_proj),
+        mlp.down_proj.weight.detach(), _bias(mlp.down_proj))
+
+
+class StaticDraft:
+    """Static context cache + greedy propose of a baseline ``DSparkDraft`` (see the module docstring)."""
+
+    def __init__(self, draft: DSparkDraft, max_len: int, *, kernels: bool = False) -> None:
+        problem = static_draft_problem(draft)
+        if problem:
+            raise ValueError(f"the static draft path does not apply: {problem} (use the reference engine)")
+        if kernels:
+            problem = draft_kernels_problem(draft)
+            if problem:
+                raise ValueError(f"StaticDraft(kernels=True) does not apply: {problem}")
+        self.draft, self.kernels = draft, bool(kernels)
+        self.block_size = s = draft.block_size
+        self.device, self.dtype = draft.fc.weight.device, draft.compute_dtype
+        attn = draft.layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.eps = float(draft.hf_config.rms_norm_eps)
+        self.alloc = -(-int(max_len) // 16) * 16
+        shape = (len(draft.layers), 1, self.num_kv_heads, self.alloc, self.head_dim)
+        self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)  # [nl, 1, nkv, M, d]
+        self.v = torch.zeros(shape, device=self.device, dtype=self.dtype)  # [nl, 1, nkv, M, d]
+        self.key_pos = torch.arange(self.alloc, device=self.device)  # [M]
+        self.slots = torch.arange(s, device=self.device)  # [S]
+        self.block_visible = torch.ones(s, dtype=torch.bool, device=self.device)  # [S]
+        self.tokens = torch.zeros(s, dtype=torch.long, device=self.device)  # [S] the last proposal
+        with torch.no_grad():
+            cos, sin = draft.rope(self.k[0, 0, 0], self.key_pos.unsqueeze(0))  # [1, M, d]
+        self.cos, self.sin = cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()  # [M, d]
+        if self.kernels:
+            from dspark_core.kernels.markov import MarkovArgmax
+
+            self.fused = [_fuse(layer) for layer in draft.layers]
+            self.markov = MarkovArgmax(draft.markov.w1.weight.detach(), draft.markov.w2.weight.detach()) \
+                if draft.markov is not None else None
+
+    # -- context --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def extend(self, aux_hidden: torch.Tensor, pos: torch.Tensor) -> None:
+        """Write the context K/V of aux_hidden [1, n, K, Ht] at positions ``pos [n]`` (device)."""
+        n = aux_hidden.shape[1]
+        if self.kernels and n <= 16:
+            return self._extend_kernels(aux_hidden, pos)
+        draft = self.draft
+        c = draft.context_features(aux_hidden.to(self.device))  # [1, n, H]
+        rope = draft.rope(c, pos.view(1, n))
+        for i, layer in enumerate(draft.layers):
+            k, v = layer.self_attn.project_kv(c, rope)  # [1, nkv, n, d]
+            self.k[i].index_copy_(2, pos, k.to(self.dtype))
+            self.v[i].index_copy_(2, pos, v.to(self.dtype))
+
+    def _extend_kernels(self, aux_hidden: torch.Tensor, pos: torch.Tensor) -> None:
+        from dspark_core.kernels.decode import fused_linear, qk_norm_rope_cache
+
+        draft, n = self.draft, aux_hidden.shape[1]
+        flat = aux_hidden.reshape(n, -1).to(self.dtype)  # [n, K*Ht]
+        pre = fused_linear(flat, draft.fc.weight)  # [n, H]; hidden_norm folded into each layer's product
+        for i, w in enumerate(self.fused):
+            qkv = fused_linear(pre, w.qkv_w, w.qkv_b, norm_weight=draft.hidden_norm.weight, eps=self.eps)
+            qk_norm_rope_cache(qkv, w.q_norm, w.k_norm, self.cos, self.sin, pos, self.k[i], self.v[i],
+                               self.num_heads, self.num_kv_heads, self.eps)  # the queries are not used
+
+    # -- propose ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def propose(self, anchor: torch.Tensor, p: torch.Tensor, need_hidden: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy block at anchor [1] (token) / p [1] (position): tokens [S] (into ``self.tokens``) and the final
+        draft states h [S, H] (for the confidence head; the Triton path skips them without ``need_hidden``)."""
+        if self.kernels:
+            hidden, base = self._block_kernels(anchor, p, need_hidden)
+        else:
+            hidden = self._block_torch(anchor, p)  # [S, H]
+            base = self.draft.slot_logits(hidden)  # [S, V] float32
+        self._markov_slots(base, anchor)
+        return self.tokens, hidden
+
+    def _block_torch(self, anchor: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        draft, s = self.draft, self.block_size
+        x = draft._block_states(anchor.view(1, 1), None)  # [1, S, H]
+        rope = draft.rope(x, (p + self.slots).view(1, s))
+        visible = torch.cat([self.key_pos < p, self.block_visible])  # [M + S]
+        mask = AttentionMask(dense=visible.view(1, 1, 1, -1).expand(1, 1, s, -1))
+        for i, layer in enumerate(draft.layers):
+            x = layer(x, [(self.k[i], self.v[i])], rope, mask)
+        return draft.norm(x)[0]  # [S, H]
+
+    def _block_kernels(self, anchor: torch.Tensor, p: torch.Tensor, need_hidden: bool
+                       ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        from dspark_core.kernels.decode import decode_attention, fused_linear, qk_norm_rope_cache
+
+        draft, s, eps = self.draft, self.block_size, self.eps
+        x = draft._block_states(anchor.view(1, 1), None)[0].contiguous()  # [S, H]
+        pos = p + self.slots  # [S] RoPE positions and where the block's K/V go
+        last = (p + (s - 1)).expand(s).contiguous()  # [S] every block query sees keys <= p + S - 1
+        scale = draft.layers[0].self_attn.scale
+        for i, w in enumerate(self.fused):
+            qkv = fused_linear(x, w.qkv_w, w.qkv_b, norm_weight=w.ln1, eps=eps)  # [S, (nq + 2 nkv) d]
+            q = qk_norm_rope_cache(qkv, w.q_norm, w.k_norm, self.cos, self.sin, pos, self.k[i], self.v[i],
+                                   self.num_heads, self.num_kv_heads, eps)  # [S, nq, d]
+            attn = decode_attention(q, self.k[i], self.v[i], last, scale)  # [S, nq, d]
+            x = fused_linear(attn.view(s, -1), w.o_w, w.o_b, residual=x)  # [S, H]
+            h = fused_linear(x, w.gate_up_w, w.gate_up_b, norm_weight=w.ln2, eps=eps, gated=True)  # [S, F]
+            x = fused_linear(h, w.down_w, w.down_b, residual=x)  # [S, H]
+        hidden = draft.norm(x) if need_hidden or draft.head_proj is not None else None  # [S, H]
+        if draft.head_proj is None:
+            base = fused_linear(x, draft.lm_head_weight, norm_weight=draft.norm.weight, eps=eps).float()  # [S, V]
+        else:
+            base = draft.slot_logits(hidden)
+        return hidden, base
+
+    def _markov_slots(self, base: torch.Tensor, anchor: torch.Tensor) -> None:
+        """tokens[i] = argmax(base[i] + Markov bias of the previous token), slot by slot on the device."""
+        draft = self.draft
+        if draft.markov is None:
+            self.tokens.copy_(base.argmax(dim=-1))
+            return
+        prev = anchor.view(1)
+        for i in range(self.block_size):
+            out = self.tokens[i : i + 1]
+            if self.kernels:
+                self.markov(base[i].contiguous(), prev, out)
+            else:
+                m = draft.markov_features(prev, None, None)  # [1, r]
+                out.copy_((base[i : i + 1] + draft.markov_bias(m).float()).argmax(dim=-1))
+            prev = out
+
+    @torch.no_grad()
+    def confident_slots(self, anchor: torch.Tensor, hidden: torch.Tensor, threshold: float) -> torch.Tensor:
+        """[] long: slots before the first whose confidence is below ``threshold`` (S when none / no head)."""
+        draft, s = self.draft, self.block_size
+        if threshold <= 0.0 or draft.confidence is None:
+            return torch.full((), s, dtype=torch.long, device=self.device)
+        prev = torch.cat([anchor.view(1), self.tokens[:-1]])  # [S] t_{i-1}
+        m = draft.markov_features(prev, hidden, None)  # [S, r] | None
+        conf = torch.sigmoid(draft.confidence_logits(hidden, m))  # [S]
+        below = conf < threshold
+        return torch.where(below, self.slots, torch.full_like(self.slots, s)).min()

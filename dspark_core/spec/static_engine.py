@@ -1,0 +1,174 @@
+"""Greedy speculative decoding with the whole cycle on the device: one CUDA graph pair per cycle.
+
+The same algorithm as :class:`dspark_core.spec.engine.SpeculativeDecoder` (the reference: any draft, any
+sampling, host-side bookkeeping), restricted to greedy decoding of a baseline ``DSparkDraft`` so that every
+step of a cycle has a static shape and reads its lengths from device tensors:
+
+    propose   tokens t_1..t_S = draft block at (anchor, p), greedy Markov slots      (graph 1)
+    verify    target forward of [anchor, t_1..t_S] at p..p+S (``TargetRunner._step``)  (graph 2)
+    accept    a = matching prefix of t vs the target's argmax (capped at the confident slots);
+              bonus = target argmax at row a
+    update    draft context K/V of positions p..p+S written (only p..p+a count); p += a + 1; anchor = bonus
+
+The host replays the two graphs and reads back one small tensor per cycle ``[a, n, t_1..t_S, bonus]`` (the
+only sync) to append tokens and check stop tokens / max_new_tokens, like the reference. The target always
+verifies S+1 tokens; a confidence cut (``confidence_threshold`` > 0) caps the accepted prefix at the cut,
+which commits the same tokens the reference commits after proposing only the confident slots.
+
+Without ``cuda_graph`` (CPU, tests) the very same cycle code runs eagerly. Timing: ``time_every = k`` times
+draft and verify separately on every k-th cycle (a sync between the graphs on those cycles only); the
+other cycles run back to back, and ``decode_s`` covers all of them.
+
+Shape legend: S block size, V vocab, K aux layers, H target hidden.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from dspark_core.spec.common import Clock, check_budget, prompt_tensor
+from dspark_core.spec.sampling import SamplingParams
+from dspark_core.spec.static_draft import StaticDraft, draft_kernels_problem
+from dspark_core.spec.target_runner import TargetRunner
+from dspark_core.spec.types import GenerationResult, cut_at_stop
+
+
+class StaticSpeculativeDecoder:
+    """Greedy speculative decoding, batch 1, with a device-side cycle (see the module docstring).
+
+    ``kernels`` (None: the target runner's choice where the draft allows it) runs the draft layers through the Triton decode kernels.
+    ``cuda_graph`` (None: the target runner's choice) captures the cycle as two CUDA graphs."""
+
+    def __init__(self, target: TargetRunner, draft, *, block_size: int | None = None,
+                 confidence_threshold: float = 0.0, sampling: SamplingParams | None = None,
+                 kernels: bool | None = None, cuda_graph: bool | None = None, time_every: int = 0) -> None:
+        if sampling is not None and not sampling.greedy:
+            raise ValueError("the static engine decodes greedily; use SpeculativeDecoder for sampling "
+                             f"(temperature {sampling.temperature})")
+        if target.batch_size != 1:
+            raise ValueError(f"the static engine decodes batch size 1; the target runner has {target.batch_size}")
+        if block_size is not None and block_size != draft.block_size:
+            raise ValueError(f"block_size {block_size} differs from the draft's {draft.block_size}")
+        if not 0.0 <= confidence_threshold <= 1.0:
+            raise ValueError(f"confidence_threshold must be in [0, 1]; got {confidence_threshold!r}")
+        if tuple(draft.aux_layer_ids) != tuple(target.aux_layer_ids):
+            raise ValueError(f"draft aux_layer_ids {list(draft.aux_layer_ids)} differ from the target runner's "
+                             f"{list(target.aux_layer_ids)}")
+        self.cuda_graph = target.cuda_graph if cuda_graph is None else bool(cuda_graph)
+        if self.cuda_graph and target.device.type != "cuda":
+            raise ValueError(f"cuda_graph=True needs CUDA; the target is on {target.device}")
+        self.target = target
+        self.block_size = s = draft.block_size
+        if kernels is None:  # the target's choice, where the draft's layers allow it
+            kernels = target.kernels and draft_kernels_problem(draft) is None
+        self.static = StaticDraft(draft, target.max_len, kernels=kernels)
+        self.confidence_threshold = float(confidence_threshold)
+        self.time_every = int(time_every)
+        dev = target.device
+        self.p = torch.zeros(1, dtype=torch.long, device=dev)  # [1] anchor position
+        self.anchor = torch.zeros(1, dtype=torch.long, device=dev)  # [1] anchor token
+        self.out = torch.zeros(s + 3, dtype=torch.long, device=dev)  # [a, n, t_1..t_S, bonus]
+        self.verify_slots = torch.arange(s + 1, device=dev)  # [S+1]
+        self._graphs: tuple | None = None
+        self._clock = Clock(dev)
+
+    # -- the cycle (device code only: no host reads, static shapes) ---------------------------------
+    def _propose(self) -> None:
+        need_hidden = self.confidence_threshold > 0
+        tokens, hidden = self.static.propose(self.anchor, self.p, need_hidden)  # [S], [S, H] | None
+        self.out[1] = self.static.confident_slots(self.anchor, hidden, self.confidence_threshold)
+        self.out[2 : 2 + self.block_size] = tokens
+
+    def _verify_update(self) -> None:
+        s = self.block_size
+        tokens = self.out[2 : 2 + s]  # [S]
+        ids = torch.cat([self.anchor, tokens]).view(1, s + 1)  # [1, S+1]
+        pos = self.p + self.verify_slots  # [S+1]
+        logits, aux = self.target._step(ids, pos)  # [1, S+1, V], [1, S+1, K, H]
+        best = logits[0].argmax(dim=-1)  # [S+1]
+        match = (best[:s] == tokens) & (self.verify_slots[:s] < self.out[1])
+        a = match.long().cumprod(dim=0).sum()  # [] accepted prefix
+        bonus = best.gather(0, a.view(1))  # [1]
+        self.out[0] = a
+        self.out[2 + s] = bonus[0]
+        self.static.extend(aux, pos)  # all S+1 positions; only p..p+a are below the new length
+        self.p += a + 1
+        self.anchor.copy_(bonus)
+
+    # -- CUDA graphs ----------------------------------------------------------------------------
+    def _capture(self) -> None:
+        """Warm up (Triton tuning, lazy inits) on a side stream, then capture propose and verify+update.
+        The warm-up moves p / anchor and writes caches beyond the live length; both are restored."""
+        p, anchor = self.p.clone(), self.anchor.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self._propose()
+                self._verify_update()
+                self.p.copy_(p)
+        torch.cuda.current_stream().wait_stream(stream)
+        pool = torch.cuda.graph_pool_handle()
+        graphs = (torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph())
+        with torch.cuda.graph(graphs[0], pool=pool):
+            self._propose()
+        with torch.cuda.graph(graphs[1], pool=pool):
+            self._verify_update()
+        self.p.copy_(p)
+        self.anchor.copy_(anchor)
+        self._graphs = graphs
+
+    def _run_propose(self) -> None:
+        self._graphs[0].replay() if self._graphs else self._propose()
+
+    def _run_verify(self) -> None:
+        self._graphs[1].replay() if self._graphs else self._verify_update()
+
+    # -- generation -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
+                 stop_ids: Sequence[int] = ()) -> GenerationResult:
+        """Decode up to ``max_new_tokens`` greedily after ``prompt_ids``: the reference engine's output and
+        ``GenerationResult`` (draft_s / verify_s hold the timed cycles only, see ``time_every``)."""
+        s = self.block_size
+        prompt = prompt_tensor(prompt_ids, self.target.device)  # [1, P]
+        check_budget(self.target, prompt.shape[1], max_new_tokens, s + 1)
+        stops = set(int(t) for t in stop_ids)
+        result = GenerationResult(tokens=[])
+        t0 = self._clock()
+        logits, aux = self.target.prefill(prompt, last_logits_only=True)  # [1, 1, V], [1, P, K, H]
+        n_prompt = prompt.shape[1]
+        self.static.extend(aux, self.static.key_pos[:n_prompt])
+        self.anchor.copy_(logits[0, -1].argmax().view(1))
+        self.p.fill_(n_prompt)
+        if self.cuda_graph and self._graphs is None:
+            self._capture()
+        tokens = [int(self.anchor.item())]
+        t1 = self._clock()
+        result.prefill_s = t1 - t0
+        while len(tokens) < max_new_tokens and tokens[-1] not in stops:
+            timed = self.time_every > 0 and result.cycles % self.time_every == 0
+            c0 = self._clock() if timed else 0.0
+            self._run_propose()
+            c1 = self._clock() if timed else 0.0
+            self._run_verify()
+            out = self.out.tolist()  # the cycle's only host sync
+            if timed:
+                result.draft_s.append(c1 - c0)
+                result.verify_s.append(time.perf_counter() - c1)
+            a, n = out[0], out[1]
+            committed = out[2 : 2 + a] + [out[2 + s]]
+            tokens.extend(committed)
+            result.cycles += 1
+            result.accepted_per_cycle.append(a)
+            result.proposal_lengths.append(n)
+            if stops.intersection(committed):
+                break
+        self.target.length = n_prompt + len(tokens) - 1  # host view of the target cache (anchor not in it)
+        result.decode_s = self._clock() - t1
+        result.tokens, hit_stop = cut_at_stop(tokens, sorted(stops), max_new_tokens)
+        result.stop_reason = "stop" if hit_stop else "length"
+        return result

@@ -1,0 +1,177 @@
+"""The static (device-side, graph-capturable) speculative engine against the references: the target's greedy
+AR output, the reference engine's cycles (same accepted lengths and proposal lengths), the reference draft's
+block states and context K/V, and the Triton Markov slot against its torch path.
+
+CPU: the cycle runs eagerly (the code a CUDA graph captures); the ``kernels`` cases run the Triton draft and
+target kernels under Triton's interpreter. The CUDA-graph case runs on a GPU only."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from _spec_utils import one_thread  # noqa: F401 (fixture)
+from dspark_core.draft import DraftConfig, DSparkDraft
+from dspark_core.spec.ar import ARDecoder
+from dspark_core.spec.engine import SpeculativeDecoder
+from dspark_core.spec.sampling import SamplingParams
+from dspark_core.spec.static_draft import StaticDraft
+from dspark_core.spec.static_engine import StaticSpeculativeDecoder
+from dspark_core.spec.target_runner import TargetRunner
+from dspark_core.testing import tiny_model
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+from dspark_core.kernels import triton_ok  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+BLOCK = 4
+MAX_NEW = 40
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+needs_triton = pytest.mark.skipif(not triton_ok(DEVICE), reason="needs Triton on CUDA or TRITON_INTERPRET=1")
+
+
+def _setup(family: str, block: int = BLOCK, seed: int = 0, vocab: int = 16, layers: int = 6, aux=(0, 2, 4)):
+    """A target with a 16-token vocabulary (a random draft is then right often enough for partial
+    acceptances) and a random 2-layer DSpark draft."""
+    model = tiny_model(family, vocab_size=vocab, eos_token_id=None, pad_token_id=None,
+                       num_hidden_layers=layers).to(DEVICE)
+    torch.manual_seed(seed)
+    cfg = DraftConfig(num_draft_layers=2, block_size=block, mask_token_id=None, num_anchors=4, markov_rank=8)
+    draft = DSparkDraft(cfg, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
+                        aux_layer_ids=aux).to(DEVICE).eval()
+    return model, draft
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_static_matches_ar_and_reference_engine(family, threshold):
+    model, draft = _setup(family)
+    runner = TargetRunner(model, max_len=96, aux_layer_ids=draft.aux_layer_ids)
+    ar = ARDecoder(runner).generate(PROMPT, MAX_NEW)
+    ref = SpeculativeDecoder(runner, draft, block_size=BLOCK, confidence_threshold=threshold).generate(PROMPT, MAX_NEW)
+    static = StaticSpeculativeDecoder(runner, draft, confidence_threshold=threshold, time_every=3)
+    res = static.generate(PROMPT, MAX_NEW)
+    assert res.tokens == ar.tokens == ref.tokens
+    assert res.accepted_per_cycle == ref.accepted_per_cycle  # the same draft decisions, cycle by cycle
+    assert res.proposal_lengths == ref.proposal_lengths
+    assert len(res.draft_s) == len(res.verify_s) == -(-res.cycles // 3)
+    assert runner.length == len(PROMPT) + len(res.tokens) - 1
+    if threshold > 0:  # the cut happens, and not always at slot 0
+        assert min(res.proposal_lengths) < BLOCK and max(res.proposal_lengths) > 0
+    else:
+        assert 0 < sum(res.accepted_per_cycle) and min(res.accepted_per_cycle) < BLOCK  # partial acceptances
+
+
+def test_static_stops_and_repeated_use():
+    """Stop tokens end the output where AR's ends; a second prompt on the same engine starts clean."""
+    model, draft = _setup("qwen3")
+    runner = TargetRunner(model, max_len=96, aux_layer_ids=draft.aux_layer_ids)
+    static = StaticSpeculativeDecoder(runner, draft)
+    full = ARDecoder(runner).generate(PROMPT, MAX_NEW).tokens
+    stop = full[len(full) // 2]
+    for prompt in (PROMPT, [7, 7, 2], PROMPT):
+        for stops in ((), (stop,)):
+            ar = ARDecoder(runner).generate(prompt, MAX_NEW, stops)
+            res = static.generate(prompt, MAX_NEW, stops)
+            assert res.tokens == ar.tokens and res.stop_reason == ar.stop_reason
+
+
+def test_static_draft_matches_reference_draft():
+    """Block states of the static block (all M cached positions under a mask) == forward_block over the live
+    context; context K/V written by ``extend`` == ``extend_context``."""
+    model, draft = _setup("qwen3", block=5)
+    aux = torch.randn(1, 11, 3, model.config.hidden_size, device=DEVICE)
+    ref_cache = draft.new_context_cache(batch=1, max_len=40)
+    draft.extend_context(ref_cache, aux)
+    static = StaticDraft(draft, max_len=40)
+    static.extend(aux[:, :6], torch.arange(6, device=DEVICE))
+    static.extend(aux[:, 6:], torch.arange(6, 11, device=DEVICE))
+    torch.testing.assert_close(static.k[:, :, :, :11], ref_cache.k[:, :, :, :11])
+    torch.testing.assert_close(static.v[:, :, :, :11], ref_cache.v[:, :, :, :11])
+    anchor = torch.tensor([3], device=DEVICE)
+    ref_h = draft.forward_block(ref_cache, anchor)[0]  # [S, H]
+    tokens, h = static.propose(anchor, torch.tensor([11], device=DEVICE))
+    torch.testing.assert_close(h, ref_h, atol=1e-5, rtol=1e-5)
+    ref = draft.propose(ref_cache, anchor, lambda logits: (logits.argmax(-1), logits))
+    assert tokens.tolist() == ref.tokens[0].tolist()
+
+
+@needs_triton
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_static_kernels_match_ar(family):
+    """Triton target and draft kernels (interpreter on CPU): output identical to the Triton AR decoder, the
+    same cycles as the reference engine on the eager path."""
+    model, draft = _setup(family, layers=3, aux=(0, 1))  # small: the interpreter runs programs one by one
+    runner = TargetRunner(model, max_len=48, aux_layer_ids=draft.aux_layer_ids, kernels=True)
+    ar = ARDecoder(runner).generate(PROMPT, 14)
+    static = StaticSpeculativeDecoder(runner, draft, kernels=True)
+    res = static.generate(PROMPT, 14)
+    assert res.tokens == ar.tokens
+    eager = TargetRunner(model, max_len=48, aux_layer_ids=draft.aux_layer_ids)
+    ref = SpeculativeDecoder(eager, draft, block_size=BLOCK).generate(PROMPT, 14)
+    assert res.accepted_per_cycle == ref.accepted_per_cycle
+    assert sum(res.accepted_per_cycle) > 0
+
+
+@needs_triton
+@pytest.mark.parametrize("vocab,rank", [(16, 8), (300, 24), (1000, 256)])
+def test_markov_kernel_matches_torch(vocab, rank):
+    from dspark_core.kernels.markov import MarkovArgmax, markov_slot_reference
+
+    gen = torch.Generator().manual_seed(vocab)
+    w1 = torch.randn(vocab, rank, generator=gen).to(DEVICE)
+    w2 = torch.randn(vocab, rank, generator=gen).to(DEVICE)
+    base = (3 * torch.randn(vocab, generator=gen)).to(DEVICE)
+    kernel = MarkovArgmax(w1, w2)
+    out = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    for prev in (0, vocab // 2, vocab - 1):
+        prev_t = torch.tensor([prev], device=DEVICE)
+        kernel(base, prev_t, out[1:])
+        assert out[1].item() == markov_slot_reference(base, w1, w2, prev_t).item()
+    tied = torch.zeros(vocab, device=DEVICE)
+    kernel(tied, torch.tensor([0], device=DEVICE), out[:1])  # W2 = 0 below: all tied, lowest id wins
+    zero = MarkovArgmax(w1, torch.zeros_like(w2))
+    zero(tied, torch.tensor([0], device=DEVICE), out[:1])
+    assert out[0].item() == 0
+
+
+def test_static_refuses_what_it_cannot_do():
+    model, draft = _setup("qwen3")
+    runner = TargetRunner(model, max_len=96, aux_layer_ids=draft.aux_layer_ids)
+    with pytest.raises(ValueError, match="greedily"):
+        StaticSpeculativeDecoder(runner, draft, sampling=SamplingParams(temperature=0.8))
+    other = TargetRunner(model, max_len=96, aux_layer_ids=(0, 1))
+    with pytest.raises(ValueError, match="aux_layer_ids"):
+        StaticSpeculativeDecoder(other, draft)
+
+    class Variant(DSparkDraft):
+        def score_candidates(self, logits, hidden, prefix, slot, extras):
+            return logits
+
+    variant = Variant(draft.cfg, model.config, model.get_input_embeddings().weight,
+                      model.get_output_embeddings().weight, aux_layer_ids=(0, 2, 4))
+    with pytest.raises(ValueError, match="score_candidates"):
+        StaticSpeculativeDecoder(runner, variant)
+    with pytest.raises(ValueError, match="max_len=96"):
+        StaticSpeculativeDecoder(runner, draft).generate(list(range(10)) * 6, 40)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("kernels", [False, True])
+def test_static_cuda_graph_matches_ar(kernels):
+    """bf16 with the batch-invariant Triton kernels (a verify step computes each token as the AR step does);
+    float32 on the cuBLAS path, whose n = 1 and n = S+1 products may round differently in bf16."""
+    model, draft = _setup("qwen3", vocab=64)
+    if kernels:
+        model, draft = model.to(torch.bfloat16), draft.to(torch.bfloat16)
+    runner = TargetRunner(model, max_len=128, aux_layer_ids=draft.aux_layer_ids, cuda_graph=True, kernels=kernels)
+    ar = ARDecoder(runner).generate(PROMPT, 64)
+    static = StaticSpeculativeDecoder(runner, draft, cuda_graph=True)
+    for _ in range(2):  # captured on the first call, replayed on the second
+        res = static.generate(PROMPT, 64)
+        assert res.tokens == ar.tokens
