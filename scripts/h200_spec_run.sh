@@ -28,7 +28,8 @@
 #   DSPARK_REGEN_BUDGET_S    regenerate's time budget (default 120; tiny 600)
 #   DSPARK_TRAIN_BUDGET_S    train's time budget (default 170; tiny 600), cut so that the run ends within
 #   DSPARK_TOTAL_S           seconds (default 570) with DSPARK_BENCH_RESERVE_S (default 140) left for the bench
-#   DSPARK_BENCH_ARGS        extra flags for bench_decode.py (e.g. "--kernels"); DSPARK_SPEC_NEW_TOKENS (256)
+#   DSPARK_BENCH_ARGS        extra flags for bench_decode.py (e.g. "--kernels"); DSPARK_SPEC_NEW_TOKENS (256);
+#                            DSPARK_BENCH_COMPILE=0 drops --compile (not needed with --kernels)
 #   DSPARK_FROM=STEP         start at STEP (target|prepare|regenerate|cache|train|bench), reusing $DSPARK_WORK
 #                            (train resumes from its last checkpoint: a run can span two device calls)
 #   DSPARK_UNTIL=STEP        stop after STEP (e.g. train: the next call continues with DSPARK_FROM=train)
@@ -267,7 +268,8 @@ if [ "$TINY" = "1" ]; then
   BENCH=(--shapes smollm2-135m --new-tokens 16 --prompt-len 16 --repeats 1 --step-iters 2 --hf-tokens 4
          --spec-new-tokens 24)
 else
-  BENCH=(--compile --shapes smollm2-135m --spec-new-tokens "$SPEC_NEW_TOKENS")
+  BENCH=(--shapes smollm2-135m --spec-new-tokens "$SPEC_NEW_TOKENS")
+  [ "${DSPARK_BENCH_COMPILE:-1}" = "0" ] || BENCH=(--compile "${BENCH[@]}")
 fi
 # shellcheck disable=SC2086
 step bench "$PY" "$REPO/benchmarks/bench_decode.py" "${BENCH[@]}" --target data/target \

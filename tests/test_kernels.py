@@ -48,13 +48,15 @@ def test_chunk_math_matches_reference():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,invariant", [(1, True), (5, True), (5, False)])
+@pytest.mark.parametrize("n,invariant,gemm", [(1, True, "fma"), (5, True, "fma"), (5, False, "fma"), (1, True, "mma"),
+                                               (5, True, "mma")])
 @pytest.mark.parametrize("variant", ["plain", "norm_bias", "gated_norm", "residual"])
-def test_fused_linear_matches_reference(dtype, n, invariant, variant, monkeypatch):
+def test_fused_linear_matches_reference(dtype, n, invariant, gemm, variant, monkeypatch):
     from dspark_core.kernels import decode
     from dspark_core.kernels.decode import fused_linear, fused_linear_reference
 
     monkeypatch.setattr(decode, "BATCH_INVARIANT", invariant)  # False: the tensor-core kernel for n > 1
+    monkeypatch.setattr(decode, "SMALL_GEMM", gemm)  # mma: the tensor-core kernel for every n
 
     g = torch.Generator().manual_seed(n)
     k, n_out = 96, 40
@@ -199,8 +201,41 @@ def test_chunked_distill_triton_matches_torch(monkeypatch, with_markov):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [2, 3, 8])
+@pytest.mark.parametrize("variant", ["norm_bias", "gated_norm", "residual"])
+def test_split_k_matches_reference_and_is_batch_invariant(splits, variant, monkeypatch):
+    """The tensor-core kernel with split-K (partials reduced in split order by the last program of a tile):
+    right values, and rows of a 5-token call bit for bit those of 1-token calls; the counters end at zero."""
+    from dspark_core.kernels import decode
+    from dspark_core.kernels.decode import _launch, fused_linear_reference
+
+    monkeypatch.setattr(decode, "SMALL_GEMM", "mma")
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(splits)
+    k, n_out, gated = 200, 40, variant == "gated_norm"
+    x = torch.randn(5, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(2 * n_out if gated else n_out, k, generator=g) * 0.1).to(DEVICE, dtype)
+    norm = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE, dtype) if variant != "residual" else None
+    bias = (torch.randn(w.shape[0], generator=g) * 0.1).to(DEVICE, dtype) if variant == "norm_bias" else None
+    res = torch.randn(5, n_out, generator=g).to(DEVICE, dtype) if variant == "residual" else None
+    cfg = (16, 32, splits, 4)
+
+    def run(rows):
+        y = torch.empty(len(rows), n_out, device=DEVICE, dtype=dtype)
+        _launch(x[rows], w, bias, norm, 1e-6, None if res is None else res[rows], y, n_out, gated, cfg)
+        return y
+
+    y5 = run(list(range(5)))
+    ref = fused_linear_reference(x, w, bias, norm_weight=norm, eps=1e-6, gated=gated, residual=res)
+    torch.testing.assert_close(y5, ref, **_tol(dtype))
+    singles = torch.cat([run([i]) for i in range(5)])
+    torch.testing.assert_close(y5, singles, atol=0, rtol=0)
+    assert all(int(lock.abs().sum()) == 0 for _, lock in decode._SPLIT_BUFFERS.values())
+
+
+@pytest.mark.parametrize("gemm", ["fma", "mma"])
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_kernel_step_is_batch_invariant(family):
+def test_kernel_step_is_batch_invariant(family, gemm, monkeypatch):
     """A step of n tokens gives bit for bit the logits, aux states and cache of n single-token steps, so a
     greedy verify of a proposal agrees exactly with AR decoding (bf16 included)."""
     from dspark_core.kernels import decode
@@ -208,6 +243,7 @@ def test_kernel_step_is_batch_invariant(family):
     from dspark_core.testing import tiny_model
 
     assert decode.BATCH_INVARIANT
+    monkeypatch.setattr(decode, "SMALL_GEMM", gemm)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     runners = [TargetRunner(tiny_model(family).to(DEVICE, dtype), max_len=64, aux_layer_ids=(1, 3), kernels=True)
                for _ in range(2)]

@@ -65,66 +65,79 @@ _LAUNCH = {"launch_pdl": True} if PDL else {}
 @triton.jit(do_not_specialize=["M"])
 def _gemv(X, NW, W, BIAS, R, Y, M, N, K, eps, NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
           RESID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL_ON: tl.constexpr):
-    """Rows [pid * BLOCK_N, +BLOCK_N) of W for each of the M tokens of x [M, K] in turn, fp32 FMA.
+    """Token ``pid % M`` (x [M, K]): rows [(pid // M) * BLOCK_N, +BLOCK_N) of W, fp32 FMA.
 
-    Every token goes through the same loop body whatever M is (batch-invariant: a verify step of n tokens
-    gives bit for bit the logits of n single steps; M is never specialised). The program's weight tile is
-    read from DRAM for the first token and from the SM's L1 / L2 for the next ones (one program per tile:
-    a program per (token, tile) made the n tokens read the tile from L2 n times, L2-bandwidth-bound).
+    Every token is computed by the same instructions whatever M is (batch-invariant: a verify step of n
+    tokens gives bit for bit the logits of n single steps); the M programs of one weight tile run side by
+    side, so the tile comes from DRAM once and from L2 for the others.
     NORM in one pass: ``W (g * x * rstd) = rstd * (W (g * x))``, the sum of squares accumulated alongside."""
     if PDL_ON:
         gdc_wait()  # the previous kernel's outputs are complete and visible after this
     pid = tl.program_id(0)
+    tok = pid % M
+    pid = pid // M
+    X += tok * K
+    Y += tok * N
+    R += tok * N
     dt = Y.dtype.element_ty
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    ss = tl.zeros([BLOCK_K], tl.float32)
     w_rows = W + rows.to(tl.int64)[:, None] * K
-    for tok in range(M):
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        ss = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            cmask = cols < K
-            xf = tl.load(X + tok * K + cols, mask=cmask, other=0.0).to(tl.float32)
-            if NORM:
-                ss += xf * xf
-                xf = xf * tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
-            m2 = rmask[:, None] & cmask[None, :]
-            acc += tl.load(w_rows + cols[None, :], mask=m2, other=0.0).to(tl.float32) * xf[None, :]
-            if GATED:
-                acc2 += tl.load(w_rows + N * K + cols[None, :], mask=m2, other=0.0).to(tl.float32) * xf[None, :]
-        y = tl.sum(acc, 1)
-        rstd = 1.0
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        cmask = cols < K
+        xf = tl.load(X + cols, mask=cmask, other=0.0).to(tl.float32)
         if NORM:
-            rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
-            y = y * rstd
-        if HAS_BIAS:
-            y += tl.load(BIAS + rows, mask=rmask, other=0.0).to(tl.float32)
-        y = y.to(dt).to(tl.float32)
+            ss += xf * xf
+            xf = xf * tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
+        m2 = rmask[:, None] & cmask[None, :]
+        acc += tl.load(w_rows + cols[None, :], mask=m2, other=0.0).to(tl.float32) * xf[None, :]
         if GATED:
-            u = tl.sum(acc2, 1) * rstd
-            if HAS_BIAS:
-                u += tl.load(BIAS + N + rows, mask=rmask, other=0.0).to(tl.float32)
-            u = u.to(dt).to(tl.float32)
-            y = (y * tl.sigmoid(y)).to(dt).to(tl.float32)
-            y = (y * u).to(dt).to(tl.float32)
-        if RESID:
-            y = tl.load(R + tok * N + rows, mask=rmask, other=0.0).to(tl.float32) + y
-        tl.store(Y + tok * N + rows, y.to(dt), mask=rmask)
+            acc2 += tl.load(w_rows + N * K + cols[None, :], mask=m2, other=0.0).to(tl.float32) * xf[None, :]
     if PDL_ON:
         gdc_launch_dependents()  # let the next kernel launch while this one finishes
+    y = tl.sum(acc, 1)
+    rstd = 1.0
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+        y = y * rstd
+    if HAS_BIAS:
+        y += tl.load(BIAS + rows, mask=rmask, other=0.0).to(tl.float32)
+    y = y.to(dt).to(tl.float32)
+    if GATED:
+        u = tl.sum(acc2, 1) * rstd
+        if HAS_BIAS:
+            u += tl.load(BIAS + N + rows, mask=rmask, other=0.0).to(tl.float32)
+        u = u.to(dt).to(tl.float32)
+        y = (y * tl.sigmoid(y)).to(dt).to(tl.float32)
+        y = (y * u).to(dt).to(tl.float32)
+    if RESID:
+        y = tl.load(R + rows, mask=rmask, other=0.0).to(tl.float32) + y
+    tl.store(Y + rows, y.to(dt), mask=rmask)
 
 
-@triton.jit
-def _gemm_small(X, NW, W, BIAS, R, Y, M, N, K, eps, NORM: tl.constexpr, GATED: tl.constexpr,
+@triton.jit(do_not_specialize=["M"])
+def _gemm_small(X, NW, W, BIAS, R, Y, WS, LOCK, M, N, K, K_SPLIT, eps, NORM: tl.constexpr, GATED: tl.constexpr,
                 HAS_BIAS: tl.constexpr, RESID: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL_ON: tl.constexpr):
-    """Up to BLOCK_M tokens (x [M, K]): columns [pid * BLOCK_N, +BLOCK_N) of y, tensor-core dots
-    (IEEE float32 dots for float32 inputs: no TF32). NORM in one pass as in ``_gemv``."""
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, PDL_ON: tl.constexpr):
+    """Up to BLOCK_M tokens (x [M, K]): columns [pid * BLOCK_N, +BLOCK_N) of y over the K range
+    [split * K_SPLIT, +K_SPLIT), tensor-core dots (IEEE float32 dots for float32 inputs: no TF32). NORM in one
+    pass as in ``_gemv``.
+
+    Each output row depends on its own token only (an MMA computes every row independently; M is never
+    specialised), so with a fixed configuration any n gives each token the same bits as n = 1: the
+    batch-invariant ``mma`` mode runs every step through here with BLOCK_M = 16.
+    SPLITS > 1 (split-K, for parallelism when N is narrow): each program writes its float32 partials to the
+    workspace WS, and the last program of a column tile to arrive (a counter in LOCK) adds the SPLITS partials
+    in split order -- a fixed order, so the result is deterministic -- applies the epilogue and resets the
+    counter. No second kernel launch."""
     if PDL_ON:
         gdc_wait()  # the previous kernel's outputs are complete and visible after this
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     dt = Y.dtype.element_ty
     rm = tl.arange(0, BLOCK_M)
     mmask = rm < M
@@ -134,9 +147,11 @@ def _gemm_small(X, NW, W, BIAS, R, Y, M, N, K, eps, NORM: tl.constexpr, GATED: t
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     ss = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     w_rows = W + cn.to(tl.int64)[:, None] * K
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = split * K_SPLIT
+    k_hi = k_lo + K_SPLIT
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        cmask = cols < K
+        cmask = (cols < K) & (cols < k_hi)
         xv = tl.load(X + rm[:, None] * K + cols[None, :], mask=mmask[:, None] & cmask[None, :], other=0.0)
         if NORM:
             xf = xv.to(tl.float32)
@@ -156,10 +171,45 @@ def _gemm_small(X, NW, W, BIAS, R, Y, M, N, K, eps, NORM: tl.constexpr, GATED: t
                 acc2 = tl.dot(xv, tl.trans(w2), acc2)
     if PDL_ON:
         gdc_launch_dependents()  # let the next kernel launch while this one finishes
+    sq = tl.sum(ss, 1)  # [BLOCK_M] this split's sum of squares
+    if SPLITS > 1:
+        # workspace per column tile: [SPLITS, 2 (acc, acc2), BLOCK_M, BLOCK_N] + [SPLITS, BLOCK_M] squares
+        tile = WS + pid.to(tl.int64) * (SPLITS * (2 * BLOCK_M * BLOCK_N + BLOCK_M))
+        mn = rm[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        part = tile + split * (2 * BLOCK_M * BLOCK_N)
+        tl.store(part + mn, acc)
+        if GATED:
+            tl.store(part + BLOCK_M * BLOCK_N + mn, acc2)
+        sq_ptr = tile + SPLITS * (2 * BLOCK_M * BLOCK_N)
+        tl.store(sq_ptr + split * BLOCK_M + rm, sq)
+        tl.debug_barrier()  # every thread's partial stores are issued before the release below
+        arrived = tl.atomic_add(LOCK + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:  # the last split of this tile: reduce in split order, then the epilogue
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            sq = tl.zeros([BLOCK_M], tl.float32)
+            for s in range(SPLITS):
+                acc += tl.load(tile + s * (2 * BLOCK_M * BLOCK_N) + mn, cache_modifier=".cg")
+                if GATED:
+                    acc2 += tl.load(tile + s * (2 * BLOCK_M * BLOCK_N) + BLOCK_M * BLOCK_N + mn, cache_modifier=".cg")
+                sq += tl.load(sq_ptr + s * BLOCK_M + rm, cache_modifier=".cg")
+            tl.atomic_xchg(LOCK + pid, 0)
+            _gemm_epilogue(acc, acc2, sq, BIAS, R, Y, N, K, eps, rm, mmask, cn, nmask, dt, NORM, GATED, HAS_BIAS,
+                           RESID, BLOCK_M)
+    else:
+        _gemm_epilogue(acc, acc2, sq, BIAS, R, Y, N, K, eps, rm, mmask, cn, nmask, dt, NORM, GATED, HAS_BIAS, RESID,
+                       BLOCK_M)
+
+
+@triton.jit
+def _gemm_epilogue(acc, acc2, sq, BIAS, R, Y, N, K, eps, rm, mmask, cn, nmask, dt: tl.constexpr,
+                   NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, RESID: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+    """Norm scale, bias, gating and residual of ``_gemm_small``'s float32 tile; rounds where HF does."""
     y = acc
     rstd = tl.full([BLOCK_M], 1.0, tl.float32)
     if NORM:
-        rstd = tl.rsqrt(tl.sum(ss, 1) / K + eps)
+        rstd = tl.rsqrt(sq / K + eps)
         y = y * rstd[:, None]
     if HAS_BIAS:
         y += tl.load(BIAS + cn, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -178,16 +228,43 @@ def _gemm_small(X, NW, W, BIAS, R, Y, M, N, K, eps, NORM: tl.constexpr, GATED: t
     tl.store(Y + offs, y.to(dt), mask=omask)
 
 
-# (BLOCK_N, BLOCK_K, num_warps) candidates; the first is the default before tuning / in the interpreter
+# (BLOCK_N, BLOCK_K, num_warps) candidates of the FMA GEMV; the first is the default before tuning
 _GEMV_CONFIGS = [(4, 512, 4), (2, 1024, 4), (1, 2048, 4), (1, 4096, 4), (2, 4096, 8), (2, 2048, 4), (4, 2048, 8),
                  (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 512, 8)]
-_GEMM_CONFIGS = [(32, 128, 4), (16, 256, 4), (32, 256, 4), (64, 128, 4), (16, 512, 8), (64, 256, 8), (16, 1024, 8)]
-_TUNED: dict[tuple, tuple[int, int, int]] = {}
+# (BLOCK_N, BLOCK_K, SPLITS, num_warps) candidates of the tensor-core path (SPLITS > 1: split-K)
+_MMA_CONFIGS = [(32, 128, 1, 4), (16, 256, 1, 4), (64, 128, 1, 4), (16, 128, 2, 4), (16, 256, 2, 4),
+                (32, 128, 2, 4), (16, 128, 4, 4), (16, 256, 4, 4), (32, 128, 4, 4), (16, 64, 8, 4), (16, 128, 8, 4),
+                (32, 64, 8, 4), (16, 512, 2, 8), (16, 1024, 1, 8)]
+_TUNED: dict[tuple, tuple] = {}
 TUNE = os.environ.get("DSPARK_TUNE_KERNELS", "1") != "0"
 # Batch invariance (default): a step of n tokens computes each token exactly as a step of one token would,
-# so greedy speculative decoding reproduces AR decoding bit for bit in bf16 too. DSPARK_BATCH_INVARIANT=0
-# uses tensor-core tiles for n > 1 instead (faster verify, but a near-tie can then flip a greedy token).
+# so greedy speculative decoding reproduces AR decoding bit for bit in bf16 too. Two ways (DSPARK_SMALL_GEMM):
+#   fma (default): every token through the FMA GEMV, one program per (token, weight tile): the n = 1 step is
+#        fastest this way, but n tokens read each tile from L2 n times (verify of 8 ~4x the n = 1 step);
+#   mma: every step, n = 1 included, through the tensor-core kernel with 16 token rows (padding rows cost
+#        nothing: the step is memory-bound) and split-K: a verify of n <= 16 costs about one n = 1 step.
+# DSPARK_BATCH_INVARIANT=0: the FMA GEMV for n = 1 and tensor-core tiles for n > 1 (a near-tie can then flip a
+# greedy token between verify and AR).
 BATCH_INVARIANT = os.environ.get("DSPARK_BATCH_INVARIANT", "1") != "0"
+SMALL_GEMM = os.environ.get("DSPARK_SMALL_GEMM", "fma")
+if SMALL_GEMM not in ("fma", "mma"):
+    raise ValueError(f"DSPARK_SMALL_GEMM must be fma or mma; got {SMALL_GEMM!r}")
+MMA_ROWS = 16  # token rows of the tensor-core tile (>= MAX_TOKENS)
+_SPLIT_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _uses_mma(m: int) -> bool:
+    return SMALL_GEMM == "mma" if BATCH_INVARIANT else m > 1
+
+
+def _split_buffers(device, tiles: int, splits: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K workspace and per-tile arrival counters (zero between launches: the last program resets its
+    counter), made once per shape -- before a CUDA graph is captured, by the warm-up that tunes."""
+    key = (str(device), tiles, splits, block_n)
+    if key not in _SPLIT_BUFFERS:
+        ws = torch.empty(tiles * splits * (2 * MMA_ROWS * block_n + MMA_ROWS), device=device, dtype=torch.float32)
+        _SPLIT_BUFFERS[key] = (ws, torch.zeros(tiles, device=device, dtype=torch.int32))
+    return _SPLIT_BUFFERS[key]
 
 
 def _launch(x, w, bias, norm_weight, eps, residual, y, n_out, gated, cfg):
@@ -196,14 +273,19 @@ def _launch(x, w, bias, norm_weight, eps, residual, y, n_out, gated, cfg):
     nw = norm_weight if norm_weight is not None else x
     b = bias if bias is not None else x
     r = residual if residual is not None else y
-    bn, bk, warps = cfg
-    grid = (triton.cdiv(n_out, bn),)
-    if m == 1 or BATCH_INVARIANT:
-        _gemv[grid](x, nw, w, b, r, y, m, n_out, k, eps, **flags, BLOCK_N=bn, BLOCK_K=bk, PDL_ON=PDL,
-                    num_warps=warps, **_LAUNCH)
-    else:
-        _gemm_small[grid](x, nw, w, b, r, y, m, n_out, k, eps, **flags, IEEE=x.dtype == torch.float32, BLOCK_M=16,
-                          BLOCK_N=bn, BLOCK_K=bk, PDL_ON=PDL, num_warps=warps, **_LAUNCH)
+    if not _uses_mma(m):
+        bn, bk, warps = cfg
+        _gemv[(m * triton.cdiv(n_out, bn),)](x, nw, w, b, r, y, m, n_out, k, eps, **flags, BLOCK_N=bn, BLOCK_K=bk,
+                                             PDL_ON=PDL, num_warps=warps, **_LAUNCH)
+        return
+    bn, bk, splits, warps = cfg
+    k_split = triton.cdiv(triton.cdiv(k, splits), bk) * bk
+    splits = triton.cdiv(k, k_split)
+    tiles = triton.cdiv(n_out, bn)
+    ws, lock = _split_buffers(x.device, tiles, splits, bn) if splits > 1 else (y, y)
+    _gemm_small[(tiles, splits)](x, nw, w, b, r, y, ws, lock, m, n_out, k, k_split, eps, **flags,
+                                 IEEE=x.dtype == torch.float32, BLOCK_M=MMA_ROWS, BLOCK_N=bn, BLOCK_K=bk,
+                                 SPLITS=splits, PDL_ON=PDL, num_warps=warps, **_LAUNCH)
 
 
 def _config(x, w, bias, norm_weight, eps, residual, y, n_out, gated):
@@ -214,8 +296,9 @@ def _config(x, w, bias, norm_weight, eps, residual, y, n_out, gated):
     if m > 1 and BATCH_INVARIANT:
         one = (residual[:1] if residual is not None else None)
         return _config(x[:1], w, bias, norm_weight, eps, one, y[:1], n_out, gated)
-    configs = _GEMV_CONFIGS if m == 1 else _GEMM_CONFIGS
-    key = (m == 1, m, n_out, k, gated, x.dtype, str(x.device))
+    mma = _uses_mma(m)
+    configs = _MMA_CONFIGS if mma else _GEMV_CONFIGS
+    key = (mma, m, n_out, k, gated, x.dtype, str(x.device))
     if key in _TUNED:
         return _TUNED[key]
     if INTERPRET:  # the CPU interpreter runs programs one by one: the fewest, widest tiles
