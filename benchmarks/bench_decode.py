@@ -284,10 +284,18 @@ def main() -> None:
         "tokens_per_s": spec["tokens_per_s"] if spec else None,
         "speedup": spec["speedup"] if spec else None,
         "ar": rows, "spec": spec,
-        "args": vars(args),
+        "args": vars(args), "kernel_env": kernel_env(),
     }
     write_json(args.out, result)
     print(f"wrote {args.out}")
+
+
+def kernel_env() -> dict:
+    """The kernel switches read from the environment (they change speed, and fma / mma change the bits)."""
+    import os
+
+    return {k: os.environ.get(k) for k in ("DSPARK_SMALL_GEMM", "DSPARK_BATCH_INVARIANT", "DSPARK_PDL",
+                                           "DSPARK_TUNE_KERNELS")}
 
 
 def _print_ar(name: str, r: dict) -> None:

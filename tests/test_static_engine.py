@@ -175,3 +175,22 @@ def test_static_cuda_graph_matches_ar(kernels):
     for _ in range(2):  # captured on the first call, replayed on the second
         res = static.generate(PROMPT, 64)
         assert res.tokens == ar.tokens
+
+
+def test_bench_online_engine_param():
+    """``bench_online.engine``: auto = reference on CPU, static on request (greedy only), bad names refused."""
+    from dspark_core.bench_online import BenchOnlineConfig, make_engine, resolve_engine
+
+    model, draft = _setup("qwen3")
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.7)
+    cpu = torch.device("cpu")
+    assert resolve_engine("auto", greedy, draft, cpu) == "reference"
+    assert resolve_engine("auto", greedy, draft, torch.device("cuda")) == "static"
+    assert resolve_engine("auto", sampled, draft, torch.device("cuda")) == "reference"
+    with pytest.raises(ValueError, match="bench_online.engine: static, but temperature 0.7"):
+        resolve_engine("static", sampled, draft, cpu)
+    runner = TargetRunner(model, max_len=96, aux_layer_ids=draft.aux_layer_ids)
+    engine = make_engine(resolve_engine("static", greedy, draft, cpu), runner, draft, BenchOnlineConfig())
+    assert isinstance(engine, StaticSpeculativeDecoder)
+    with pytest.raises(ValueError, match="engine"):
+        BenchOnlineConfig.from_dict({"engine": "fast"}, src="params.yaml", prefix="bench_online.")

@@ -32,13 +32,15 @@ module weights re-pointed to views of the concatenation (values unchanged, no se
 Measured on one H200 at Qwen3-4B shapes (bf16, batch 1, random weights, ``benchmarks/bench_decode.py``;
 weight-read limit 520 tokens/s at the measured 4.2 TB/s copy bandwidth):
 
-| path | n = 1 step | AR tokens/s | of the limit |
-|---|---|---|---|
-| compile + CUDA graphs (cuBLAS GEMVs, separate Q/K/V) | 4.94 ms | 197.5 | 37 % |
-| ``kernels=True`` + CUDA graphs, no PDL | 2.67 ms | 370.2 | 70 % |
-| ``kernels=True`` + CUDA graphs + PDL | 2.52 ms | 392.3 | 75 % |
+| path | n = 1 step | AR tokens/s | of the limit | n = 8 verify |
+|---|---|---|---|---|
+| compile + CUDA graphs (cuBLAS GEMVs, separate Q/K/V) | 4.94 ms | 197.5 | 37 % | 4.68 ms |
+| ``kernels=True`` + CUDA graphs, no PDL | 2.67 ms | 370.2 | 70 % | |
+| ``kernels=True`` + CUDA graphs + PDL (``DSPARK_SMALL_GEMM=fma``) | 2.52 ms | 392.3 | 75 % | 10.8 ms |
+| ``kernels=True`` + CUDA graphs + PDL, ``DSPARK_SMALL_GEMM=mma`` | 4.36 ms | 225.7 | 43 % | 4.44 ms |
 
-(the kernel rows before the batch-invariant verify, which does not change the n = 1 step.)
+Both kernel modes are batch-invariant (verify logits bit for bit those of AR steps); ``fma`` is the fast AR
+step, ``mma`` the cheap verify (see ``dspark_core.kernels.decode``).
 
 Shape legend: B batch, n tokens in this call, M cache positions (max_len rounded up to 16), L decoder
 layers, Hq / Hkv query / KV heads, D head dim, G = Hq / Hkv, H hidden, F FFN width, K aux layers, V vocab.
