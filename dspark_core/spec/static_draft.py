@@ -26,31 +26,13 @@ nq / nkv heads, d head dim, M cache positions (max_len rounded up to 16), n posi
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from dspark_core.draft.attention import AttentionMask
 from dspark_core.draft.model import DSparkDraft
+from dspark_core.spec.target_runner import FusedWeights
 
 HOOKS = ("block_inputs", "markov_features", "extra_kv", "score_candidates")
-
-
-class DraftLayerWeights(NamedTuple):
-    """One draft layer for the Triton path (Q/K/V and gate/up concatenated: copies, the module is untouched)."""
-
-    ln1: torch.Tensor
-    qkv_w: torch.Tensor
-    qkv_b: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    o_w: torch.Tensor
-    o_b: torch.Tensor | None
-    ln2: torch.Tensor
-    gate_up_w: torch.Tensor
-    gate_up_b: torch.Tensor | None
-    down_w: torch.Tensor
-    down_b: torch.Tensor | None
 
 
 def static_draft_problem(draft: DSparkDraft) -> str | None:
@@ -95,9 +77,11 @@ def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
                                                            device=m.weight.device) for b, m in zip(biases, linears)])
 
 
-def _fuse(layer: torch.nn.Module) -> DraftLayerWeights:
+def _fuse(layer: torch.nn.Module) -> FusedWeights:
+    """One draft layer for the Triton path, the target's layout (Q/K/V and gate/up concatenated: copies, the
+    draft's modules stay as they are)."""
     a, mlp = layer.self_attn, layer.mlp
-    return DraftLayerWeights(
+    return FusedWeights(
         layer.input_layernorm.weight.detach(),
         torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(), _cat_bias(a.q_proj, a.k_proj, a.v_proj),
         None if a.q_norm is None else a.q_norm.weight.detach(), None if a.k_norm is None else a.k_norm.weight.detach(),
