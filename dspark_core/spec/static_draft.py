@@ -18,7 +18,8 @@ fused kernels as the target's decode step (``dspark_core.kernels.decode``: norm 
 gate/up products, q/k norm + RoPE + cache write, split-KV attention; the block's own K/V are written at
 positions p..p+S-1 of the cache and every block query sees keys <= p+S-1, i.e. bidirectional within the
 block) and each Markov slot through two kernels (``dspark_core.kernels.markov``). The prompt's context
-(any length) always goes through the torch path.
+(any length) always goes through the torch path. Like ``TargetRunner(kernels=True)`` it concatenates each
+layer's Q/K/V and gate/up weights once and re-points the draft's modules to views of them (same values).
 
 Shape legend: S block size, V vocab, K aux layers, Ht target hidden, H draft hidden, nl draft layers,
 nq / nkv heads, d head dim, M cache positions (max_len rounded up to 16), n positions of an extend.
@@ -30,7 +31,7 @@ import torch
 
 from dspark_core.draft.attention import AttentionMask
 from dspark_core.draft.model import DSparkDraft
-from dspark_core.spec.target_runner import FusedWeights
+from dspark_core.spec.target_runner import fuse_layer
 
 HOOKS = ("block_inputs", "markov_features", "extra_kv", "score_candidates")
 
@@ -65,31 +66,6 @@ def draft_kernels_problem(draft: DSparkDraft) -> str | None:
     return "; ".join(problems) if problems else None
 
 
-def _bias(linear: torch.nn.Linear) -> torch.Tensor | None:
-    return None if linear.bias is None else linear.bias.detach()
-
-
-def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
-    biases = [_bias(m) for m in linears]
-    if all(b is None for b in biases):
-        return None
-    return torch.cat([b if b is not None else torch.zeros(m.out_features, dtype=m.weight.dtype,
-                                                           device=m.weight.device) for b, m in zip(biases, linears)])
-
-
-def _fuse(layer: torch.nn.Module) -> FusedWeights:
-    """One draft layer for the Triton path, the target's layout (Q/K/V and gate/up concatenated: copies, the
-    draft's modules stay as they are)."""
-    a, mlp = layer.self_attn, layer.mlp
-    return FusedWeights(
-        layer.input_layernorm.weight.detach(),
-        torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(), _cat_bias(a.q_proj, a.k_proj, a.v_proj),
-        None if a.q_norm is None else a.q_norm.weight.detach(), None if a.k_norm is None else a.k_norm.weight.detach(),
-        a.o_proj.weight.detach(), _bias(a.o_proj), layer.post_attention_layernorm.weight.detach(),
-        torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), _cat_bias(mlp.gate_proj, mlp.up_proj),
-        mlp.down_proj.weight.detach(), _bias(mlp.down_proj))
-
-
 class StaticDraft:
     """Static context cache + greedy propose of a baseline ``DSparkDraft`` (see the module docstring)."""
 
@@ -121,7 +97,7 @@ class StaticDraft:
         if self.kernels:
             from dspark_core.kernels.markov import MarkovArgmax
 
-            self.fused = [_fuse(layer) for layer in draft.layers]
+            self.fused = [fuse_layer(layer) for layer in draft.layers]  # re-points Q/K/V, gate/up to views
             self.markov = MarkovArgmax(draft.markov.w1.weight.detach(), draft.markov.w2.weight.detach()) \
                 if draft.markov is not None else None
 

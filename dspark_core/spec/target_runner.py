@@ -248,6 +248,19 @@ def _concat_rows(modules: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torc
     return weight, bias
 
 
+def fuse_layer(layer: torch.nn.Module) -> FusedWeights:
+    """A decoder layer (HF, or a DSpark draft layer: the same module names) for the Triton step; its Q/K/V and
+    gate/up weights are re-pointed to views of the concatenations (``_concat_rows``)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv_w, qkv_b = _concat_rows([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up_w, gate_up_b = _concat_rows([mlp.gate_proj, mlp.up_proj])
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    return FusedWeights(layer.input_layernorm.weight, qkv_w, qkv_b, None if q_norm is None else q_norm.weight,
+                        None if k_norm is None else k_norm.weight, attn.o_proj.weight, attn.o_proj.bias,
+                        layer.post_attention_layernorm.weight, gate_up_w, gate_up_b, mlp.down_proj.weight,
+                        mlp.down_proj.bias)
+
+
 class TargetRunner:
     """Static-KV-cache forward of an HF Qwen3 / Qwen2 / Llama causal LM (see module docstring)."""
 
@@ -313,18 +326,7 @@ class TargetRunner:
 
     @staticmethod
     def _fuse_weights(model: torch.nn.Module) -> list[FusedWeights]:
-        fused = []
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv_w, qkv_b = _concat_rows([attn.q_proj, attn.k_proj, attn.v_proj])
-            gate_up_w, gate_up_b = _concat_rows([mlp.gate_proj, mlp.up_proj])
-            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-            fused.append(FusedWeights(layer.input_layernorm.weight, qkv_w, qkv_b,
-                                      None if q_norm is None else q_norm.weight,
-                                      None if k_norm is None else k_norm.weight,
-                                      attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
-                                      gate_up_w, gate_up_b, mlp.down_proj.weight, mlp.down_proj.bias))
-        return fused
+        return [fuse_layer(layer) for layer in model.model.layers]
 
     def _init_cache(self) -> None:
         shape = (self.num_layers, self.batch_size, self.num_kv_heads, self._alloc_len, self.head_dim)
