@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 from dspark_core.io import write_json  # noqa: E402
 from dspark_core.spec.common import synced_clock  # noqa: E402
-from dspark_core.spec.ar import ARDecoder  # noqa: E402
+from dspark_core.spec.ar import ARDecoder, StaticARDecoder  # noqa: E402
 from dspark_core.spec.target_runner import TargetRunner  # noqa: E402
 
 SHAPES = {
@@ -163,18 +163,26 @@ def bench_ar(name: str, family: str, overrides: dict, args, device: torch.device
     ar.generate(prompt[0], 16)  # warm-up: compile + CUDA graph capture
     warmup_s = time.perf_counter() - t_build
     runs = [ar.generate(prompt[0], args.new_tokens) for _ in range(args.repeats)]
-    tokens_per_s = max(r.decode_tokens_per_s for r in runs)
+    loop_tokens_per_s = max(r.decode_tokens_per_s for r in runs)
+    static_ar = StaticARDecoder(runner)  # the step + argmax + position update in one graph
+    static_ar.generate(prompt[0], 16)
+    static_runs = [static_ar.generate(prompt[0], args.new_tokens) for _ in range(args.repeats)]
+    static_tokens_per_s = max(r.decode_tokens_per_s for r in static_runs)
+    if [r.tokens for r in static_runs] != [r.tokens for r in runs]:
+        raise RuntimeError(f"{name}: StaticARDecoder and ARDecoder disagree on greedy tokens")
+    tokens_per_s = max(loop_tokens_per_s, static_tokens_per_s)
     runner.prefill(prompt)
     decode_ms, verify_ms = step_ms(runner, 1, args.step_iters), step_ms(runner, args.block_size + 1, args.step_iters)
     limit = bandwidth / wbytes
     row = {"family": family, "weight_bytes": wbytes, "weight_read_limit_tokens_per_s": limit,
            "ar_tokens_per_s": tokens_per_s, "fraction_of_limit": tokens_per_s / limit,
+           "ar_loop_tokens_per_s": loop_tokens_per_s, "static_ar_tokens_per_s": static_tokens_per_s,
            "decode_step_ms": decode_ms, "verify_step_ms": verify_ms, "verify_tokens": args.block_size + 1,
            "verify_over_decode": verify_ms / decode_ms, "warmup_s": warmup_s,
            "cuda_graph": gpu, "compile": args.compile, "kernels": args.kernels}
     if args.hf_tokens > 0:
         row["hf_generate_tokens_per_s"] = hf_generate_tokens_per_s(model, prompt, args.hf_tokens)
-    del runner, ar
+    del runner, ar, static_ar
     if args.cycle_draft_layers > 0:
         row.update(static_cycle(model, prompt, args))
         row["break_even_mal"] = row["cycle_ms"] / decode_ms  # MAL at which speculative = AR
@@ -207,13 +215,16 @@ def bench_spec(args, device: torch.device, dtype: torch.dtype) -> dict:
                           cuda_graph=device.type == "cuda", graph_max_tokens=block + 1, kernels=args.kernels)
     engine = args.engine or ("static" if device.type == "cuda" else "reference")
     cfg = cfg.replace(engine=engine)
-    spec = make_engine(resolve_engine(engine, cfg.sampling, draft, device), runner, draft, cfg)
-    ar = ARDecoder(runner)
+    engine = resolve_engine(engine, cfg.sampling, draft, device)
+    spec = make_engine(engine, runner, draft, cfg)
+    ar = ARDecoder(runner)  # the faster AR loop on the H200 (StaticARDecoder: ~1-3% slower, see bench_ar)
     stops = stop_ids_of(model, tok)
     decode_dataset(convs[:1], tok, spec, ar, cfg.replace(max_new_tokens=16), stops, desc="warm-up")
     run = decode_dataset(convs, tok, spec, ar, cfg, stops, desc="spec")
     out = summarize(run, block, greedy=True)
     out["engine"] = engine
+    out["ar_decoder"] = type(ar).__name__
+    out["ar_tokens"] = [r.tokens for r in run.ar]  # compare greedy outputs across kernel modes / runs
     if args.peers:
         assistant = truncated_assistant(model, args.assistant_layers)
         out["peers"] = peer_comparison(model, run.prompts, [r.tokens for r in run.ar], cfg.max_new_tokens, stops,
@@ -286,6 +297,10 @@ def main() -> None:
         "ar": rows, "spec": spec,
         "args": vars(args), "kernel_env": kernel_env(),
     }
+    if args.kernels:  # the tuned small-GEMM configurations: DSPARK_KERNEL_CONFIGS=<this JSON> pins them
+        from dspark_core.kernels.decode import kernel_configs
+
+        result["kernel_configs"] = kernel_configs(device)
     write_json(args.out, result)
     print(f"wrote {args.out}")
 
@@ -295,7 +310,7 @@ def kernel_env() -> dict:
     import os
 
     return {k: os.environ.get(k) for k in ("DSPARK_SMALL_GEMM", "DSPARK_BATCH_INVARIANT", "DSPARK_PDL",
-                                           "DSPARK_TUNE_KERNELS")}
+                                           "DSPARK_TUNE_KERNELS", "DSPARK_KERNEL_CONFIGS")}
 
 
 def _print_ar(name: str, r: dict) -> None:

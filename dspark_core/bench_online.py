@@ -137,10 +137,14 @@ def read_jsonl_prompts(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise ValueError(f"{path}: JSONL prompt file not found")
     out = []
-    for i, line in enumerate(path.read_text().splitlines()):
+    # split on "\n" only: str.splitlines() also splits inside strings holding U+2028 / U+0085 (valid JSON)
+    for i, line in enumerate(path.read_text(encoding="utf-8").split("\n")):
         if not line.strip():
             continue
-        rec = json.loads(line)
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{path}: line {i + 1}: not JSON ({e})") from e
         turns = rec.get("turns")
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
             raise ValueError(f"{path}: line {i + 1}: 'turns' must be a non-empty list of strings")

@@ -16,7 +16,9 @@
 #                 the train prompts when the budget runs out
 #   4 cache       stages/cache.py: aux + last hidden states of the train split (cuda, bf16)
 #   5 train       stages/train.py --time-budget-s: the draft (cuda, bf16 autocast) -> data/train/baseline/final
-#   6 bench       benchmarks/bench_decode.py --compile --shapes smollm2-135m --target --draft --prompts
+#   6 eval_offline stages/eval_offline.py: teacher-forced tau_prob / accept_rate@i on the held-out eval split (the
+#                 30 benchmark problems, regenerated and cached before train: seconds), next to train's own
+#   7 bench       benchmarks/bench_decode.py --compile --shapes smollm2-135m --target --draft --prompts
 #                 eval_gsm8k.jsonl: speculative vs AR on the same TargetRunner, greedy, identity checked
 #
 # Writes to OUT_DIR (at most 4 files): run.log (everything), params.yaml (the params used), decode.json
@@ -30,7 +32,7 @@
 #   DSPARK_TOTAL_S           seconds (default 570) with DSPARK_BENCH_RESERVE_S (default 140) left for the bench
 #   DSPARK_BENCH_ARGS        extra flags for bench_decode.py (e.g. "--kernels"); DSPARK_SPEC_NEW_TOKENS (256);
 #                            DSPARK_BENCH_COMPILE=0 drops --compile (not needed with --kernels)
-#   DSPARK_FROM=STEP         start at STEP (target|prepare|regenerate|cache|train|bench), reusing $DSPARK_WORK
+#   DSPARK_FROM=STEP         start at STEP (target|prepare|regenerate|cache|train|eval_offline|bench), reusing $DSPARK_WORK
 #                            (train resumes from its last checkpoint: a run can span two device calls)
 #   DSPARK_UNTIL=STEP        stop after STEP (e.g. train: the next call continues with DSPARK_FROM=train)
 #   DSPARK_WHL_DIR, DSPARK_SITE, DSPARK_WORK, PYTHON   wheel dir (.whl), install dir (/tmp/site), work dir, python3
@@ -98,6 +100,7 @@ if c:
     c.pop("splits", None)
 s["cache"] = c
 s["train_final"] = load("reports/train/baseline/metrics.json")
+s["eval_offline"] = load("reports/eval_offline/baseline.json")  # held-out answers, teacher-forced
 curve = {}
 plots = Path("reports/train/baseline/plots/metrics/train")
 for name in ("loss", "tau_prob", "accept_rate@0", "accept_rate@3", "accept_rate@6", "lr", "step_s"):
@@ -110,7 +113,8 @@ d = load(out / "decode.json")
 if d and d.get("spec"):
     sp = d["spec"]
     s["spec"] = {k: sp.get(k) for k in ("identical", "mal", "tokens_per_s", "ar_tokens_per_s", "speedup", "draft_ms",
-                                        "verify_ms", "cycle_ms", "num_generations", "new_tokens", "mean_proposal_length")}
+                                        "verify_ms", "cycle_ms", "num_generations", "new_tokens", "mean_proposal_length",
+                                        "ar_decoder")}
     s["spec"].update({k: v for k, v in sp.items() if k.startswith("accept_rate@")})
     s["ar_smollm2_random_weights"] = (d.get("ar") or {}).get("smollm2-135m")
 (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
@@ -127,7 +131,7 @@ EOF
 }
 trap finish EXIT
 
-STEPS=(target prepare regenerate cache train bench)
+STEPS=(target prepare regenerate cache train eval_offline bench)
 skip() {  # skip STEP: true while DSPARK_FROM names a later step
   [ -n "$FROM" ] || return 1
   local s
@@ -163,7 +167,7 @@ if [ -n "$FROM" ]; then
   case " ${STEPS[*]} " in *" $FROM "*) ;; *) echo "DSPARK_FROM=$FROM: not a step (${STEPS[*]})"; exit 2;; esac
   [ -f "$WORK/params.yaml" ] || { echo "DSPARK_FROM=$FROM needs an earlier run's $WORK/params.yaml"; exit 2; }
   if [ -f "$TIMES" ]; then  # keep the times of the steps before FROM only
-    awk -v from="$FROM" 'BEGIN { split("setup target prepare regenerate cache train bench", o, " ");
+    awk -v from="$FROM" 'BEGIN { split("setup target prepare regenerate cache train eval_offline bench", o, " ");
       for (i in o) rank[o[i]] = i } rank[$1] < rank[from]' "$TIMES" > "$TIMES.tmp" && mv "$TIMES.tmp" "$TIMES"
   fi
 else
@@ -259,6 +263,7 @@ TRAIN_S=$(awk -v b="$TRAIN_BUDGET_S" -v tot="$TOTAL_S" -v res="$BENCH_RESERVE_S"
   'BEGIN { x = tot - res - el; if (x > b) x = b; lo = (b < 30) ? b : 30; if (x < lo) x = lo; printf "%d", x }')
 [ "$TRAIN_S" = "${TRAIN_BUDGET_S%.*}" ] || echo "--- train budget cut to $TRAIN_S s (run at $(since "$T0") s of $TOTAL_S)"
 step train "$PY" "$REPO/stages/train.py" --params params.yaml --variant baseline --time-budget-s "$TRAIN_S"
+step eval_offline "$PY" "$REPO/stages/eval_offline.py" --params params.yaml --variant baseline
 
 # ---------------------------------------------------------------------------------------------- 6 bench
 EVAL="$PROMPTS_DIR/eval_gsm8k.jsonl"

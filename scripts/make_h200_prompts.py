@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-templates", type=int, default=30)
     ap.add_argument("--variants", type=int, default=24, help="symbolic variants per train template and language")
-    ap.add_argument("--sharegpt", type=int, default=900)
+    ap.add_argument("--sharegpt", type=int, default=4500)  # session 4 (was 900: 4,291 prompts)
     ap.add_argument("--max-chars", type=int, default=1200, help="longest ShareGPT prompt kept")
     args = ap.parse_args()
 

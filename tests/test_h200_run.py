@@ -23,7 +23,8 @@ INSTRUCTION_START = "\nSolve the following math problem step by step."
 
 
 def _records(name: str) -> list[dict]:
-    return [json.loads(line) for line in (DATA / name).read_text().splitlines() if line.strip()]
+    text = (DATA / name).read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.split("\n") if line.strip()]  # not splitlines(): U+2028 in strings
 
 
 def test_eval_problems_and_their_templates_are_never_trained_on():

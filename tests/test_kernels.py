@@ -8,6 +8,7 @@ CUDA only (the GPU runs are recorded in the issue notes).
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -257,3 +258,41 @@ def test_kernel_step_is_batch_invariant(family, gemm, monkeypatch):
     torch.testing.assert_close(a_all, torch.cat([s[1] for s in singles], dim=1), atol=0, rtol=0)
     n = runners[0].length
     torch.testing.assert_close(runners[0].k_cache[..., :n, :], runners[1].k_cache[..., :n, :], atol=0, rtol=0)
+
+
+def test_pinned_kernel_configs(tmp_path, monkeypatch):
+    """DSPARK_KERNEL_CONFIGS pins the small-GEMM configuration of the shapes it lists (the tuner's choice
+    otherwise): the table round-trips through save / load, the pinned tile is the one launched, and a table
+    from another device or a malformed one is refused naming the file."""
+    from dspark_core.kernels import decode
+
+    monkeypatch.setattr(decode, "SMALL_GEMM", "mma")
+    monkeypatch.setattr(decode, "_TUNED", {})
+    monkeypatch.setattr(decode, "_PINNED", {})
+    monkeypatch.setattr(decode, "_PINNED_LOADED", [False])
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 96, generator=g).to(DEVICE, dtype)
+    w = torch.randn(48, 96, generator=g).to(DEVICE, dtype)
+    key = f"mma:1:48:96:0:{str(dtype).replace('torch.', '')}"
+    table = {"device": decode._device_name(torch.device(DEVICE)), "configs": {key: [16, 32, 3, 4]}}
+    path = tmp_path / "configs.json"
+    path.write_text(json.dumps({"kernel_configs": table}))  # as bench_decode writes it
+    monkeypatch.setenv(decode.KERNEL_CONFIGS_ENV, str(path))
+    launched = []
+    real = decode._launch
+    monkeypatch.setattr(decode, "_launch", lambda *a: launched.append(a[-1]) or real(*a))
+    y = decode.fused_linear(x, w)
+    torch.testing.assert_close(y, decode.fused_linear_reference(x, w), **_tol(dtype))
+    assert launched == [(16, 32, 3, 4)]
+    saved = tmp_path / "saved.json"
+    decode.save_kernel_configs(saved, DEVICE)
+    assert decode.load_kernel_configs(saved, DEVICE) == {key: (16, 32, 3, 4)}
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"device": "NVIDIA B200", "configs": {}}))
+    with pytest.raises(ValueError, match="other.json.*NVIDIA B200"):
+        decode.load_kernel_configs(other, DEVICE)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"device": table["device"], "configs": {key: [16, 32]}}))
+    with pytest.raises(ValueError, match="bad.json.*bad entry"):
+        decode.load_kernel_configs(bad, DEVICE)

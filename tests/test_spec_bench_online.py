@@ -10,7 +10,8 @@ import torch
 from _spec_utils import one_thread  # noqa: F401 (fixture)
 import yaml
 
-from dspark_core.bench_online import BenchOnlineConfig, DatasetRun, load_prompt_sets, run_bench_online_stage, summarize
+from dspark_core.bench_online import (BenchOnlineConfig, DatasetRun, load_prompt_sets, read_jsonl_prompts,
+                                      run_bench_online_stage, summarize)
 from dspark_core.config import ParamsError
 from dspark_core.draft import DraftConfig, DSparkDraft, save_draft
 from dspark_core.spec.types import GenerationResult
@@ -82,6 +83,18 @@ def test_config_and_prompt_errors(tmp_path):
         load_prompt_sets("unused", [f"jsonl:{bad}"], 4)
     with pytest.raises(ValueError, match="not found"):
         load_prompt_sets(tmp_path / "none.parquet", ["gsm8k"], 4)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"turns": ["a"]}\n{"turns": ["b"\n')
+    with pytest.raises(ValueError, match="broken.jsonl: line 2: not JSON"):
+        read_jsonl_prompts(broken)
+
+
+def test_jsonl_prompts_keep_unicode_line_separators(tmp_path):
+    """U+2028 / U+0085 inside a JSON string are valid JSON (ShareGPT has them): one record per "\\n" line."""
+    path = tmp_path / "p.jsonl"
+    turns = ["one\u2028two", "three\x85four"]
+    path.write_text("".join(json.dumps({"turns": [t]}, ensure_ascii=False) + "\n" for t in turns), encoding="utf-8")
+    assert [r["turns"] for r in read_jsonl_prompts(path)] == [[t] for t in turns]
 
 
 def test_kernels_setting_is_resolved_with_reasons():

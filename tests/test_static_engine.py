@@ -119,25 +119,80 @@ def test_static_kernels_match_ar(family):
 
 
 @needs_triton
-@pytest.mark.parametrize("vocab,rank", [(16, 8), (300, 24), (1000, 256)])
-def test_markov_kernel_matches_torch(vocab, rank):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab,rank", [(16, 8), (256, 5), (300, 24), (1000, 256)])
+def test_markov_kernel_matches_torch(vocab, rank, dtype):
+    """One launch per slot: random slots, then 12 slots chained through one token buffer (slot i's prev is
+    slot i-1's out, the same object each time: the arrival counter must be back to 0 after every launch)."""
     from dspark_core.kernels.markov import MarkovArgmax, markov_slot_reference
 
     gen = torch.Generator().manual_seed(vocab)
-    w1 = torch.randn(vocab, rank, generator=gen).to(DEVICE)
-    w2 = torch.randn(vocab, rank, generator=gen).to(DEVICE)
-    base = (3 * torch.randn(vocab, generator=gen)).to(DEVICE)
+    w1, w2 = _markov_weights(vocab, rank, dtype, gen)
+    base = (3 * torch.randn(vocab, generator=gen)).to(DEVICE)  # [V] float32
     kernel = MarkovArgmax(w1, w2)
-    out = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    out = torch.full((2,), -1, dtype=torch.long, device=DEVICE)
     for prev in (0, vocab // 2, vocab - 1):
         prev_t = torch.tensor([prev], device=DEVICE)
         kernel(base, prev_t, out[1:])
         assert out[1].item() == markov_slot_reference(base, w1, w2, prev_t).item()
-    tied = torch.zeros(vocab, device=DEVICE)
-    kernel(tied, torch.tensor([0], device=DEVICE), out[:1])  # W2 = 0 below: all tied, lowest id wins
-    zero = MarkovArgmax(w1, torch.zeros_like(w2))
-    zero(tied, torch.tensor([0], device=DEVICE), out[:1])
-    assert out[0].item() == 0
+    slots = 12
+    bases = (3 * torch.randn(slots, vocab, generator=gen)).to(DEVICE)  # [n, V] float32
+    tokens = torch.full((slots + 1,), -1, dtype=torch.long, device=DEVICE)  # [n + 1]; tokens[0]: the anchor
+    tokens[0] = vocab // 3
+    for i in range(slots):
+        kernel(bases[i], tokens[i:i + 1], tokens[i + 1:i + 2])
+    want = [vocab // 3]
+    for i in range(slots):
+        want.append(markov_slot_reference(bases[i], w1, w2, torch.tensor([want[-1]], device=DEVICE)).item())
+    assert tokens.tolist() == want
+    assert kernel.arrived.item() == 0
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [16, 300, 1000])
+def test_markov_kernel_ties_go_to_lowest_id(vocab, dtype):
+    """Exact ties planted in several row tiles (and twice in one tile): the lowest token id wins, as
+    ``torch.argmax``. The tied rows of W2 are zero, so their bias is exactly 0 in both paths."""
+    from dspark_core.kernels.markov import BLOCK_V, MarkovArgmax, markov_slot_reference
+
+    gen = torch.Generator().manual_seed(vocab + 1)
+    rank = 16
+    w1 = torch.randn(vocab, rank, generator=gen).to(DEVICE, dtype)  # [V, r]
+    w2 = (torch.randn(vocab, rank, generator=gen) / rank ** 0.5).to(DEVICE, dtype)  # [V, r]; bias |.| < ~5
+    base = (torch.randn(vocab, generator=gen) - 100).to(DEVICE)  # [V] far below the planted maxima
+    kernel_zero = MarkovArgmax(w1, torch.zeros_like(w2))
+    out = torch.full((1,), -1, dtype=torch.long, device=DEVICE)
+    kernel_zero(torch.zeros(vocab, device=DEVICE), torch.tensor([0], device=DEVICE), out)  # all tied
+    assert out.item() == 0
+    tied = sorted({vocab - 1, vocab // 2, vocab // 2 + 1, min(BLOCK_V + 7, vocab - 2)})  # not tile 0's first row
+    for drop in range(len(tied)):  # the winner moves to later tiles as the lower tied ids are dropped
+        ids = torch.tensor(tied[drop:], device=DEVICE)
+        w2t, bt = w2.clone(), base.clone()
+        w2t[ids] = 0
+        bt[ids] = 7.0
+        kernel = MarkovArgmax(w1, w2t)
+        for prev in (0, vocab - 1):
+            prev_t = torch.tensor([prev], device=DEVICE)
+            out.fill_(-1)
+            kernel(bt, prev_t, out)
+            assert out.item() == tied[drop] == markov_slot_reference(bt, w1, w2t, prev_t).item()
+        assert kernel.arrived.item() == 0
+
+
+def _markov_weights(vocab: int, rank: int, dtype: torch.dtype, gen: torch.Generator):
+    """Random W1, W2 [V, r]. bfloat16: on a grid (W1 in {-1, 0, 1}, W2 in {-3..3} / 8) where every bias
+    W2 W1[prev] is an exact float32 sum and exact in bfloat16, so its rounding to bfloat16 is a no-op -- Triton's
+    interpreter casts float32 -> bfloat16 by truncation, a GPU to nearest even: only then do both agree."""
+    if dtype == torch.float32:
+        w1 = torch.randn(vocab, rank, generator=gen)  # [V, r]
+        w2 = torch.randn(vocab, rank, generator=gen) / rank ** 0.5  # [V, r]
+        return w1.to(DEVICE), w2.to(DEVICE)
+    w1 = torch.randint(-1, 2, (vocab, rank), generator=gen).double()  # [V, r]
+    w2 = torch.randint(-3, 4, (vocab, rank), generator=gen).double() / 8  # [V, r]
+    bias = w1 @ w2.T  # [V (prev), V] every bias the slots can see
+    assert torch.equal(bias.to(dtype).double(), bias)
+    return w1.to(DEVICE, dtype), w2.to(DEVICE, dtype)
 
 
 def test_static_refuses_what_it_cannot_do():

@@ -237,6 +237,13 @@ _MMA_CONFIGS = [(32, 128, 1, 4), (16, 256, 1, 4), (64, 128, 1, 4), (16, 128, 2, 
                 (32, 64, 8, 4), (16, 512, 2, 8), (16, 1024, 1, 8)]
 _TUNED: dict[tuple, tuple] = {}
 TUNE = os.environ.get("DSPARK_TUNE_KERNELS", "1") != "0"
+# The tuner times each candidate once per process, and near-equal candidates can swap between runs. With
+# DSPARK_SMALL_GEMM=mma a configuration fixes the order of the sums, so two runs that picked differently give
+# (each batch-invariant, both correct) different bf16 greedy outputs, MAL and speed. Pin them:
+# DSPARK_KERNEL_CONFIGS=FILE (written by ``save_kernel_configs``; benchmarks/bench_decode.py stores the table
+# in its JSON under "kernel_configs", which is accepted too) fixes every shape it lists; others are tuned.
+KERNEL_CONFIGS_ENV = "DSPARK_KERNEL_CONFIGS"
+_PINNED: dict[str, tuple] = {}
 # Batch invariance (default): a step of n tokens computes each token exactly as a step of one token would,
 # so greedy speculative decoding reproduces AR decoding bit for bit in bf16 too. Two ways (DSPARK_SMALL_GEMM):
 #   fma (default): every token through the FMA GEMV, one program per (token, weight tile): the n = 1 step is
@@ -301,6 +308,10 @@ def _config(x, w, bias, norm_weight, eps, residual, y, n_out, gated):
     key = (mma, m, n_out, k, gated, x.dtype, str(x.device))
     if key in _TUNED:
         return _TUNED[key]
+    _load_pinned_once(x.device)
+    if _config_key(key) in _PINNED:
+        _TUNED[key] = _PINNED[_config_key(key)]
+        return _TUNED[key]
     if INTERPRET:  # the CPU interpreter runs programs one by one: the fewest, widest tiles
         return max(configs, key=lambda c: c[0])
     if not TUNE or not x.is_cuda or torch.cuda.is_current_stream_capturing():
@@ -316,6 +327,69 @@ def _config(x, w, bias, norm_weight, eps, residual, y, n_out, gated):
             best, best_ms = cfg, ms
     _TUNED[key] = best
     return best
+
+
+def _config_key(key: tuple) -> str:
+    """``mma|fma:n:N:K:gated:dtype`` -- a tuned shape as a JSON key (the device is the file's)."""
+    mma, m, n_out, k, gated, dtype, _ = key
+    return f"{'mma' if mma else 'fma'}:{m}:{n_out}:{k}:{int(gated)}:{str(dtype).replace('torch.', '')}"
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
+
+
+def kernel_configs(device: torch.device | str = "cuda") -> dict:
+    """The configurations chosen so far in this process on ``device``: ``{"device": name, "configs": {key: cfg}}``."""
+    device = torch.device(device)
+    configs = {_config_key(k): list(v) for k, v in _TUNED.items() if torch.device(k[-1]).type == device.type}
+    return {"device": _device_name(device), "configs": dict(sorted(configs.items()))}
+
+
+def save_kernel_configs(path: str | os.PathLike, device: torch.device | str = "cuda") -> None:
+    from dspark_core.io import write_json
+
+    write_json(path, kernel_configs(device))
+
+
+def load_kernel_configs(path: str | os.PathLike, device: torch.device | str = "cuda") -> dict[str, tuple]:
+    """Read a table written by ``save_kernel_configs`` (or a bench_decode JSON holding one under
+    "kernel_configs"); ValueError naming the file when it is not one, or was made on another device."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{KERNEL_CONFIGS_ENV}={path}: cannot read a JSON table ({e})") from e
+    data = data.get("kernel_configs", data) if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not isinstance(data.get("configs"), dict):
+        raise ValueError(f"{KERNEL_CONFIGS_ENV}={path}: no {{'device', 'configs'}} table in it")
+    here = _device_name(torch.device(device))
+    if data.get("device") != here:
+        raise ValueError(f"{KERNEL_CONFIGS_ENV}={path}: configurations tuned on {data.get('device')!r}, "
+                         f"this device is {here!r}")
+    sizes = {"mma": 4, "fma": 3}
+    out = {}
+    for key, cfg in data["configs"].items():
+        kind = key.split(":")[0]
+        if kind not in sizes or not isinstance(cfg, list) or len(cfg) != sizes[kind]:
+            raise ValueError(f"{KERNEL_CONFIGS_ENV}={path}: bad entry {key!r}: {cfg!r}")
+        out[key] = tuple(int(c) for c in cfg)
+    return out
+
+
+_PINNED_LOADED: list[bool] = [False]
+
+
+def _load_pinned_once(device: torch.device) -> None:
+    if _PINNED_LOADED[0]:
+        return
+    _PINNED_LOADED[0] = True
+    path = os.environ.get(KERNEL_CONFIGS_ENV)
+    if path:
+        _PINNED.update(load_kernel_configs(path, device))
 
 
 def fused_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -3,13 +3,22 @@
 Slot i of a DSpark proposal picks ``t_i = argmax(base_i + W2 W1[t_{i-1}])``: the LM-head logits of the slot
 plus the Markov bias of the previous token. The slots are sequential (each reads the token the previous one
 chose), so at batch 1 a slot is latency-bound: in plain torch it is 4-5 kernels (gather, GEMV, cast, add,
-argmax). Here it is two: programs over row tiles of W2 compute their rows' biased logits and a partial
-(max, first argmax) each, and one program reduces the partials and writes the token where the next slot
-reads it. The previous token is read on the device, so no host sync is needed between slots.
+argmax). Here it is one launch: programs over row tiles of W2 compute their rows' biased logits and a partial
+(max, first argmax) each and write it to a workspace; then each bumps an arrival counter (acq_rel atomic, gpu
+scope), and the last program to arrive reduces all the partials, writes the token where the next slot reads
+it, and resets the counter to 0 for the next launch (the next slot, or a CUDA graph replay). The pattern is
+``_gemm_small``'s split-K in ``dspark_core.kernels.decode``. The previous token is read on the device, so no
+host sync is needed between slots.
+
+Deterministic: whichever program arrives last, it reduces the same partials the same way (a max, then the
+lowest token id among the partials equal to it), and max / min are exact, so the token does not depend on
+the order in which programs finish. Launches of one object must be stream-ordered (they share the workspace
+and the counter); the slots are, and the reset is done before the kernel ends.
 
 Rounding follows the torch path (``markov_slot_reference``): the bias is rounded to W2's dtype (what
 ``nn.Linear`` returns) before it is added to the float32 base logits; ties go to the lowest token id, as
-``torch.argmax`` does.
+``torch.argmax`` does. (Under ``TRITON_INTERPRET=1`` the float32 -> bfloat16 cast truncates where a GPU rounds
+to nearest even, so there a bfloat16 bias can be one ulp off the torch path.)
 
 Shape legend: V vocab, r Markov rank, P partial programs.
 """
@@ -20,22 +29,19 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark_core.kernels.decode import _LAUNCH, PDL, gdc_wait
+from dspark_core.kernels.decode import _LAUNCH, PDL, gdc_launch_dependents, gdc_wait
 
 BLOCK_V = 128
 
 
 @triton.jit
-def _markov_partial(BASE, W1, W2, PREV, PV, PI, V, R: tl.constexpr, BLOCK_V: tl.constexpr,
-                    BLOCK_R: tl.constexpr, PDL_ON: tl.constexpr):
-    """Program p: rows [p * BLOCK_V, +BLOCK_V) of ``base + W2 @ W1[prev]``, their max and its first index."""
-    if PDL_ON:
-        gdc_wait()
+def _markov_tile(BASE, W1, W2, PREV, V, R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Rows [pid * BLOCK_V, +BLOCK_V) of ``base + W2 @ W1[prev]``: (their max, the first row holding it)."""
     pid = tl.program_id(0)
     prev = tl.load(PREV).to(tl.int64)
-    rows = pid * BLOCK_V + tl.arange(0, BLOCK_V)
+    rows = pid * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
     rmask = rows < V
-    acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_V], dtype=tl.float32)  # [BLOCK_V] float32 W2 @ W1[prev]
     for r0 in range(0, R, BLOCK_R):
         cols = r0 + tl.arange(0, BLOCK_R)
         cmask = cols < R
@@ -44,30 +50,43 @@ def _markov_partial(BASE, W1, W2, PREV, PV, PI, V, R: tl.constexpr, BLOCK_V: tl.
                     other=0.0).to(tl.float32)  # [BLOCK_V, BLOCK_R]
         acc += tl.sum(w * m[None, :], axis=1)
     bias = acc.to(W2.dtype.element_ty).to(tl.float32)  # nn.Linear's output dtype, as the torch path
-    logits = tl.load(BASE + rows, mask=rmask, other=float("-inf")).to(tl.float32) + bias
+    logits = tl.load(BASE + rows, mask=rmask, other=float("-inf")).to(tl.float32) + bias  # [BLOCK_V]
     logits = tl.where(rmask, logits, float("-inf"))
     best = tl.max(logits, axis=0)
     idx = tl.min(tl.where(logits == best, rows, 2147483647), axis=0)
-    tl.store(PV + pid, best)
-    tl.store(PI + pid, idx)
+    return best, idx
 
 
 @triton.jit
-def _markov_final(PV, PI, NP, OUT, NP_P: tl.constexpr, PDL_ON: tl.constexpr):
-    """One program: the max over the partials, the lowest token id among the tied ones -> OUT (int64)."""
+def _markov_slot(BASE, W1, W2, PREV, PV, PI, LOCK, OUT, V, R: tl.constexpr, BLOCK_V: tl.constexpr,
+                 BLOCK_R: tl.constexpr, NP_P: tl.constexpr, PDL_ON: tl.constexpr):
+    """Program p: the partial of tile p -> PV[p], PI[p]; the last program to arrive (counter LOCK) reduces
+    the P partials -> OUT (int64: the max, the lowest token id among the tied ones) and resets LOCK to 0."""
     if PDL_ON:
-        gdc_wait()
-    offs = tl.arange(0, NP_P)
-    mask = offs < NP
-    v = tl.load(PV + offs, mask=mask, other=float("-inf"))
-    i = tl.load(PI + offs, mask=mask, other=2147483647)
-    best = tl.max(v, axis=0)
-    tok = tl.min(tl.where(v == best, i, 2147483647), axis=0)
-    tl.store(OUT, tok.to(tl.int64))
+        gdc_wait()  # the previous kernel's outputs (base, prev) are complete and visible after this
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    best, idx = _markov_tile(BASE, W1, W2, PREV, V, R, BLOCK_V, BLOCK_R)
+    if PDL_ON:
+        gdc_launch_dependents()  # let the next kernel launch (it waits for this one to end before reading)
+    tl.store(PV + pid, best)
+    tl.store(PI + pid, idx)
+    tl.debug_barrier()  # every thread's partial stores are issued before the release below
+    arrived = tl.atomic_add(LOCK, 1, sem="acq_rel", scope="gpu")  # programs arrived before this one
+    if arrived == n_prog - 1:  # the last one: every partial is written (acquire), reduce them in tile order
+        offs = tl.arange(0, NP_P)  # [NP_P]
+        mask = offs < n_prog
+        v = tl.load(PV + offs, mask=mask, other=float("-inf"), cache_modifier=".cg")  # [NP_P] bypass L1
+        i = tl.load(PI + offs, mask=mask, other=2147483647, cache_modifier=".cg")  # [NP_P]
+        top = tl.max(v, axis=0)
+        tok = tl.min(tl.where(v == top, i, 2147483647), axis=0)  # ties -> lowest id, as torch.argmax
+        tl.store(OUT, tok.to(tl.int64))
+        tl.atomic_xchg(LOCK, 0)  # zero for the next launch (stream-ordered after this kernel's end)
 
 
 class MarkovArgmax:
-    """Greedy Markov slots for one (W1 [V, r], W2 [V, r]) pair, with preallocated partial buffers."""
+    """Greedy Markov slots for one (W1 [V, r], W2 [V, r]) pair, with preallocated partial buffers and an
+    arrival counter (made here, so before any CUDA graph capture)."""
 
     def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
         if w1.shape != w2.shape or w1.dim() != 2:
@@ -75,16 +94,16 @@ class MarkovArgmax:
         self.w1, self.w2 = w1.contiguous(), w2.contiguous()
         self.vocab, self.rank = w1.shape
         self.parts = triton.cdiv(self.vocab, BLOCK_V)
-        self.pv = torch.empty(self.parts, device=w1.device, dtype=torch.float32)
-        self.pi = torch.empty(self.parts, device=w1.device, dtype=torch.int32)
+        self.pv = torch.empty(self.parts, device=w1.device, dtype=torch.float32)  # [P] partial maxima
+        self.pi = torch.empty(self.parts, device=w1.device, dtype=torch.int32)  # [P] their first token ids
+        self.arrived = torch.zeros(1, device=w1.device, dtype=torch.int32)  # [1] zero between launches
         self.block_r = min(64, triton.next_power_of_2(self.rank))
 
     def __call__(self, base: torch.Tensor, prev: torch.Tensor, out: torch.Tensor) -> None:
         """``out[0] = argmax(base + W2 W1[prev[0]])`` for base [V] (float32), prev / out 1-element int64 views."""
-        _markov_partial[(self.parts,)](base, self.w1, self.w2, prev, self.pv, self.pi, self.vocab, R=self.rank,
-                                       BLOCK_V=BLOCK_V, BLOCK_R=self.block_r, PDL_ON=PDL, num_warps=4, **_LAUNCH)
-        _markov_final[(1,)](self.pv, self.pi, self.parts, out, NP_P=triton.next_power_of_2(self.parts), PDL_ON=PDL,
-                            num_warps=4, **_LAUNCH)
+        _markov_slot[(self.parts,)](base, self.w1, self.w2, prev, self.pv, self.pi, self.arrived, out, self.vocab,
+                                    R=self.rank, BLOCK_V=BLOCK_V, BLOCK_R=self.block_r,
+                                    NP_P=triton.next_power_of_2(self.parts), PDL_ON=PDL, num_warps=4, **_LAUNCH)
 
 
 def markov_slot_reference(base: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:

@@ -7,11 +7,13 @@ step of a cycle has a static shape and reads its lengths from device tensors:
     propose   tokens t_1..t_S = draft block at (anchor, p), greedy Markov slots      (graph 1)
     verify    target forward of [anchor, t_1..t_S] at p..p+S (``TargetRunner._step``)  (graph 2)
     accept    a = matching prefix of t vs the target's argmax (capped at the confident slots);
-              bonus = target argmax at row a
+              bonus = target argmax at row a (one Triton kernel with the Triton draft: kernels/accept.py)
     update    draft context K/V of positions p..p+S written (only p..p+a count); p += a + 1; anchor = bonus
 
 The host replays the two graphs and reads back one small tensor per cycle ``[a, n, t_1..t_S, bonus]`` (the
-only sync) to append tokens and check stop tokens / max_new_tokens, like the reference. The target always
+only sync) to append tokens and check stop tokens / max_new_tokens, like the reference. With CUDA graphs it
+reads cycle k only after enqueuing cycle k+1 (copied asynchronously into pinned host slots), so the GPU does
+not idle while the host works. The target always
 verifies S+1 tokens; a confidence cut (``confidence_threshold`` > 0) caps the accepted prefix at the cut,
 which commits the same tokens the reference commits after proposing only the confident slots.
 
@@ -25,6 +27,7 @@ Shape legend: S block size, V vocab, K aux layers, H target hidden.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Sequence
 
 import torch
@@ -72,7 +75,13 @@ class StaticSpeculativeDecoder:
         self.anchor = torch.zeros(1, dtype=torch.long, device=dev)  # [1] anchor token
         self.out = torch.zeros(s + 3, dtype=torch.long, device=dev)  # [a, n, t_1..t_S, bonus]
         self.verify_slots = torch.arange(s + 1, device=dev)  # [S+1]
+        self._accept = None  # the Triton accept step (one launch) with the Triton draft; else torch ops
+        if self.static.kernels:
+            from dspark_core.kernels.accept import GreedyAccept
+
+            self._accept = GreedyAccept(s + 1, target._head_w.shape[0], dev)
         self._graphs: tuple | None = None
+        self._ring: _HostRing | None = None  # host copies of `out`, one per cycle in flight
         self._clock = Clock(dev)
 
     # -- the cycle (device code only: no host reads, static shapes) ---------------------------------
@@ -88,15 +97,18 @@ class StaticSpeculativeDecoder:
         ids = torch.cat([self.anchor, tokens]).view(1, s + 1)  # [1, S+1]
         pos = self.p + self.verify_slots  # [S+1]
         logits, aux = self.target._step(ids, pos)  # [1, S+1, V], [1, S+1, K, H]
-        best = logits[0].argmax(dim=-1)  # [S+1]
-        match = (best[:s] == tokens) & (self.verify_slots[:s] < self.out[1])
-        a = match.long().cumprod(dim=0).sum()  # [] accepted prefix
-        bonus = best.gather(0, a.view(1))  # [1]
-        self.out[0] = a
-        self.out[2 + s] = bonus[0]
+        if self._accept is not None:  # the same step in one kernel (kernels/accept.py)
+            self._accept(logits[0], self.out, self.p, self.anchor)
+        else:
+            best = logits[0].argmax(dim=-1)  # [S+1]
+            match = (best[:s] == tokens) & (self.verify_slots[:s] < self.out[1])
+            a = match.long().cumprod(dim=0).sum()  # [] accepted prefix
+            bonus = best.gather(0, a.view(1))  # [1]
+            self.out[0] = a
+            self.out[2 + s] = bonus[0]
+            self.p += a + 1
+            self.anchor.copy_(bonus)
         self.static.extend(aux, pos)  # all S+1 positions; only p..p+a are below the new length
-        self.p += a + 1
-        self.anchor.copy_(bonus)
 
     # -- CUDA graphs ----------------------------------------------------------------------------
     def _capture(self) -> None:
@@ -128,14 +140,33 @@ class StaticSpeculativeDecoder:
         self._graphs[1].replay() if self._graphs else self._verify_update()
 
     # -- generation -----------------------------------------------------------------------------
+    def _launch(self, ring: "_HostRing", timed: bool, result: GenerationResult) -> None:
+        """Enqueue one cycle and the copy of its ``out`` into the next host slot; a timed cycle starts and
+        ends with a sync (draft and verify timed apart)."""
+        c0 = self._clock() if timed else 0.0
+        self._run_propose()
+        c1 = self._clock() if timed else 0.0
+        self._run_verify()
+        ring.push(self.out)
+        if timed:
+            ring.wait_newest()
+            result.draft_s.append(c1 - c0)
+            result.verify_s.append(time.perf_counter() - c1)
+
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
                  stop_ids: Sequence[int] = ()) -> GenerationResult:
         """Decode up to ``max_new_tokens`` greedily after ``prompt_ids``: the reference engine's output and
-        ``GenerationResult`` (draft_s / verify_s hold the timed cycles only, see ``time_every``)."""
+        ``GenerationResult`` (draft_s / verify_s hold the timed cycles only, see ``time_every``).
+
+        With CUDA graphs, one cycle runs ahead: cycle k+1 is enqueued before the host reads cycle k's result
+        (its state lives on the device), so the GPU never waits for the host. The cycle after the one that
+        ends the generation is wasted work (its tokens are never read); cycles are only enqueued while
+        they may still be needed for ``max_new_tokens``."""
         s = self.block_size
         prompt = prompt_tensor(prompt_ids, self.target.device)  # [1, P]
-        check_budget(self.target, prompt.shape[1], max_new_tokens, s + 1)
+        depth = 2 if self._ring_depth_ok() else 1
+        check_budget(self.target, prompt.shape[1], max_new_tokens, depth * (s + 1))
         stops = set(int(t) for t in stop_ids)
         result = GenerationResult(tokens=[])
         t0 = self._clock()
@@ -149,26 +180,74 @@ class StaticSpeculativeDecoder:
         tokens = [int(self.anchor.item())]
         t1 = self._clock()
         result.prefill_s = t1 - t0
-        while len(tokens) < max_new_tokens and tokens[-1] not in stops:
-            timed = self.time_every > 0 and result.cycles % self.time_every == 0
-            c0 = self._clock() if timed else 0.0
-            self._run_propose()
-            c1 = self._clock() if timed else 0.0
-            self._run_verify()
-            out = self.out.tolist()  # the cycle's only host sync
-            if timed:
-                result.draft_s.append(c1 - c0)
-                result.verify_s.append(time.perf_counter() - c1)
+        if self._ring is None or len(self._ring.slots) != depth:  # pinned slots: allocated once, reused
+            self._ring = _HostRing(self.out, depth)
+        ring, launched = self._ring, 0
+        while tokens[-1] not in stops:
+            while len(ring) < depth and len(tokens) + (s + 1) * len(ring) < max_new_tokens:
+                timed = self.time_every > 0 and launched % self.time_every == 0
+                if timed and len(ring):
+                    break  # a timed cycle starts on an idle device
+                self._launch(ring, timed, result)
+                launched += 1
+                if timed:
+                    break
+            if not len(ring):
+                break
+            out = ring.pop()  # the oldest cycle in flight (waits for it)
             a, n = out[0], out[1]
             committed = out[2 : 2 + a] + [out[2 + s]]
             tokens.extend(committed)
             result.cycles += 1
             result.accepted_per_cycle.append(a)
             result.proposal_lengths.append(n)
-            if stops.intersection(committed):
+            if stops.intersection(committed) or len(tokens) >= max_new_tokens:
                 break
+        ring.drain()
         self.target.length = n_prompt + len(tokens) - 1  # host view of the target cache (anchor not in it)
         result.decode_s = self._clock() - t1
         result.tokens, hit_stop = cut_at_stop(tokens, sorted(stops), max_new_tokens)
         result.stop_reason = "stop" if hit_stop else "length"
         return result
+
+    def _ring_depth_ok(self) -> bool:
+        """Run one cycle ahead only where it pays: replayed graphs (eager cycles are host-bound anyway)."""
+        return self.cuda_graph
+
+
+class _HostRing:
+    """FIFO of the per-cycle ``out`` tensors copied to the host: on CUDA asynchronously into pinned slots,
+    each followed by an event, so the host can enqueue the next cycle before it reads this one."""
+
+    def __init__(self, out: torch.Tensor, depth: int) -> None:
+        self.cuda = out.is_cuda
+        self.slots = torch.empty((depth, out.numel()), dtype=out.dtype, pin_memory=self.cuda)  # [depth, S+3]
+        self.events = [torch.cuda.Event() for _ in range(depth)] if self.cuda else []
+        self.queue: deque[int] = deque()
+        self.next = 0
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def push(self, out: torch.Tensor) -> None:
+        i = self.next
+        self.slots[i].copy_(out, non_blocking=self.cuda)
+        if self.cuda:
+            self.events[i].record()
+        self.queue.append(i)
+        self.next = (i + 1) % len(self.slots)
+
+    def wait_newest(self) -> None:
+        if self.cuda:
+            self.events[self.queue[-1]].synchronize()
+
+    def pop(self) -> list[int]:
+        i = self.queue.popleft()
+        if self.cuda:
+            self.events[i].synchronize()
+        return self.slots[i].tolist()
+
+    def drain(self) -> None:
+        """Forget the cycles still in flight (their tokens are not needed); waits for them to finish."""
+        while self.queue:
+            self.pop()

@@ -1,0 +1,82 @@
+"""Plots of the H200 speculative-decoding runs in ``reports/bench/spec_h200_smollm2/`` (session 4 at the top,
+session 3 in ``session3/``): decode tokens/s of AR and speculative decoding per kernel mode, and the
+per-slot acceptance of the two drafts on the same 30 held-out GSM8K problems.
+
+    python benchmarks/plot_spec_h200.py        # -> reports/bench/spec_h200_smollm2/{speed,accept_rate}.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dspark_core.bench_online import _save  # noqa: E402
+
+DIR = ROOT / "reports" / "bench" / "spec_h200_smollm2"
+# (label, file): the runs with the trained draft, all on the same 30 prompts
+RUNS = [("session 3, mma", "session3/decode.json"), ("session 3, fma", "session3/decode_fma.json"),
+        ("session 4, mma", "decode.json"), ("session 4, fma", "decode_fma_torch_accept.json")]
+
+
+def load(folder: Path, rel: str) -> dict:
+    return json.loads((folder / rel).read_text())["spec"]
+
+
+def plot_speed(runs: list[tuple[str, dict]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    x = range(len(runs))
+    ar = [s["ar_tokens_per_s"] for _, s in runs]
+    spec = [s["tokens_per_s"] for _, s in runs]
+    ax.bar([i - 0.2 for i in x], ar, 0.4, label="AR (same kernels)")
+    ax.bar([i + 0.2 for i in x], spec, 0.4, label="speculative (static engine)")
+    for i, s in enumerate(spec):
+        ax.text(i + 0.2, s, f"{s / ar[i]:.2f}x\nMAL {runs[i][1]['mal']:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), [label for label, _ in runs])
+    ax.set_ylabel("decode tokens/s (batch 1, bf16)")
+    ax.set_ylim(0, max(spec + ar) * 1.3)
+    ax.set_title("SmolLM2-135M on one H200, 30 held-out GSM8K, greedy (output identical to AR)")
+    ax.legend(loc="upper left", fontsize=8)
+    _save(fig, out)
+
+
+def plot_accept(runs: list[tuple[str, dict]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for label, s in runs:
+        rates = [s[f"accept_rate@{i}"] for i in range(7)]
+        ax.plot(range(7), rates, marker="o", label=label)
+    ax.set_xlabel("draft slot i")
+    ax.set_ylabel("accept_rate@i (online)")
+    ax.set_title("Per-slot acceptance, 30 held-out GSM8K")
+    ax.legend(fontsize=8)
+    _save(fig, out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", type=Path, default=DIR)
+    args = ap.parse_args()
+    runs = [(label, load(args.dir, rel)) for label, rel in RUNS]
+    plot_speed(runs, args.dir / "speed.png")
+    plot_accept([r for r in runs if "mma" in r[0]], args.dir / "accept_rate.png")
+    for label, s in runs:
+        print(f"{label:>16}: MAL {s['mal']:.2f} | {s['tokens_per_s']:.1f} vs AR {s['ar_tokens_per_s']:.1f} tokens/s "
+              f"= {s['speedup']:.2f}x | identical {s['identical']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""The greedy accept step of the static speculative engine in one Triton kernel launch.
+
+After the target's verify forward, ``StaticSpeculativeDecoder._verify_update`` needs the row argmaxes of the
+logits, the accepted prefix length, the bonus token and the update of the anchor position / token; as torch
+ops that is about a dozen kernels (a few microseconds each even inside a CUDA graph). ``GreedyAccept`` does
+it in one launch, with exactly the semantics of :func:`greedy_accept_reference`::
+
+    out = [a, cap, t_1..t_S, bonus]         int64 [S+3], t = the draft's tokens, cap = slots allowed
+    best = argmax(logits, -1)               [R]   (first maximum, as torch.argmax)
+    a = length of the prefix j < S with best[j] == t_{j+1} and j < cap
+    bonus = best[a];  out[0] = a;  out[2+S] = bonus;  p += a + 1;  anchor = bonus
+
+Grid (R, T): program (r, t) loads tile t (BLOCK_V columns) of row r, and writes that tile's maximum (compared
+in float32: exact for float16 / bfloat16 / float32 logits) and its lowest index holding the maximum to a
+float32 / int32 workspace [R, T]. It then increments an arrival counter (``tl.atomic_add``, acq_rel, gpu scope,
+after a ``debug_barrier`` so that every thread's partial stores are issued before the release): the program
+that sees ``old == R*T - 1`` arrived last, so every partial is visible to it (the acquire half; it reads them
+with ``.cg`` loads, past L1). That program reduces each row's T partials -- the row maximum, then the lowest
+tile argmax among the tiles holding it, which is the row's lowest index holding the maximum, i.e. exactly
+``torch.argmax``'s tie rule -- computes a and the bonus, writes ``out`` / ``p`` / ``anchor``, and resets the
+counter to 0 (``atomic_xchg``) so that the next launch, a CUDA-graph replay included, starts from zero.
+
+Deterministic: a maximum and a minimum index are exact whatever order the partials arrive in (no rounding),
+and the reduction reads them in a fixed order anyway; the same logits give the same bits as torch.
+
+NaN logits are not handled like torch (which treats NaN as the maximum): with a NaN in a row the row's
+result is unspecified, but always a valid token id in [0, V).
+
+Same pattern as ``dspark_core.kernels.decode._gemm_small``'s split-K (last-arriving program reduces) and its
+programmatic-dependent-launch convention (``gdc_wait`` first thing when ``PDL``).
+
+Shape legend: R rows = S+1 (verify positions), S block size (draft tokens), V vocab, T = cdiv(V, BLOCK_V)
+vocab tiles, R_P / T_P their next powers of two.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dspark_core.kernels.decode import _LAUNCH, PDL, gdc_launch_dependents, gdc_wait
+
+MAX_ROWS = 16  # R = S+1 <= 16 (the widest verify step of the decode kernels)
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # exact in the kernel's float32 compare
+
+
+@triton.jit
+def _tile_argmax(LOGITS, row, tile, stride_row, V, BLOCK_V: tl.constexpr):
+    """Max (float32) and lowest index holding it of columns [tile * BLOCK_V, +BLOCK_V) of one row."""
+    cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    cmask = cols < V
+    x = tl.load(LOGITS + row.to(tl.int64) * stride_row + cols, mask=cmask, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, 0)
+    idx = tl.min(tl.where(cmask & (x == m), cols, V), 0)  # V only if no column equals m (NaN)
+    return m, tl.minimum(idx, V - 1)
+
+
+@triton.jit
+def _row_argmax(WS_MAX, WS_IDX, R, T, V, R_P: tl.constexpr, T_P: tl.constexpr):
+    """Each row's argmax from its T tile partials [R, T] (ties: the lowest index). Returns int64 [R_P]."""
+    r = tl.arange(0, R_P)
+    t = tl.arange(0, T_P)
+    offs = r[:, None] * T + t[None, :]  # [R_P, T_P]
+    valid = (r[:, None] < R) & (t[None, :] < T)
+    pm = tl.load(WS_MAX + offs, mask=valid, other=float("-inf"), cache_modifier=".cg")  # [R_P, T_P]
+    pi = tl.load(WS_IDX + offs, mask=valid, other=V, cache_modifier=".cg")  # [R_P, T_P]
+    m = tl.max(pm, 1)  # [R_P]
+    best = tl.min(tl.where(valid & (pm == m[:, None]), pi, V), 1)  # [R_P]
+    return tl.minimum(best, V - 1).to(tl.int64)
+
+
+@triton.jit
+def _accept(best, OUT, P, ANCHOR, S, R_P: tl.constexpr):
+    """Accepted prefix a and bonus best[a] from the row argmaxes best [R_P]; writes out[0], out[2+S], p, anchor."""
+    j = tl.arange(0, R_P)  # [R_P] draft slot
+    slot = j < S
+    tokens = tl.load(OUT + 2 + j, mask=slot, other=-1)  # [R_P] t_{j+1}
+    cap = tl.load(OUT + 1)
+    match = (best == tokens) & (j < cap)
+    a = tl.min(tl.where(slot & ~match, j, S), 0)  # the first mismatch, or S: cumprod(match).sum()
+    bonus = tl.sum(tl.where(j == a, best, 0), 0)
+    tl.store(OUT, a.to(tl.int64))
+    tl.store(OUT + 2 + S, bonus)
+    tl.store(P, tl.load(P) + a + 1)
+    tl.store(ANCHOR, bonus)
+
+
+@triton.jit
+def _greedy_accept(LOGITS, OUT, P, ANCHOR, WS_MAX, WS_IDX, LOCK, stride_row, R, T, V,
+                   BLOCK_V: tl.constexpr, R_P: tl.constexpr, T_P: tl.constexpr, PDL_ON: tl.constexpr):
+    """Program (row, tile): the tile's partial argmax; the last program to arrive does the rest (module doc)."""
+    if PDL_ON:
+        gdc_wait()  # the previous kernel's outputs (the logits, out) are complete and visible after this
+    row = tl.program_id(0)
+    tile = tl.program_id(1)
+    m, idx = _tile_argmax(LOGITS, row, tile, stride_row, V, BLOCK_V)
+    if PDL_ON:
+        gdc_launch_dependents()  # let the next kernel launch while this one finishes
+    tl.store(WS_MAX + row * T + tile, m)
+    tl.store(WS_IDX + row * T + tile, idx)
+    tl.debug_barrier()  # every thread's partial stores are issued before the release below
+    arrived = tl.atomic_add(LOCK, 1, sem="acq_rel", scope="gpu")
+    if arrived == R * T - 1:  # the last program: every partial is written and visible
+        best = _row_argmax(WS_MAX, WS_IDX, R, T, V, R_P, T_P)  # [R_P]
+        _accept(best, OUT, P, ANCHOR, R - 1, R_P)
+        tl.atomic_xchg(LOCK, 0)  # ready for the next launch / graph replay
+
+
+def default_block(rows: int, vocab: int) -> int:
+    """Tile width: about 512 programs at most (a few hundred for R = 8, V = 49152: BLOCK_V 1024, 384 programs),
+    between 1024 and 4096 columns (152k vocab, 16 rows: 4096, 608 programs)."""
+    want = triton.next_power_of_2(triton.cdiv(rows * vocab, 512))
+    return min(4096, max(1024, want))
+
+
+class GreedyAccept:
+    """The fused greedy accept step for logits [rows, vocab] (rows = S+1); see the module docstring.
+
+    The workspace and the arrival counter are allocated here, once (before any CUDA-graph capture); one
+    object must not run on two streams at once (they would share the counter). ``block_v`` (a power of two)
+    overrides the tile width, for tests."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device | str, *, block_v: int | None = None,
+                 num_warps: int = 4) -> None:
+        if not 1 <= rows <= MAX_ROWS:
+            raise ValueError(f"rows (S+1) must be in [1, {MAX_ROWS}]; got {rows}")
+        if vocab < 1:
+            raise ValueError(f"vocab must be positive; got {vocab}")
+        block_v = default_block(rows, vocab) if block_v is None else int(block_v)
+        if block_v < 16 or block_v & (block_v - 1):
+            raise ValueError(f"block_v must be a power of two >= 16; got {block_v}")
+        self.rows, self.vocab, self.block_v, self.num_warps = rows, vocab, block_v, num_warps
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" means the current device
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.tiles = triton.cdiv(vocab, block_v)
+        self.ws_max = torch.empty(rows * self.tiles, dtype=torch.float32, device=self.device)  # [R, T]
+        self.ws_idx = torch.empty(rows * self.tiles, dtype=torch.int32, device=self.device)  # [R, T]
+        self.lock = torch.zeros(1, dtype=torch.int32, device=self.device)  # arrivals; 0 between launches
+
+    def _check(self, logits: torch.Tensor, out: torch.Tensor, p: torch.Tensor, anchor: torch.Tensor) -> None:
+        r, v = self.rows, self.vocab
+        if logits.dim() != 2 or tuple(logits.shape) != (r, v):
+            raise ValueError(f"logits must have shape [{r}, {v}] (rows = S+1, vocab); got {list(logits.shape)}")
+        if logits.dtype not in LOGIT_DTYPES:
+            raise ValueError(f"logits must be float32, bfloat16 or float16; got {logits.dtype}")
+        if logits.stride(1) != 1:
+            raise ValueError(f"logits must be contiguous along the vocab; strides {logits.stride()}")
+        for name, t, shape in (("out", out, (r + 2,)), ("p", p, (1,)), ("anchor", anchor, (1,))):
+            if tuple(t.shape) != shape or t.dtype != torch.int64:
+                raise ValueError(f"{name} must be int64 of shape {list(shape)}; got {t.dtype} {list(t.shape)}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous; strides {t.stride()}")
+        for name, t in (("logits", logits), ("out", out), ("p", p), ("anchor", anchor)):
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}; this GreedyAccept was built for {self.device}")
+
+    def __call__(self, logits: torch.Tensor, out: torch.Tensor, p: torch.Tensor, anchor: torch.Tensor) -> None:
+        """logits [R, V]; out int64 [R+2] = [a, cap, t_1..t_S, bonus] (a, bonus written); p, anchor int64 [1]
+        (p += a + 1, anchor = bonus). One launch, no host sync."""
+        self._check(logits, out, p, anchor)
+        r_p = triton.next_power_of_2(self.rows)
+        t_p = triton.next_power_of_2(self.tiles)
+        _greedy_accept[(self.rows, self.tiles)](logits, out, p, anchor, self.ws_max, self.ws_idx, self.lock,
+                                                logits.stride(0), self.rows, self.tiles, self.vocab,
+                                                BLOCK_V=self.block_v, R_P=r_p, T_P=t_p, PDL_ON=PDL,
+                                                num_warps=self.num_warps, **_LAUNCH)
+
+
+def greedy_accept_reference(logits: torch.Tensor, out: torch.Tensor, p: torch.Tensor, anchor: torch.Tensor) -> None:
+    """The same step as torch ops (the static engine's original code), in place: logits [R, V] (R = S+1);
+    out int64 [S+3] = [a, cap, t_1..t_S, bonus]; p, anchor int64 [1]."""
+    s = logits.shape[0] - 1
+    tokens = out[2 : 2 + s]  # [S]
+    best = logits.argmax(dim=-1)  # [S+1]
+    match = (best[:s] == tokens) & (torch.arange(s, device=out.device) < out[1])  # [S]
+    a = match.long().cumprod(dim=0).sum()  # [] accepted prefix
+    bonus = best.gather(0, a.view(1))  # [1]
+    out[0] = a
+    out[2 + s] = bonus[0]
+    p += a + 1
+    anchor.copy_(bonus)

@@ -1,0 +1,181 @@
+"""The fused greedy accept kernel (``dspark_core.kernels.accept``) against its torch reference, bit for bit.
+
+Runs where Triton can: on a CUDA device, or on CPU under Triton's interpreter (set here when there is no GPU,
+as in ``tests/test_kernels.py``). The kernel only compares and selects, so bfloat16 is exact on CPU too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # Triton's CPU interpreter; read when the kernels are defined (first use below)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dspark_core.kernels import triton_ok  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not triton_ok(DEVICE), reason="needs Triton on CUDA or TRITON_INTERPRET=1")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _state(logits, a, cap, g, p0=17):
+    """out / p / anchor for logits [S+1, V] whose draft tokens match the row argmaxes for slots < a, then
+    mismatch at slot a (the rest random)."""
+    s, v = logits.shape[0] - 1, logits.shape[1]
+    best = logits.argmax(dim=-1)  # [S+1]
+    tokens = torch.randint(0, v, (s,), generator=g).to(DEVICE)  # [S]
+    tokens[:a] = best[:a]
+    if a < s:
+        tokens[a] = (best[a] + 1) % v
+    out = torch.cat([torch.tensor([-5, cap]).to(DEVICE), tokens, torch.tensor([-7]).to(DEVICE)])  # [S+3]
+    p = torch.tensor([p0], device=DEVICE)
+    anchor = torch.tensor([-3], device=DEVICE)
+    return out, p, anchor
+
+
+def _check(acc, logits, out, p, anchor):
+    """Run kernel and reference on copies; every output bit for bit equal, the counter back at 0."""
+    from dspark_core.kernels.accept import greedy_accept_reference
+
+    ref = [out.clone(), p.clone(), anchor.clone()]
+    greedy_accept_reference(logits, *ref)
+    got = [out.clone(), p.clone(), anchor.clone()]
+    acc(logits, *got)
+    for name, x, y in zip(("out", "p", "anchor"), got, ref):
+        assert torch.equal(x, y), f"{name}: kernel {x.tolist()} vs reference {y.tolist()}"
+    assert int(acc.lock.item()) == 0
+    return got
+
+
+def _logits(s, v, dtype, g):
+    return (torch.randn(s + 1, v, generator=g) * 4).to(DEVICE, dtype)  # [S+1, V]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("s,v,block", [(7, 1000, 128), (3, 300, 64)])
+def test_every_accept_length(s, v, block, dtype):
+    """a = 0..S (no cap), V not a multiple of the tile."""
+    from dspark_core.kernels.accept import GreedyAccept
+
+    g = torch.Generator().manual_seed(s)
+    acc = GreedyAccept(s + 1, v, DEVICE, block_v=block)
+    assert v % block != 0 and acc.tiles > 1
+    for a in range(s + 1):
+        logits = _logits(s, v, dtype, g)
+        out, p, anchor = _state(logits, a, s, g)
+        got = _check(acc, logits, out, p, anchor)
+        assert int(got[0][0]) == a and int(got[1]) == 17 + a + 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cap_cuts_the_prefix(dtype):
+    """cap < S (confidence cut): a = min(matching prefix, cap); cap 0 and a negative cap accept nothing."""
+    from dspark_core.kernels.accept import GreedyAccept
+
+    s, v = 7, 700
+    g = torch.Generator().manual_seed(1)
+    acc = GreedyAccept(s + 1, v, DEVICE, block_v=256)
+    for planted, cap in [(7, 0), (7, 3), (5, 2), (2, 5), (7, 6), (4, -1), (7, 99)]:
+        logits = _logits(s, v, dtype, g)
+        out, p, anchor = _state(logits, planted, cap, g)
+        got = _check(acc, logits, out, p, anchor)
+        assert int(got[0][0]) == max(0, min(planted, cap))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ties_take_the_lowest_index(dtype):
+    """Exact ties within and across tiles (and whole rows of one value): the lowest index, as torch.argmax."""
+    from dspark_core.kernels.accept import GreedyAccept
+
+    s, v, block = 7, 1000, 128
+    g = torch.Generator().manual_seed(2)
+    acc = GreedyAccept(s + 1, v, DEVICE, block_v=block)
+    logits = _logits(s, v, torch.float32, g).clamp(-10, 10)
+    spots = [[900, 5, 5 + block], [v - 1, 3 * block + 1], [2 * block - 1, 2 * block], [130, 131, 999],
+             [0, v - 1], [7 * block, 7 * block + 3], [64, 64 + 4 * block, 64 + 6 * block], [300]]
+    for r, cols in enumerate(spots):
+        logits[r, cols] = 20.0
+    logits[3] = 0.5  # a whole row of one value: index 0
+    logits = logits.to(dtype)
+    best = logits.argmax(dim=-1).tolist()
+    assert best == [5, 3 * block + 1, 2 * block - 1, 0, 0, 7 * block, 64, 300]
+    for a in (0, 4, s):
+        out, p, anchor = _state(logits, a, s, g)
+        _check(acc, logits, out, p, anchor)
+    # many ties everywhere: small integer logits
+    coarse = torch.randint(0, 4, (s + 1, v), generator=g).to(DEVICE, dtype)
+    for a in (1, s):
+        out, p, anchor = _state(coarse, a, s, g)
+        _check(acc, coarse, out, p, anchor)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_default_tiles_and_single_tile(dtype):
+    """The default tile width (a few tiles of 1024 at V = 5000) and a vocab inside one tile."""
+    from dspark_core.kernels.accept import GreedyAccept
+
+    g = torch.Generator().manual_seed(3)
+    for s, v, block in [(7, 5000, None), (3, 100, 128)]:
+        acc = GreedyAccept(s + 1, v, DEVICE, block_v=block)
+        assert acc.tiles == (5 if block is None else 1)
+        for a in (0, s // 2, s):
+            logits = _logits(s, v, dtype, g)
+            out, p, anchor = _state(logits, a, s, g)
+            _check(acc, logits, out, p, anchor)
+
+
+def test_back_to_back_calls_accumulate():
+    """One object, many calls: the counter resets each time, p accumulates a + 1, anchor follows the bonus;
+    also a row-strided logits view (the [1, S+1, V] verify output sliced)."""
+    from dspark_core.kernels.accept import GreedyAccept, greedy_accept_reference
+
+    s, v = 7, 900
+    g = torch.Generator().manual_seed(4)
+    acc = GreedyAccept(s + 1, v, DEVICE, block_v=128)
+    mine = [None, torch.tensor([3], device=DEVICE), torch.tensor([0], device=DEVICE)]
+    ref = [None, mine[1].clone(), mine[2].clone()]
+    total = 3
+    for i in range(24):
+        wide = _logits(s, v + 16, torch.bfloat16 if i % 2 else torch.float32, g)  # [S+1, V+16]
+        logits = wide[:, :v] if i % 3 == 0 else wide[:, :v].contiguous()
+        a = int(torch.randint(0, s + 1, (1,), generator=g))
+        out, _, _ = _state(logits, a, s if i % 4 else a // 2 + 1, g)
+        mine[0], ref[0] = out.clone(), out.clone()
+        acc(logits, *mine)
+        greedy_accept_reference(logits, *ref)
+        for x, y in zip(mine, ref):
+            assert torch.equal(x, y)
+        assert int(acc.lock.item()) == 0
+        total += int(mine[0][0]) + 1
+        assert int(mine[1]) == total and int(mine[2]) == int(mine[0][s + 2])
+
+
+def test_argument_errors():
+    from dspark_core.kernels.accept import GreedyAccept
+
+    s, v = 3, 200
+    acc = GreedyAccept(s + 1, v, DEVICE, block_v=64)
+    logits = torch.zeros(s + 1, v, device=DEVICE)
+    out = torch.zeros(s + 3, dtype=torch.long, device=DEVICE)
+    p = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    anchor = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    bad = [
+        ((logits[None], out, p, anchor), r"logits must have shape \[4, 200\]"),
+        ((logits[:, :100], out, p, anchor), r"logits must have shape"),
+        ((logits.double(), out, p, anchor), r"logits must be float32, bfloat16 or float16"),
+        ((torch.zeros(v, s + 1, device=DEVICE).t(), out, p, anchor), r"contiguous along the vocab"),
+        ((logits, out[:-1], p, anchor), r"out must be int64 of shape \[6\]"),
+        ((logits, out.int(), p, anchor), r"out must be int64"),
+        ((logits, out, p.int(), anchor), r"p must be int64 of shape \[1\]"),
+        ((logits, out, p, torch.zeros(2, dtype=torch.long, device=DEVICE)), r"anchor must be int64 of shape \[1\]"),
+    ]
+    for args, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            acc(*args)
+    with pytest.raises(ValueError, match="rows"):
+        GreedyAccept(17, v, DEVICE)
+    with pytest.raises(ValueError, match="block_v"):
+        GreedyAccept(4, v, DEVICE, block_v=100)
