@@ -31,6 +31,8 @@
 #   DSPARK_TRAIN_BUDGET_S    train's time budget (default 170; tiny 600), cut so that the run ends within
 #   DSPARK_TOTAL_S           seconds (default 570) with DSPARK_BENCH_RESERVE_S (default 140) left for the bench
 #   DSPARK_BENCH_ARGS        extra flags for bench_decode.py (e.g. "--kernels"); DSPARK_SPEC_NEW_TOKENS (256);
+#   DSPARK_BENCH_MODES       e.g. "mma fma": one bench per DSPARK_SMALL_GEMM mode, decode.json for the first and
+#                            decode_<mode>.json for the others (default: one bench in the current mode)
 #                            DSPARK_BENCH_COMPILE=0 drops --compile (not needed with --kernels)
 #   DSPARK_FROM=STEP         start at STEP (target|prepare|regenerate|cache|train|eval_offline|bench), reusing $DSPARK_WORK
 #                            (train resumes from its last checkpoint: a run can span two device calls)
@@ -276,7 +278,23 @@ else
   BENCH=(--shapes smollm2-135m --spec-new-tokens "$SPEC_NEW_TOKENS")
   [ "${DSPARK_BENCH_COMPILE:-1}" = "0" ] || BENCH=(--compile "${BENCH[@]}")
 fi
-# shellcheck disable=SC2086
-step bench "$PY" "$REPO/benchmarks/bench_decode.py" "${BENCH[@]}" --target data/target \
-  --draft data/train/baseline/final --prompts "$EVAL" --out "$OUT_DIR/decode.json" $BENCH_ARGS
+bench_modes() {  # one bench_decode run per mode of DSPARK_BENCH_MODES (or one in the current environment)
+  local m out first=1
+  for m in ${DSPARK_BENCH_MODES:-current}; do
+    out="$OUT_DIR/decode.json"
+    [ "$first" = 1 ] || out="$OUT_DIR/decode_$m.json"
+    first=0
+    if [ "$m" = current ]; then
+      # shellcheck disable=SC2086
+      "$PY" "$REPO/benchmarks/bench_decode.py" "${BENCH[@]}" --target data/target \
+        --draft data/train/baseline/final --prompts "$EVAL" --out "$out" $BENCH_ARGS
+    else
+      echo "--- bench with DSPARK_SMALL_GEMM=$m -> $(basename "$out")"
+      # shellcheck disable=SC2086
+      DSPARK_SMALL_GEMM="$m" "$PY" "$REPO/benchmarks/bench_decode.py" "${BENCH[@]}" --target data/target \
+        --draft data/train/baseline/final --prompts "$EVAL" --out "$out" $BENCH_ARGS
+    fi
+  done
+}
+step bench bench_modes
 CUR=done

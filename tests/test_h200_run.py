@@ -62,8 +62,10 @@ def test_profile_gives_valid_stage_params(tmp_path):
     cfg = PrepareConfig.from_dict(prep)
     assert cfg.n_train == len(_records("train_prompts.jsonl")) and cfg.n_eval == 30
     assert TargetConfig.from_dict(doc["target"]).source == "gguf_file"
-    assert RegenerateConfig.from_dict(doc["regenerate"]).device == "cuda"
-    assert CacheConfig.from_dict(doc["cache"]).splits == ("train",)
+    regen = RegenerateConfig.from_dict(doc["regenerate"])
+    assert regen.device == "cuda"
+    # the 30 eval prompts first (seconds), so a time budget never leaves eval_offline without its held-out split
+    assert regen.splits == CacheConfig.from_dict(doc["cache"]).splits == ("eval", "train")
 
 
 def test_script_parses():
