@@ -15,6 +15,14 @@ frozen LM head kept in bf16) and ``bf16`` (bf16 weights and AdamW state, no auto
     python benchmarks/bench_train_step.py    # H200: amp + bf16, L = 2048, 4096 -> reports/bench/train_step.json
     python benchmarks/bench_train_step.py --precision amp --recompute --profile   # one mode, layer recompute, kernels
     python benchmarks/bench_train_step.py --tiny --out /tmp/x.json   # CPU smoke run on tiny shapes
+    torchrun --nproc_per_node 4 benchmarks/bench_train_step.py --precision bf16 \
+        --baseline reports/bench/train_step.json --out reports/bench/train_step_ddp4.json   # 4 GPUs, DDP
+
+Several processes (``torchrun``; NCCL on GPU, gloo on CPU): the draft is wrapped in DistributedDataParallel,
+each rank steps on its own sample of length L (weak scaling: global batch = world size), ``step_s`` is the
+slowest rank's, ``tokens_per_s`` counts all ranks, and with ``--baseline`` (a one-process JSON of the same
+settings) each row gets ``scaling_efficiency`` = one-process step_s / this step_s. Each rank normalises its own
+loss here: that equal-global-batch runs give the one-process trajectory is the trainer's job (tests/test_draft_ddp.py).
 
 Imports only torch, transformers and ``dspark_core.draft``.
 """
@@ -34,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from transformers import Qwen3Config  # noqa: E402
 
+from dspark_core.dist import Dist, init_distributed  # noqa: E402
 from dspark_core.draft.anchors import add_anchor_fields  # noqa: E402
 from dspark_core.draft.config import DraftConfig, LossConfig  # noqa: E402
 from dspark_core.draft.model import DSparkDraft  # noqa: E402
@@ -108,8 +117,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_length(args, precision: str, model, opt, params, length: int, device: torch.device, forward) -> dict:
-    batches = [make_batch(args, length, device, seed) for seed in range(3)]
+def run_length(args, precision: str, model, opt, params, length: int, device: torch.device, forward,
+               d: Dist = Dist()) -> dict:
+    batches = [make_batch(args, length, device, seed + 1000 * d.rank) for seed in range(3)]  # [rank's samples]
     amp = precision == "amp" and device.type == "cuda"
     t0 = time.perf_counter()
     for i in range(args.warmup):
@@ -119,17 +129,18 @@ def run_length(args, precision: str, model, opt, params, length: int, device: to
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sync(device)
+    d.barrier()
     t0 = time.perf_counter()
     loss = torch.zeros(())
     for i in range(args.steps):
         loss = train_step(model, opt, params, batches[i % len(batches)], amp, forward)
     sync(device)
     loss = float(loss)
-    step_s = (time.perf_counter() - t0) / args.steps
+    step_s = slowest((time.perf_counter() - t0) / args.steps, d)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     row = {"precision": precision, "chunk": model.loss_cfg.vocab_chunk_slots, "L": length, "step_s": step_s,
-           "tokens_per_s": length / step_s, "peak_gib": peak, "loss": loss,
-           "warmup_s": warm_s, "valid_slots": int(batches[0]["slot_valid"].sum())}
+           "tokens_per_s": d.world_size * length / step_s, "peak_gib": peak, "loss": loss,
+           "warmup_s": warm_s, "valid_slots": int(batches[0]["slot_valid"].sum()), "world_size": d.world_size}
     ref = REFERENCE_STEP_S.get(length)
     if ref is not None and not args.tiny:
         row["speedup_vs_ref"] = ref / step_s
@@ -137,6 +148,30 @@ def run_length(args, precision: str, model, opt, params, length: int, device: to
         row["meets_target"] = bool(row["speedup_vs_ref"] >= 1.5 and peak is not None
                                    and row["peak_ratio_vs_ref"] <= 0.5)
     return row
+
+
+def slowest(seconds: float, d: Dist) -> float:
+    """The largest ``seconds`` over the ranks (a step is as slow as its slowest rank)."""
+    if d.world_size == 1:
+        return seconds
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def add_scaling(rows: list[dict], baseline: Path) -> None:
+    """``scaling_efficiency`` of each row against the matching row (precision, chunk, L) of a one-process run."""
+    base = json.loads(baseline.read_text())
+    if base["results"] and base["results"][0].get("world_size", 1) != 1:
+        raise ValueError(f"--baseline {baseline}: not a one-process run (world_size {base['results'][0]['world_size']})")
+    ref = {(r["precision"], r["chunk"], r["L"]): r["step_s"] for r in base["results"]}
+    for r in rows:
+        key = (r["precision"], r["chunk"], r["L"])
+        if key not in ref:
+            raise ValueError(f"--baseline {baseline}: no one-process row for precision {key[0]}, chunk {key[1]}, L {key[2]}")
+        r["scaling_efficiency"] = ref[key] / r["step_s"]
 
 
 def profile_step(args, precision: str, model, opt, params, length: int, device: torch.device, forward) -> None:
@@ -185,12 +220,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench" / "train_step.json")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="one-process JSON of the same settings: adds scaling_efficiency (torchrun runs)")
     args = ap.parse_args()
+    if args.baseline is not None and not args.baseline.is_file():
+        raise SystemExit(f"--baseline {args.baseline}: file not found")
     args.lengths = args.lengths or ([64, 128] if args.tiny else [2048, 4096])
     args.anchors = args.anchors or (16 if args.tiny else 512)
     args.steps = args.steps or (2 if args.tiny else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
+    d = init_distributed()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    if device.type == "cuda" and d.world_size > 1:
+        device = torch.device("cuda", d.local_rank)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     rows, n_params = [], 0
@@ -198,26 +240,41 @@ def main() -> None:
         torch.manual_seed(0)
         model, opt, params = build(args, precision, device)
         n_params = sum(p.numel() for p in params)
-        forward = torch.compile(model) if args.compile else model
+        core = model
+        if d.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            core = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        forward = torch.compile(core) if args.compile else core
         for chunk in args.chunk:
             model.loss_cfg = LossConfig(vocab_chunk_slots=chunk)
             for length in args.lengths:
-                rows.append(run_length(args, precision, model, opt, params, length, device, forward))
-                print(json.dumps(rows[-1]), flush=True)
-        write_report(args, device, n_params, rows)  # after each mode, so a later failure keeps the numbers
+                rows.append(run_length(args, precision, model, opt, params, length, device, forward, d))
+                if args.baseline is not None:
+                    add_scaling(rows[-1:], args.baseline)
+                if d.is_main:
+                    print(json.dumps(rows[-1]), flush=True)
+        if d.is_main:
+            write_report(args, device, n_params, rows)  # after each mode, so a later failure keeps the numbers
         if args.profile:
             profile_step(args, precision, model, opt, params, args.lengths[-1], device, forward)
-        del model, opt, params, forward
+        del model, opt, params, forward, core  # DDP torn down while its process group lives
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print_table(write_report(args, device, n_params, rows))
-    print(f"wrote {args.out}")
+    if d.is_main:
+        print_table(write_report(args, device, n_params, rows))
+        print(f"wrote {args.out}")
+    if d.world_size > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
 
 
 def write_report(args, device: torch.device, n_params: int, rows: list[dict]) -> dict:
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "world_size": rows[0]["world_size"] if rows else 1,
         "torch": torch.__version__,
         "trainable_params": n_params,
         "reference": {"step_s": REFERENCE_STEP_S, "peak_gib": REFERENCE_PEAK_GIB,

@@ -368,3 +368,94 @@ def test_token_id_outside_vocab_refused(tmp_path, targets):
     pq.write_table(pa.Table.from_pylist(table, schema=pq.read_schema(regen)), regen)
     with pytest.raises(ValueError, match=r"row 1 \(id 's001'\) has token id 272 outside the target's vocabulary"):
         build(tmp_path, targets["qwen3"], regen)
+
+
+# -- one store, several processes (torchrun) ---------------------------------------------------------------
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_build_equals_one_process_and_resumes(tmp_path, bf16_store, targets, regen, world):
+    """Ranks run one after another in this process (the barriers are no-ops here): each writes only its
+    chunk-aligned window, a killed rank resumes from its progress file, the store is marked complete only
+    when every window is written, and the arrays equal the single-process store bit for bit."""
+    from dspark_core.cache.build import (
+        fill_shard, finalize_shards, prepare_shared_store, shard_progress_path, shard_window, wanted_manifest,
+    )
+    from dspark_core.cache.source import load_regen
+    from dspark_core.io import sha256_file
+
+    cfg = cfg_for(tmp_path, targets["qwen3"])
+    model, _ = load_target(targets["qwen3"])
+    fp = read_fingerprint(targets["qwen3"])["fingerprint"]
+    samples = load_regen(regen, cfg.max_length, cfg.on_too_long, vocab_size=model.config.vocab_size)
+    dest = tmp_path / "train.zarr"
+    total = int(samples.offsets[-1])
+    windows = [shard_window(total, 256, r, world) for r in range(world)]
+    assert windows[0][0] == 0 and windows[-1][1] == total
+    assert all(a[1] == b[0] and a[1] % 256 == 0 for a, b in zip(windows, windows[1:]))  # whole chunks, no gaps
+    assert any(lo not in samples.offsets for lo, _ in windows[1:])  # a sample straddles a rank boundary
+    manifest = wanted_manifest(cfg, model.config, fp, samples, regen, sha256_file(regen))
+    group = prepare_shared_store(dest, manifest, samples, False, False, world)
+
+    def kill(_written: int) -> None:
+        raise Killed
+
+    with pytest.raises(Killed):  # the last rank dies after its first batch
+        fill_shard(group, samples, model, cfg, dest, world - 1, world, on_commit=kill)
+    for rank in range(world - 1):
+        fill_shard(group, samples, model, cfg, dest, rank, world)
+    with pytest.raises(RuntimeError, match=f"shard {world - 1} of {world}"):
+        finalize_shards(group, dest, samples.offsets, world)
+    assert not read_manifest(dest, require_complete=False)["complete"]
+    group = prepare_shared_store(dest, manifest, samples, False, False, world)  # the rerun: resumed, not rebuilt
+    written = []
+    fill_shard(group, samples, model, cfg, dest, world - 1, world, on_commit=written.append)
+    assert written and written[-1] == total
+    finalize_shards(group, dest, samples.offsets, world)
+    assert read_manifest(dest)["complete"] and read_manifest(dest)["committed_samples"] == len(LENGTHS)
+    assert not any(shard_progress_path(dest, r, world).exists() for r in range(world))
+    got, want = store_arrays(dest), store_arrays(bf16_store)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+    assert verify_cache(dest, targets["qwen3"], n_samples=4, seed=1)["exact"]  # the recomputed bits
+
+
+def _cache_worker(rank: int, port: int, tmp: str, target: str, regen_path: str) -> None:
+    import os
+
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    root = Path(tmp)
+    (root / "regen").mkdir(exist_ok=True)
+    if rank == 0:
+        import shutil
+
+        shutil.copy(regen_path, root / "regen" / "train.parquet")
+    import torch.distributed as dist
+
+    from dspark_core.dist import init_distributed
+
+    init_distributed().barrier()  # the regen file is in place
+    run_cache(cfg_for(root, Path(target)))
+    dist.destroy_process_group()
+
+
+def test_two_processes_write_one_store(tmp_path, bf16_store, targets, regen):
+    """run_cache under 2 gloo processes (what torchrun starts): one complete store equal to the 1-process one,
+    stats written once."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_cache_worker, args=(port, str(tmp_path), str(targets["qwen3"]), str(regen)), nprocs=2,
+                       start_method="spawn")
+    dest = tmp_path / "cache" / "train.zarr"
+    assert read_manifest(dest)["complete"]
+    got, want = store_arrays(dest), store_arrays(bf16_store)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+    stats = json.loads((tmp_path / "reports" / "cache_stats.json").read_text())
+    assert stats["num_samples"] == len(LENGTHS)
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["train.zarr"]  # no progress files left

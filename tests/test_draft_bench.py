@@ -27,3 +27,27 @@ def test_bench_train_step_tiny_smoke(tmp_path):
         assert row["L"] == 48 and row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["valid_slots"] > 0
         assert row["loss"] == row["loss"]  # finite, not NaN
     assert "step_s" in proc.stdout and "tokens/s" in proc.stdout
+
+
+def test_bench_train_step_two_processes(tmp_path):
+    """``torchrun --nproc_per_node 2`` (gloo on CPU): DDP steps, one report from rank 0 with world_size 2,
+    tokens/s over both ranks, and scaling_efficiency against a one-process baseline of the same settings."""
+    common = ["--tiny", "--steps", "2", "--warmup", "1", "--lengths", "48", "--precision", "amp", "--no-compile-layers"]
+    one = tmp_path / "one.json"
+    proc = subprocess.run([sys.executable, str(BENCH), *common, "--out", str(one)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    two = tmp_path / "two.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(BENCH), *common, "--out", str(two), "--baseline", str(one)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(two.read_text())
+    row = report["results"][0]
+    assert report["world_size"] == row["world_size"] == 2
+    base = json.loads(one.read_text())["results"][0]
+    assert row["tokens_per_s"] == 2 * 48 / row["step_s"]
+    assert row["scaling_efficiency"] == base["step_s"] / row["step_s"] > 0
+    bad = subprocess.run([sys.executable, str(BENCH), *common, "--out", str(tmp_path / "x.json"), "--baseline",
+                          str(two)], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "not a one-process run" in bad.stderr

@@ -28,7 +28,8 @@ from dspark_core.cache.store import (
     mismatches, open_store, remove_store, store_stats,
 )
 from dspark_core.config import Section, one_of, positive, require
-from dspark_core.io import sha256_file, write_json
+from dspark_core.dist import Dist, init_distributed
+from dspark_core.io import read_json, sha256_file, write_json
 from dspark_core.target import load_target, read_fingerprint, resolve_dtype
 
 MIN_CHUNK_TOKENS = 256
@@ -144,18 +145,116 @@ def _batch_arrays(samples: TokenSamples, model: torch.nn.Module, start: int, end
 
 def build_store(model: torch.nn.Module, fingerprint: str, cfg: CacheConfig, source: str | Path,
                 dest: str | Path, force: bool = False, rebuild_stale: bool = False,
-                on_commit: Callable[[int], None] | None = None) -> dict[str, Any]:
+                on_commit: Callable[[int], None] | None = None, dist: Dist = Dist()) -> dict[str, Any]:
     """Build (or resume) one store ``dest`` from the regen parquet ``source``; returns :func:`store_stats`.
 
-    ``on_commit(committed_samples)`` runs after every commit (tests use it to simulate a kill).
+    ``on_commit(committed)`` runs after every commit (tests use it to simulate a kill): committed samples, or
+    with several processes (``dist``, every rank calls this) the tokens this rank has written.
     """
     source, dest = Path(source), Path(dest)
     check_layer_ids(cfg.aux_layer_ids, model.config.num_hidden_layers)
     samples = load_regen(source, cfg.max_length, cfg.on_too_long, vocab_size=model.config.vocab_size)
     manifest = wanted_manifest(cfg, model.config, fingerprint, samples, source, sha256_file(source))
+    if dist.world_size > 1:
+        return _build_sharded(model, cfg, samples, manifest, dest, force, rebuild_stale, on_commit, dist)
     group = open_for_build(dest, manifest, samples, force, rebuild_stale)
     if not group.attrs["complete"]:
         _fill(group, samples, model, cfg, dest.stem, on_commit)
+    return store_stats(dest)
+
+
+# -- one store, several processes ------------------------------------------------------------------
+# Rank r owns the chunk-aligned token window shard_window(...) of every array: it forwards the batches (of the
+# single-process plan, so the numbers are the same bits) holding those tokens and writes whole chunks of its
+# window only, so no two ranks ever write one chunk file. Progress goes to a file per rank beside the store
+# (``<store>.shard<r>of<W>.json``, tied to the store's build_id), never to the shared zarr.json; rank 0 creates
+# the store first and marks it complete after every shard reports its whole window.
+def shard_window(total_tokens: int, chunk: int, rank: int, world: int) -> tuple[int, int]:
+    """Tokens [lo, hi) of rank ``rank`` of ``world``: whole chunks, balanced; the last rank ends at the total."""
+    n_chunks = -(-total_tokens // chunk)
+    lo = min(total_tokens, n_chunks * rank // world * chunk)
+    hi = total_tokens if rank == world - 1 else min(total_tokens, n_chunks * (rank + 1) // world * chunk)
+    return lo, hi
+
+
+def shard_progress_path(dest: Path, rank: int, world: int) -> Path:
+    return dest.with_name(f"{dest.name}.shard{rank}of{world}.json")
+
+
+def prepare_shared_store(dest: Path, manifest: dict[str, Any], samples: TokenSamples, force: bool,
+                         rebuild_stale: bool, world: int):
+    """Rank 0, before the others open it: resume / create / refuse the store as :func:`open_for_build` does;
+    a new store forgets any shard progress files left by an older one."""
+    group = open_for_build(dest, manifest, samples, force, rebuild_stale)
+    for path in dest.parent.glob(f"{dest.name}.shard*of*.json"):
+        if read_json(path).get("build_id") != group.attrs["build_id"] or not path.name.endswith(f"of{world}.json"):
+            path.unlink()
+    return group
+
+
+def fill_shard(group, samples: TokenSamples, model: torch.nn.Module, cfg: CacheConfig, dest: Path, rank: int,
+               world: int, on_commit: Callable[[int], None] | None = None) -> None:
+    """Forward and write rank ``rank``'s window, resuming at its last recorded chunk."""
+    offs, total, chunk = samples.offsets, int(samples.offsets[-1]), int(group.attrs["chunk_tokens"])
+    lo, hi = shard_window(total, chunk, rank, world)
+    progress = shard_progress_path(dest, rank, world)
+    state = read_json(progress) if progress.is_file() else {}
+    if state.get("build_id") != group.attrs["build_id"]:
+        state = {"build_id": group.attrs["build_id"], "written_tokens": lo, "compute_seconds": 0.0}
+    start = int(state["written_tokens"])
+    if start >= hi:
+        return
+    first, last = int(np.searchsorted(offs, start, side="right")) - 1, int(np.searchsorted(offs, hi, side="left"))
+    todo = [b for b in plan_batches(samples.lengths.tolist(), cfg.batch_tokens) if b[1] > first and b[0] < last]
+    writer = HiddenWriter(group, start, tuple(n for n in HIDDEN_ARRAYS if n in group), stop_token=hi)
+    pad_id, t0 = forward_pad_id(model.config), time.perf_counter()
+    with tqdm(total=hi - lo, initial=start - lo, desc=f"cache {dest.stem} rank {rank}", unit="tok",
+              unit_scale=True) as bar:
+        for start_b, end_b in todo:
+            for i, sample in zip(range(start_b, end_b), _batch_arrays(samples, model, start_b, end_b, cfg, pad_id)):
+                a, b = max(int(offs[i]), writer.end), min(int(offs[i + 1]), hi)  # this rank's part not yet held
+                if b > a:
+                    writer.append({k: v[a - int(offs[i]): b - int(offs[i])] for k, v in sample.items()})
+            written = writer.flush(final=writer.end == hi)
+            bar.update(written - state["written_tokens"])
+            state.update(written_tokens=written, compute_seconds=state["compute_seconds"] + time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            write_json(progress, state)  # atomic
+            if on_commit is not None:
+                on_commit(written)
+
+
+def finalize_shards(group, dest: Path, offsets: np.ndarray, world: int) -> None:
+    """Rank 0, after every rank's fill: check each shard reported its whole window, then mark the store
+    complete (compute_seconds = the slowest rank's) and drop the progress files."""
+    total, chunk = int(offsets[-1]), int(group.attrs["chunk_tokens"])
+    seconds = 0.0
+    for rank in range(world):
+        path = shard_progress_path(dest, rank, world)
+        state = read_json(path) if path.is_file() else {}
+        lo, hi = shard_window(total, chunk, rank, world)
+        done = int(state.get("written_tokens", lo)) if state.get("build_id") == group.attrs["build_id"] else lo
+        if hi > lo and done < hi:
+            raise RuntimeError(f"{dest}: shard {rank} of {world} wrote tokens [{lo}, {done}) of [{lo}, {hi}); "
+                               "rerun the cache stage with the same number of processes to finish it")
+        seconds = max(seconds, float(state.get("compute_seconds", 0.0)))
+    commit(group, offsets, total, seconds, complete=True)
+    for rank in range(world):
+        shard_progress_path(dest, rank, world).unlink(missing_ok=True)
+
+
+def _build_sharded(model, cfg: CacheConfig, samples: TokenSamples, manifest: dict[str, Any], dest: Path,
+                   force: bool, rebuild_stale: bool, on_commit, dist: Dist) -> dict[str, Any]:
+    if dist.is_main:
+        prepare_shared_store(dest, manifest, samples, force, rebuild_stale, dist.world_size)
+    dist.barrier()  # the store exists (and matches) before any rank opens it
+    group = open_store(dest, mode="r+")
+    if not group.attrs["complete"]:
+        fill_shard(group, samples, model, cfg, dest, dist.rank, dist.world_size, on_commit)
+    dist.barrier()  # every shard written
+    if dist.is_main and not open_store(dest).attrs["complete"]:
+        finalize_shards(group, dest, samples.offsets, dist.world_size)
+    dist.barrier()  # complete before anyone reads it
     return store_stats(dest)
 
 
@@ -184,18 +283,26 @@ def _fill(group, samples: TokenSamples, model: torch.nn.Module, cfg: CacheConfig
 
 
 def run_cache(cfg: CacheConfig, force: bool = False, rebuild_stale: bool = False) -> dict[str, Any]:
-    """The `cache` stage: every split's store, then ``stats_path``. Returns the stats written."""
+    """The `cache` stage: every split's store, then ``stats_path``. Returns the stats written.
+
+    Under ``torchrun`` each of the processes writes one shard of every store (rank 0 writes the stats); a
+    CUDA device is then ``cuda:LOCAL_RANK`` whatever ``device`` names."""
     sources = {s: Path(cfg.regen_dir) / f"{s}.parquet" for s in cfg.splits}
     for src in sources.values():  # fail on a missing / empty input before loading a large model
         load_regen(src, cfg.max_length, cfg.on_too_long)
+    dist = init_distributed()
+    device = resolve_device(cfg.device)
+    if dist.world_size > 1 and device.type == "cuda":
+        device = torch.device("cuda", dist.local_rank)
     fingerprint = read_fingerprint(cfg.target_dir)["fingerprint"]
-    model, _ = load_target(cfg.target_dir, dtype=cfg.dtype, device=resolve_device(cfg.device))
+    model, _ = load_target(cfg.target_dir, dtype=cfg.dtype, device=device)
     check_layer_ids(cfg.aux_layer_ids, model.config.num_hidden_layers)
     per_split = {s: build_store(model, fingerprint, cfg, src, Path(cfg.out_dir) / f"{s}.zarr", force,
-                                 rebuild_stale=rebuild_stale)
+                                 rebuild_stale=rebuild_stale, dist=dist)
                  for s, src in sources.items()}
     stats = combine_stats(per_split)
-    write_json(cfg.stats_path, stats)
+    if dist.is_main:
+        write_json(cfg.stats_path, stats)
     return stats
 
 

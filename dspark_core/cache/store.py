@@ -21,6 +21,7 @@ Shape legend: T tokens of a store, N samples, K aux layers, H hidden, C chunk_to
 from __future__ import annotations
 
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +131,7 @@ def create_store(path: str | Path, manifest: dict[str, Any], *, input_ids: np.nd
     n_tok, n_smp = int(offsets[-1]), len(offsets) - 1
     clevel = int(manifest["clevel"])
     group = zarr.open_group(zarr.storage.LocalStore(path), mode="w", zarr_format=3)
-    group.attrs.update({**manifest, "initialized": False, "complete": False,
+    group.attrs.update({**manifest, "initialized": False, "complete": False, "build_id": uuid.uuid4().hex,
                         "committed_samples": 0, "committed_tokens": 0, "compute_seconds": 0.0})
 
     def make(name: str, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: Any) -> zarr.Array:
@@ -190,12 +191,14 @@ class HiddenWriter:
 
     The buffer starts at the chunk boundary at or before ``start_token``; the committed tokens between
     that boundary and ``start_token`` are reloaded from the store so the chunk is rewritten whole.
+    ``stop_token`` (default: the store's end) is where the final flush must end: a shard of a store built by
+    several processes writes the chunk-aligned window [start_token, stop_token) only.
     """
 
-    def __init__(self, group: zarr.Group, start_token: int, names: tuple[str, ...]):
+    def __init__(self, group: zarr.Group, start_token: int, names: tuple[str, ...], stop_token: int | None = None):
         self.arrays = {n: group[n] for n in names}
         self.chunk = int(group.attrs["chunk_tokens"])
-        self.total = int(group.attrs["num_tokens"])
+        self.total = int(group.attrs["num_tokens"]) if stop_token is None else int(stop_token)  # final flush end
         self.base = (start_token // self.chunk) * self.chunk  # first token held in the buffer
         self.parts: dict[str, list[np.ndarray]] = {n: [] for n in names}
         if start_token > self.base:

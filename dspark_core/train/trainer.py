@@ -29,6 +29,7 @@ import torch.utils.data
 from torch import nn
 
 from dspark_core.config import Section, non_negative, one_of, positive, require
+from dspark_core.dist import Dist, init_distributed  # noqa: F401 (init_distributed: re-exported)
 from dspark_core.io import read_json, write_json
 from dspark_core.train.task import TrainTask
 
@@ -89,29 +90,6 @@ class TrainConfig(Section):
 
 
 # -- distributed ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Dist:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def init_distributed() -> Dist:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return Dist()
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
-    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
-
-
 def _all_reduce_(t: torch.Tensor, d: Dist) -> torch.Tensor:
     if d.world_size > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
