@@ -11,6 +11,7 @@ Shape legend: B batch, L tokens (padded), K aux layers, H hidden, T tokens of a 
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -167,7 +168,8 @@ def build_store(model: torch.nn.Module, fingerprint: str, cfg: CacheConfig, sour
 # Rank r owns the chunk-aligned token window shard_window(...) of every array: it forwards the batches (of the
 # single-process plan, so the numbers are the same bits) holding those tokens and writes whole chunks of its
 # window only, so no two ranks ever write one chunk file. Progress goes to a file per rank beside the store
-# (``<store>.shard<r>of<W>.json``, tied to the store's build_id), never to the shared zarr.json; rank 0 creates
+# (``<store>.shard<r>of<W>.json``, tied to the build_id rank 0 gives the store -- only sharded builds have one, so
+# a one-process store is byte for byte what it was), never to the shared zarr.json; rank 0 creates
 # the store first and marks it complete after every shard reports its whole window.
 def shard_window(total_tokens: int, chunk: int, rank: int, world: int) -> tuple[int, int]:
     """Tokens [lo, hi) of rank ``rank`` of ``world``: whole chunks, balanced; the last rank ends at the total."""
@@ -186,6 +188,8 @@ def prepare_shared_store(dest: Path, manifest: dict[str, Any], samples: TokenSam
     """Rank 0, before the others open it: resume / create / refuse the store as :func:`open_for_build` does;
     a new store forgets any shard progress files left by an older one."""
     group = open_for_build(dest, manifest, samples, force, rebuild_stale)
+    if "build_id" not in group.attrs:  # a store new to sharded building (just created, or made by one process)
+        group.attrs["build_id"] = uuid.uuid4().hex  # progress files of any other store at this path are stale
     for path in dest.parent.glob(f"{dest.name}.shard*of*.json"):
         if read_json(path).get("build_id") != group.attrs["build_id"] or not path.name.endswith(f"of{world}.json"):
             path.unlink()

@@ -21,7 +21,6 @@ Shape legend: T tokens of a store, N samples, K aux layers, H hidden, C chunk_to
 from __future__ import annotations
 
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +130,7 @@ def create_store(path: str | Path, manifest: dict[str, Any], *, input_ids: np.nd
     n_tok, n_smp = int(offsets[-1]), len(offsets) - 1
     clevel = int(manifest["clevel"])
     group = zarr.open_group(zarr.storage.LocalStore(path), mode="w", zarr_format=3)
-    group.attrs.update({**manifest, "initialized": False, "complete": False, "build_id": uuid.uuid4().hex,
+    group.attrs.update({**manifest, "initialized": False, "complete": False,
                         "committed_samples": 0, "committed_tokens": 0, "compute_seconds": 0.0})
 
     def make(name: str, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: Any) -> zarr.Array:
