@@ -36,6 +36,7 @@ from dspark_core.io import write_json  # noqa: E402
 from dspark_core.spec.common import synced_clock  # noqa: E402
 from dspark_core.spec.ar import ARDecoder, StaticARDecoder  # noqa: E402
 from dspark_core.spec.target_runner import TargetRunner  # noqa: E402
+from dspark_core.spec.tree import parse_branches  # noqa: E402
 
 SHAPES = {
     "qwen3-4b": ("qwen3", dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
@@ -135,10 +136,10 @@ def static_cycle(model, prompt: torch.Tensor, args) -> dict:
     draft = DSparkDraft(cfg, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
                         aux_layer_ids=aux).to(device=first.device, dtype=first.dtype).eval()
     gpu = first.device.type == "cuda"
-    runner = TargetRunner(model, max_len=args.prompt_len + args.new_tokens + 2 * args.block_size + 8,
+    runner = TargetRunner(model, max_len=args.prompt_len + args.new_tokens + 2 * 16 + 8,
                           aux_layer_ids=aux, compile=args.compile, cuda_graph=gpu,
                           graph_max_tokens=args.block_size + 1, kernels=args.kernels)
-    static = StaticSpeculativeDecoder(runner, draft, time_every=4)
+    static = StaticSpeculativeDecoder(runner, draft, time_every=4, tree_branches=args.tree_branches)
     static.generate(prompt[0], 16)  # warm-up: capture
     res = static.generate(prompt[0], args.new_tokens)
     out = {"cycle_ms": 1e3 * res.decode_s / res.cycles, "cycle_draft_ms": 1e3 * sum(res.draft_s) / len(res.draft_s),
@@ -210,10 +211,10 @@ def bench_spec(args, device: torch.device, dtype: torch.dtype) -> dict:
     else:
         convs = [[p] for p in BUILTIN_PROMPTS]
     cfg = BenchOnlineConfig(max_new_tokens=args.spec_new_tokens, max_len=args.spec_max_len,
-                            confidence_threshold=args.confidence_threshold)
+                            confidence_threshold=args.confidence_threshold, tree_branches=args.tree_branches)
     runner = TargetRunner(model, max_len=cfg.max_len, aux_layer_ids=draft.aux_layer_ids, compile=args.compile,
                           cuda_graph=device.type == "cuda", graph_max_tokens=block + 1, kernels=args.kernels)
-    engine = args.engine or ("static" if device.type == "cuda" else "reference")
+    engine = args.engine or ("static" if device.type == "cuda" or args.tree_branches else "reference")
     cfg = cfg.replace(engine=engine)
     engine = resolve_engine(engine, cfg.sampling, draft, device)
     spec = make_engine(engine, runner, draft, cfg)
@@ -223,6 +224,7 @@ def bench_spec(args, device: torch.device, dtype: torch.dtype) -> dict:
     run = decode_dataset(convs, tok, spec, ar, cfg, stops, desc="spec")
     out = summarize(run, block, greedy=True)
     out["engine"] = engine
+    out["tree_branches"] = [list(b) for b in args.tree_branches]
     out["ar_decoder"] = type(ar).__name__
     out["ar_tokens"] = [r.tokens for r in run.ar]  # compare greedy outputs across kernel modes / runs
     if args.peers:
@@ -251,6 +253,9 @@ def main() -> None:
     ap.add_argument("--spec-new-tokens", type=int, default=256)
     ap.add_argument("--spec-max-len", type=int, default=2048)
     ap.add_argument("--confidence-threshold", type=float, default=0.0)
+    ap.add_argument("--tree-branches", type=parse_branches, default=(),
+                    help='draft-tree branches "start:length,..." (static engine; dspark_core/spec/tree.py), '
+                         'e.g. "1:3,2:1,3:1,4:1"')
     ap.add_argument("--engine", choices=("static", "reference"), default=None,
                     help="speculative engine for (b): static (device-side cycle, CUDA graphs; default on GPU) or "
                          "reference (SpeculativeDecoder; default on CPU)")

@@ -1,6 +1,7 @@
-"""Plots of the H200 speculative-decoding runs in ``reports/bench/spec_h200_smollm2/`` (session 4 at the top,
-session 3 in ``session3/``): decode tokens/s of AR and speculative decoding per kernel mode, and the
-per-slot acceptance of the two drafts on the same 30 held-out GSM8K problems.
+"""Plots of the H200 speculative-decoding runs in ``reports/bench/spec_h200_smollm2/`` (session 5 at the top,
+sessions 3 and 4 in ``session3/`` / ``session4/``): decode tokens/s of AR and speculative decoding per kernel
+mode and proposal shape (chain or draft tree), and the per-depth acceptance of the drafts on the same 30
+held-out GSM8K problems.
 
     python benchmarks/plot_spec_h200.py        # -> reports/bench/spec_h200_smollm2/{speed,accept_rate}.png
 """
@@ -19,8 +20,9 @@ from dspark_core.bench_online import _save  # noqa: E402
 
 DIR = ROOT / "reports" / "bench" / "spec_h200_smollm2"
 # (label, file): the runs with the trained draft, all on the same 30 prompts
-RUNS = [("session 3, mma", "session3/decode.json"), ("session 3, fma", "session3/decode_fma.json"),
-        ("session 4, mma", "decode.json"), ("session 4, fma", "decode_fma_torch_accept.json")]
+RUNS = [("s3 mma", "session3/decode.json"), ("s3 fma", "session3/decode_fma.json"),
+        ("s4 mma", "session4/decode.json"), ("s4 fma", "session4/decode_fma_torch_accept.json"),
+        ("s5 mma", "decode.json"), ("s5 mma tree", "decode_tree_1-4_2-2_3-1_4-1.json")]
 
 
 def load(folder: Path, rel: str) -> dict:
@@ -33,7 +35,7 @@ def plot_speed(runs: list[tuple[str, dict]], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    fig, ax = plt.subplots(figsize=(8.5, 3.8))
     x = range(len(runs))
     ar = [s["ar_tokens_per_s"] for _, s in runs]
     spec = [s["tokens_per_s"] for _, s in runs]
@@ -59,8 +61,8 @@ def plot_accept(runs: list[tuple[str, dict]], out: Path) -> None:
     for label, s in runs:
         rates = [s[f"accept_rate@{i}"] for i in range(7)]
         ax.plot(range(7), rates, marker="o", label=label)
-    ax.set_xlabel("draft slot i")
-    ax.set_ylabel("accept_rate@i (online)")
+    ax.set_xlabel("depth i")
+    ax.set_ylabel("accept_rate@i (online: P(accepted depth > i))")
     ax.set_title("Per-slot acceptance, 30 held-out GSM8K")
     ax.legend(fontsize=8)
     _save(fig, out)

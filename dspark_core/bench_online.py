@@ -72,6 +72,7 @@ class BenchOnlineConfig(Section):
     compile: bool = False                 # torch.compile the decoder layer (GPU)
     kernels: bool | None = None           # the Triton decode step (GPU); None: on for cuda where it applies
     engine: str = "auto"                  # reference | static | auto (static for greedy on cuda where it applies)
+    tree_branches: tuple[tuple[int, ...], ...] = ()  # static engine: draft-tree branches [start, length] (spec/tree.py)
     num_threads: int | None = None        # CPU threads for torch (None: torch's default)
     peers: tuple[str, ...] = ("hf_generate", "assisted", "prompt_lookup")
     prompt_lookup_num_tokens: int = 10
@@ -95,6 +96,8 @@ class BenchOnlineConfig(Section):
         positive("prompt_lookup_num_tokens", self.prompt_lookup_num_tokens)
         positive("assistant_layers", self.assistant_layers)
         require(self.engine in ENGINES, f"engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
+        for b in self.tree_branches:
+            require(len(b) == 2 and min(b) >= 1, f"tree_branches: {list(b)} is not a [start >= 1, length >= 1] pair")
         if self.num_threads is not None:
             positive("num_threads", self.num_threads)
 
@@ -379,7 +382,10 @@ def make_engine(engine: str, runner: TargetRunner, draft: Any, cfg: "BenchOnline
         from dspark_core.spec.static_engine import StaticSpeculativeDecoder
 
         return StaticSpeculativeDecoder(runner, draft, confidence_threshold=cfg.confidence_threshold,
-                                        time_every=TIME_EVERY)
+                                        time_every=TIME_EVERY, tree_branches=cfg.tree_branches)
+    if cfg.tree_branches:
+        raise ValueError(f"bench_online.tree_branches {[list(b) for b in cfg.tree_branches]} needs the static engine "
+                         f"(greedy, baseline draft); this run uses the reference engine")
     return SpeculativeDecoder(runner, draft, block_size=int(draft.block_size),
                               confidence_threshold=cfg.confidence_threshold, sampling=cfg.sampling, seed=cfg.seed)
 

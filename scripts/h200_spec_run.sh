@@ -32,7 +32,9 @@
 #   DSPARK_TOTAL_S           seconds (default 570) with DSPARK_BENCH_RESERVE_S (default 140) left for the bench
 #   DSPARK_BENCH_ARGS        extra flags for bench_decode.py (e.g. "--kernels"); DSPARK_SPEC_NEW_TOKENS (256);
 #   DSPARK_BENCH_MODES       e.g. "mma fma": one bench per DSPARK_SMALL_GEMM mode, decode.json for the first and
-#                            decode_<mode>.json for the others (default: one bench in the current mode)
+#                            decode_<mode>.json for the others (default: one bench in the current mode);
+#                            "mma mma:t16": the second with --tree-branches "$DSPARK_TREE_t16" (decode_mma_t16.json,
+#                            the first run's kernel tiles pinned)
 #                            DSPARK_BENCH_COMPILE=0 drops --compile (not needed with --kernels)
 #   DSPARK_FROM=STEP         start at STEP (target|prepare|regenerate|cache|train|eval_offline|bench), reusing $DSPARK_WORK
 #                            (train resumes from its last checkpoint: a run can span two device calls)
@@ -278,22 +280,32 @@ else
   BENCH=(--shapes smollm2-135m --spec-new-tokens "$SPEC_NEW_TOKENS")
   [ "${DSPARK_BENCH_COMPILE:-1}" = "0" ] || BENCH=(--compile "${BENCH[@]}")
 fi
-bench_modes() {  # one bench_decode run per mode of DSPARK_BENCH_MODES (or one in the current environment)
-  local m out first=1
-  for m in ${DSPARK_BENCH_MODES:-current}; do
+bench_modes() {  # one bench_decode run per entry of DSPARK_BENCH_MODES (or one in the current environment)
+  # entry = MODE (DSPARK_SMALL_GEMM) or MODE:NAME (+ --tree-branches "$DSPARK_TREE_NAME"); the first entry
+  # writes decode.json, the others decode_<mode>[_tree].json; later runs of a mode reuse the first run's tuned
+  # kernel tiles (DSPARK_KERNEL_CONFIGS=its JSON) so that chain and tree decode with the same sums.
+  local e m tree out first=1 extra
+  declare -A pinned=()
+  for e in ${DSPARK_BENCH_MODES:-current}; do
+    m="${e%%:*}"; tree=""; [ "$e" = "$m" ] || tree="${e#*:}"
     out="$OUT_DIR/decode.json"
-    [ "$first" = 1 ] || out="$OUT_DIR/decode_$m.json"
+    [ "$first" = 1 ] || out="$OUT_DIR/decode_${m}${tree:+_$tree}.json"
     first=0
-    if [ "$m" = current ]; then
-      # shellcheck disable=SC2086
-      "$PY" "$REPO/benchmarks/bench_decode.py" "${BENCH[@]}" --target data/target \
-        --draft data/train/baseline/final --prompts "$EVAL" --out "$out" $BENCH_ARGS
-    else
-      echo "--- bench with DSPARK_SMALL_GEMM=$m -> $(basename "$out")"
-      # shellcheck disable=SC2086
-      DSPARK_SMALL_GEMM="$m" "$PY" "$REPO/benchmarks/bench_decode.py" "${BENCH[@]}" --target data/target \
-        --draft data/train/baseline/final --prompts "$EVAL" --out "$out" $BENCH_ARGS
+    extra=()
+    if [ -n "$tree" ]; then
+      local var="DSPARK_TREE_$tree"
+      [ -n "${!var:-}" ] || { echo "DSPARK_BENCH_MODES entry $e: set $var (tree branches, e.g. 1:4,2:2)" >&2; return 2; }
+      extra=(--tree-branches "${!var}")
     fi
+    echo "--- bench $e -> $(basename "$out")"
+    local env=()
+    [ "$m" = current ] || env+=(DSPARK_SMALL_GEMM="$m")
+    [ -z "${pinned[$m]:-}" ] || env+=(DSPARK_KERNEL_CONFIGS="${pinned[$m]}")
+    # shellcheck disable=SC2086
+    env "${env[@]}" "$PY" "$REPO/benchmarks/bench_decode.py" "${BENCH[@]}" --target data/target \
+      --draft data/train/baseline/final --prompts "$EVAL" --out "$out" $BENCH_ARGS "${extra[@]}"
+    [ -n "${pinned[$m]:-}" ] || [ -n "${DSPARK_KERNEL_CONFIGS:-}" ] || ! grep -q kernel_configs "$out" \
+      || pinned[$m]="$out"
   done
 }
 step bench bench_modes

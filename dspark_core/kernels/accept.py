@@ -107,6 +107,111 @@ def _greedy_accept(LOGITS, OUT, P, ANCHOR, WS_MAX, WS_IDX, LOCK, stride_row, R, 
         tl.atomic_xchg(LOCK, 0)  # ready for the next launch / graph replay
 
 
+@triton.jit
+def _gather(values, idx, r):
+    """values[idx] for register vectors ``values`` [R_P] (indexed by r = arange(R_P)) and idx [X]."""
+    return tl.sum(tl.where(idx[:, None] == r[None, :], values[None, :], 0), 1)
+
+
+@triton.jit
+def _gather2(values, idx, r):
+    """values[idx] for ``values`` [R_P] (indexed by r) and idx [X, Y]."""
+    return tl.sum(tl.where(idx[:, :, None] == r[None, None, :], values[None, None, :], 0), 2)
+
+
+@triton.jit
+def _move_slots(KC, VC, path, e, S, p_old, LH, M_ALLOC, D: tl.constexpr, LH_BLOCK: tl.constexpr):
+    """K/V of the path's branch nodes (caches [LH = layers x kv heads, M_ALLOC, D]) from slot p + row to p + depth."""
+    lh = tl.arange(0, LH_BLOCK)
+    d = tl.arange(0, D)
+    for j in range(1, S + 1):  # main-chain rows are already in place
+        row = tl.sum(tl.where(e == j, path, 0), 0)
+        if row != j:
+            src = (p_old + row) * D
+            dst = (p_old + j) * D
+            for lh0 in range(0, LH, LH_BLOCK):
+                heads = lh0 + lh
+                hmask = (heads < LH)[:, None]
+                offs = heads.to(tl.int64)[:, None] * M_ALLOC * D + d[None, :]
+                tl.store(KC + offs + dst, tl.load(KC + offs + src, mask=hmask), mask=hmask)
+                tl.store(VC + offs + dst, tl.load(VC + offs + src, mask=hmask), mask=hmask)
+
+
+@triton.jit
+def _accept_tree(best, OUT, P, ANCHOR, PARENT, DEPTH, ANC, PATH, KC, VC, DKC, DVC, S, R, LH, M_ALLOC, DLH, DM_ALLOC,
+                 R_P: tl.constexpr, S_P: tl.constexpr, D: tl.constexpr, DD: tl.constexpr, LH_BLOCK: tl.constexpr,
+                 DLH_BLOCK: tl.constexpr):
+    """Greedy tree acceptance (``dspark_core.spec.tree.tree_accept_reference``) from the row argmaxes best [R_P].
+
+    out = [a, cap, path tokens t_1..t_S, bonus, node tokens (R - 1)]: writes a, the path tokens and the bonus;
+    PATH [3, S+1] = the path's rows, their cache slots (p + row) and the slots they move to (p + depth);
+    then p += a + 1, anchor = bonus. Moves the accepted branch nodes' K/V from slot p + row to p + depth in the
+    target's caches (KC / VC [LH, M_ALLOC, D]) and the draft's context caches (DKC / DVC [DLH, DM_ALLOC, DD]):
+    only on cycles a branch won, a few slots."""
+    r = tl.arange(0, R_P)  # [R_P] verify row
+    valid = (r >= 1) & (r < R)
+    par = tl.load(PARENT + r, mask=valid, other=0).to(tl.int32)  # [R_P]
+    tok = tl.load(OUT + 3 + S + (r - 1), mask=valid, other=-1)  # [R_P] node tokens (row r = node r - 1)
+    ok = (_gather(best, par, r) == tok) & valid  # [R_P] the node matches its parent's argmax
+    e = tl.arange(0, S_P)  # [S_P] depth
+    emask = e <= S
+    dep = tl.load(DEPTH + r, mask=r < R, other=0).to(tl.int32)  # [R_P]
+    amask = (r[:, None] < R) & emask[None, :]
+    anc = tl.load(ANC + r[:, None] * (S + 1) + e[None, :], mask=amask, other=0).to(tl.int32)  # [R_P, S_P]
+    anc_ok = _gather2(ok.to(tl.int32), anc, r)  # [R_P, S_P]
+    need = (e[None, :] >= 1) & (e[None, :] <= dep[:, None])
+    accepted = tl.sum(tl.where(need & (anc_ok == 0), 1, 0), 1) == 0  # [R_P] every ancestor holds
+    score = tl.where(accepted & (r < R), dep, -1)
+    a = tl.max(score, 0)
+    w = tl.min(tl.where(score == a, r, R_P), 0)  # the deepest accepted row (the anchor when none)
+    path = tl.load(ANC + w * (S + 1) + e, mask=emask, other=0).to(tl.int32)  # [S_P] rows at depths 0..S
+    bonus = tl.sum(tl.where(r == w, best, 0), 0)
+    p_old = tl.load(P)
+    tl.store(OUT + 2 + (e - 1), _gather(tok, path, r), mask=(e >= 1) & emask)
+    tl.store(OUT, a.to(tl.int64))
+    tl.store(OUT + 2 + S, bonus)
+    tl.store(PATH + e, path.to(tl.int64), mask=emask)
+    tl.store(PATH + (S + 1) + e, p_old + path, mask=emask)
+    tl.store(PATH + 2 * (S + 1) + e, p_old + e, mask=emask)
+    tl.store(P, p_old + a + 1)
+    tl.store(ANCHOR, bonus)
+    if w > S:  # a branch won: move its nodes' K/V into place
+        _move_slots(KC, VC, path, e, S, p_old, LH, M_ALLOC, D, LH_BLOCK)
+        _move_slots(DKC, DVC, path, e, S, p_old, DLH, DM_ALLOC, DD, DLH_BLOCK)
+
+
+@triton.jit
+def _greedy_accept_tree(LOGITS, OUT, P, ANCHOR, WS_MAX, WS_IDX, LOCK, PARENT, DEPTH, ANC, PATH, KC, VC, DKC, DVC,
+                        stride_row, R, T, V, S, LH, M_ALLOC, DLH, DM_ALLOC, BLOCK_V: tl.constexpr, R_P: tl.constexpr,
+                        T_P: tl.constexpr, S_P: tl.constexpr, D: tl.constexpr, DD: tl.constexpr,
+                        LH_BLOCK: tl.constexpr, DLH_BLOCK: tl.constexpr, PDL_ON: tl.constexpr):
+    """``_greedy_accept`` for a draft tree: the same partial argmaxes, then ``_accept_tree``."""
+    if PDL_ON:
+        gdc_wait()
+    row = tl.program_id(0)
+    tile = tl.program_id(1)
+    m, idx = _tile_argmax(LOGITS, row, tile, stride_row, V, BLOCK_V)
+    if PDL_ON:
+        gdc_launch_dependents()
+    tl.store(WS_MAX + row * T + tile, m)
+    tl.store(WS_IDX + row * T + tile, idx)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(LOCK, 1, sem="acq_rel", scope="gpu")
+    if arrived == R * T - 1:
+        best = _row_argmax(WS_MAX, WS_IDX, R, T, V, R_P, T_P)  # [R_P]
+        _accept_tree(best, OUT, P, ANCHOR, PARENT, DEPTH, ANC, PATH, KC, VC, DKC, DVC, S, R, LH, M_ALLOC, DLH,
+                     DM_ALLOC, R_P, S_P, D, DD, LH_BLOCK, DLH_BLOCK)
+        tl.atomic_xchg(LOCK, 0)
+
+
+def kv_move_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, path: torch.Tensor) -> None:
+    """Move the accepted tree path's K/V into place, as torch ops: for every layer and kv head, slot path[1, e]
+    -> path[2, e] (caches [L, 1, Hkv, M, D], path int64 [3, S+1]; the tree accept kernel does this itself).
+    Gather first, then scatter: sources are branch rows beyond every destination, or the destination itself."""
+    for cache in (k_cache, v_cache):
+        cache.index_copy_(3, path[2], cache.index_select(3, path[1]))
+
+
 def default_block(rows: int, vocab: int) -> int:
     """Tile width: about 512 programs at most (a few hundred for R = 8, V = 49152: BLOCK_V 1024, 384 programs),
     between 1024 and 4096 columns (152k vocab, 16 rows: 4096, 608 programs)."""
@@ -122,7 +227,7 @@ class GreedyAccept:
     overrides the tile width, for tests."""
 
     def __init__(self, rows: int, vocab: int, device: torch.device | str, *, block_v: int | None = None,
-                 num_warps: int = 4) -> None:
+                 num_warps: int = 4, tree=None) -> None:
         if not 1 <= rows <= MAX_ROWS:
             raise ValueError(f"rows (S+1) must be in [1, {MAX_ROWS}]; got {rows}")
         if vocab < 1:
@@ -138,6 +243,13 @@ class GreedyAccept:
         self.ws_max = torch.empty(rows * self.tiles, dtype=torch.float32, device=self.device)  # [R, T]
         self.ws_idx = torch.empty(rows * self.tiles, dtype=torch.int32, device=self.device)  # [R, T]
         self.lock = torch.zeros(1, dtype=torch.int32, device=self.device)  # arrivals; 0 between launches
+        self.tree = tree  # TreeLayout (dspark_core.spec.tree) or None: the chain
+        if tree is not None:
+            if tree.rows != rows:
+                raise ValueError(f"the tree has {tree.rows} verify rows; GreedyAccept was given rows={rows}")
+            self.block_size = tree.block_size
+            self.tables = tree.tensors(self.device)
+            self.path = torch.zeros(3, tree.block_size + 1, dtype=torch.int64, device=self.device)  # [3, S+1]
 
     def _check(self, logits: torch.Tensor, out: torch.Tensor, p: torch.Tensor, anchor: torch.Tensor) -> None:
         r, v = self.rows, self.vocab
@@ -147,7 +259,8 @@ class GreedyAccept:
             raise ValueError(f"logits must be float32, bfloat16 or float16; got {logits.dtype}")
         if logits.stride(1) != 1:
             raise ValueError(f"logits must be contiguous along the vocab; strides {logits.stride()}")
-        for name, t, shape in (("out", out, (r + 2,)), ("p", p, (1,)), ("anchor", anchor, (1,))):
+        out_len = r + 2 if self.tree is None else self.block_size + 3 + (r - 1)
+        for name, t, shape in (("out", out, (out_len,)), ("p", p, (1,)), ("anchor", anchor, (1,))):
             if tuple(t.shape) != shape or t.dtype != torch.int64:
                 raise ValueError(f"{name} must be int64 of shape {list(shape)}; got {t.dtype} {list(t.shape)}")
             if not t.is_contiguous():
@@ -156,12 +269,41 @@ class GreedyAccept:
             if t.device != self.device:
                 raise ValueError(f"{name} is on {t.device}; this GreedyAccept was built for {self.device}")
 
-    def __call__(self, logits: torch.Tensor, out: torch.Tensor, p: torch.Tensor, anchor: torch.Tensor) -> None:
+    def _check_caches(self, name: str, kv: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
+        if kv is None:
+            raise ValueError(f"GreedyAccept (tree): pass {name}=(k_cache, v_cache)")
+        k, v = kv
+        if not (k.dim() == 5 and k.shape == v.shape and k.shape[1] == 1 and k.is_contiguous() and v.is_contiguous()
+                and k.device == self.device and v.device == self.device):
+            raise ValueError(f"GreedyAccept (tree): {name} caches must be contiguous [layers, 1, heads, M, D] on "
+                             f"{self.device}; got {list(k.shape)}, {list(v.shape)}")
+        layers, _, heads, m_alloc, d = k.shape
+        if d & (d - 1):
+            raise ValueError(f"GreedyAccept (tree): {name} head dim {d} is not a power of two")
+        return k, v, layers * heads, m_alloc, d
+
+    def __call__(self, logits: torch.Tensor, out: torch.Tensor, p: torch.Tensor, anchor: torch.Tensor,
+                 kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 draft_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """logits [R, V]; out int64 [R+2] = [a, cap, t_1..t_S, bonus] (a, bonus written); p, anchor int64 [1]
-        (p += a + 1, anchor = bonus). One launch, no host sync."""
+        (p += a + 1, anchor = bonus). One launch, no host sync.
+
+        Tree mode: out = [a, cap, path tokens, bonus, node tokens]; ``kv`` / ``draft_kv`` = the target's and the
+        draft's K/V caches [layers, 1, heads, M, D], whose accepted branch rows it moves to their logical slots."""
         self._check(logits, out, p, anchor)
         r_p = triton.next_power_of_2(self.rows)
         t_p = triton.next_power_of_2(self.tiles)
+        if self.tree is not None:
+            kc, vc, lh, m_alloc, d = self._check_caches("kv", kv)
+            dkc, dvc, dlh, dm_alloc, dd = self._check_caches("draft_kv", draft_kv)
+            t, s = self.tables, self.block_size
+            _greedy_accept_tree[(self.rows, self.tiles)](
+                logits, out, p, anchor, self.ws_max, self.ws_idx, self.lock, t.parent, t.depth, t.ancestors,
+                self.path, kc, vc, dkc, dvc, logits.stride(0), self.rows, self.tiles, self.vocab, s, lh, m_alloc, dlh,
+                dm_alloc, BLOCK_V=self.block_v, R_P=r_p, T_P=t_p, S_P=triton.next_power_of_2(s + 1), D=d, DD=dd,
+                LH_BLOCK=min(64, triton.next_power_of_2(lh)), DLH_BLOCK=min(64, triton.next_power_of_2(dlh)),
+                PDL_ON=PDL, num_warps=self.num_warps, **_LAUNCH)
+            return
         _greedy_accept[(self.rows, self.tiles)](logits, out, p, anchor, self.ws_max, self.ws_idx, self.lock,
                                                 logits.stride(0), self.rows, self.tiles, self.vocab,
                                                 BLOCK_V=self.block_v, R_P=r_p, T_P=t_p, PDL_ON=PDL,
@@ -181,3 +323,23 @@ def greedy_accept_reference(logits: torch.Tensor, out: torch.Tensor, p: torch.Te
     out[2 + s] = bonus[0]
     p += a + 1
     anchor.copy_(bonus)
+
+
+def greedy_accept_tree_reference(logits: torch.Tensor, out: torch.Tensor, p: torch.Tensor, anchor: torch.Tensor,
+                                 tables, path: torch.Tensor) -> None:
+    """The tree mode of ``GreedyAccept`` as torch ops (``dspark_core.spec.tree.tree_accept_reference``), in place:
+    out int64 [S+3+N] = [a, cap, path tokens, bonus, node tokens]; path int64 [3, S+1] (rows, from, to slots)."""
+    from dspark_core.spec.tree import tree_accept_reference
+
+    s = tables.ancestors.shape[1] - 1
+    nodes = out[3 + s :]  # [N]
+    a, _, rows, bonus = tree_accept_reference(logits, nodes, tables)
+    tokens = torch.cat([anchor, nodes])  # [R] row r's token (row 0: the anchor)
+    out[0] = a
+    out[2 : 2 + s] = tokens[rows[1:]]
+    out[2 + s] = bonus
+    path[0] = rows
+    path[1] = p + rows
+    path[2] = p + torch.arange(s + 1, device=p.device)
+    p += a + 1
+    anchor.copy_(bonus.view(1))

@@ -431,14 +431,19 @@ def fused_linear_reference(x, w, bias=None, *, norm_weight=None, eps=0.0, gated=
 # q/k RMSNorm + RoPE + cache write
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _qk_rope_cache(QKV, QN, KN, COS, SIN, POS, KC, VC, QOUT, M_ALLOC, eps, HQ: tl.constexpr, HKV: tl.constexpr,
-                   D: tl.constexpr, HAS_NORM: tl.constexpr, PDL_ON: tl.constexpr):
+def _qk_rope_cache(QKV, QN, KN, COS, SIN, POS, OFF, KC, VC, QOUT, M_ALLOC, eps, HQ: tl.constexpr,
+                   HKV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr, TREE: tl.constexpr,
+                   PDL_ON: tl.constexpr):
+    """Token t, head j: RoPE at position POS[t]; K/V written at slot POS[t] (+ OFF[t] with TREE)."""
     if PDL_ON:
         gdc_wait()  # the previous kernel's outputs are complete and visible after this
     t = tl.program_id(0)
     j = tl.program_id(1)  # q heads [0, HQ), then k heads [HQ, HQ + HKV)
     dt = QOUT.dtype.element_ty
     pos = tl.load(POS + t).to(tl.int64)
+    slot = pos
+    if TREE:
+        slot += tl.load(OFF + t).to(tl.int64)
     row = QKV + t * (HQ + 2 * HKV) * D
     d = tl.arange(0, D)
     half = D // 2
@@ -463,26 +468,29 @@ def _qk_rope_cache(QKV, QN, KN, COS, SIN, POS, KC, VC, QOUT, M_ALLOC, eps, HQ: t
     tl.store(QOUT + (t * HQ + j) * D + d, out, mask=is_q)
     h = tl.maximum(j - HQ, 0).to(tl.int64)
     is_k = ~is_q
-    tl.store(KC + (h * M_ALLOC + pos) * D + d, out, mask=is_k)
+    tl.store(KC + (h * M_ALLOC + slot) * D + d, out, mask=is_k)
     v = tl.load(row + (HQ + HKV + h) * D + d, mask=is_k, other=0.0)
-    tl.store(VC + (h * M_ALLOC + pos) * D + d, v, mask=is_k)
+    tl.store(VC + (h * M_ALLOC + slot) * D + d, v, mask=is_k)
 
 
 def qk_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
                        cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float) -> torch.Tensor:
+                       v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float,
+                       slot_offset: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [n, (Hq + 2 Hkv) D] -> q [n, Hq, D] (normed, rotated); writes k / v at ``pos [n]`` of the layer's
-    caches [1, Hkv, M, D]. ``cos`` / ``sin`` [M, D] are the full tables (rows picked by ``pos`` on the device)."""
+    caches [1, Hkv, M, D] (at ``pos + slot_offset`` when given: a draft tree's rows, ``dspark_core.spec.tree``).
+    ``cos`` / ``sin`` [M, D] are the full tables (rows picked by ``pos`` on the device)."""
     n = qkv.shape[0]
     d = cos.shape[1]
     q = torch.empty(n, num_heads, d, device=qkv.device, dtype=qkv.dtype)
     has_norm = q_norm is not None
     qn = q_norm if has_norm else cos
     kn = k_norm if has_norm else cos
-    _qk_rope_cache[(n, num_heads + num_kv_heads)](qkv, qn, kn, cos, sin, pos, k_cache, v_cache, q,
-                                                  k_cache.shape[2], eps, HQ=num_heads, HKV=num_kv_heads, D=d,
-                                                  HAS_NORM=has_norm, PDL_ON=PDL, num_warps=1 if d <= 64 else 2,
-                                                  **_LAUNCH)
+    tree = slot_offset is not None
+    _qk_rope_cache[(n, num_heads + num_kv_heads)](qkv, qn, kn, cos, sin, pos, slot_offset if tree else pos,
+                                                  k_cache, v_cache, q, k_cache.shape[2], eps, HQ=num_heads,
+                                                  HKV=num_kv_heads, D=d, HAS_NORM=has_norm, TREE=tree, PDL_ON=PDL,
+                                                  num_warps=1 if d <= 64 else 2, **_LAUNCH)
     return q
 
 
@@ -490,11 +498,13 @@ def qk_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: t
 # split-KV attention over the cache
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_split(Q, KC, VC, POS, OP, MP, LP, M_ALLOC, split_len, scale, G: tl.constexpr, HKV: tl.constexpr,
-                D: tl.constexpr, ROWS: tl.constexpr, NS_P: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
-                PDL_ON: tl.constexpr):
+def _attn_split(Q, KC, VC, POS, OFF, BACK, OP, MP, LP, M_ALLOC, split_len, scale, G: tl.constexpr,
+                HKV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, NS_P: tl.constexpr, BLOCK: tl.constexpr,
+                IEEE: tl.constexpr, TREE: tl.constexpr, PDL_ON: tl.constexpr):
     """Program (kv head h, split s, token t): the G query heads of token t over keys
-    [s * split_len, +split_len) that t may see (<= its position). One token per program: batch-invariant."""
+    [s * split_len, +split_len) that t may see (<= its position). One token per program: batch-invariant.
+    TREE: the keys are logical positions; those >= POS[t] - BACK[t] are read OFF[t] slots further (a draft
+    tree's branch rows, ``dspark_core.spec.tree``), so the sums run in the same order as without a tree."""
     if PDL_ON:
         gdc_wait()  # the previous kernel's outputs are complete and visible after this
     h = tl.program_id(0)
@@ -511,10 +521,16 @@ def _attn_split(Q, KC, VC, POS, OP, MP, LP, M_ALLOC, split_len, scale, G: tl.con
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
     base = h.to(tl.int64) * M_ALLOC * D
+    if TREE:
+        off = tl.load(OFF + t)
+        branch = last - 1 - tl.load(BACK + t)  # the first logical key read at + off
     for m0 in range(start, end, BLOCK):
         km = m0 + tl.arange(0, BLOCK)
         kmask = km < end
-        k = tl.load(KC + base + km[:, None].to(tl.int64) * D + d[None, :], mask=kmask[:, None], other=0.0)
+        slot = km
+        if TREE:
+            slot = tl.where(km >= branch, km + off, km)
+        k = tl.load(KC + base + slot[:, None].to(tl.int64) * D + d[None, :], mask=kmask[:, None], other=0.0)
         if IEEE:
             sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [ROWS, BLOCK]
         else:
@@ -524,7 +540,7 @@ def _attn_split(Q, KC, VC, POS, OP, MP, LP, M_ALLOC, split_len, scale, G: tl.con
         alpha = tl.exp(m_i - m_new)
         p = tl.where(kmask[None, :], tl.exp(sc - m_new[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VC + base + km[:, None].to(tl.int64) * D + d[None, :], mask=kmask[:, None], other=0.0)
+        v = tl.load(VC + base + slot[:, None].to(tl.int64) * D + d[None, :], mask=kmask[:, None], other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -561,9 +577,11 @@ def _attn_combine(OP, MP, LP, OUT, NS, NS_P: tl.constexpr, G: tl.constexpr, HKV:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                     scale: float, block: int = 64) -> torch.Tensor:
+                     scale: float, block: int = 64, tree: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> torch.Tensor:
     """q [n, Hq, D] at positions ``pos [n]`` (device) over the layer's caches [1, Hkv, M, D] (keys <= each
-    token's own position) -> [n, Hq, D]. Split-KV: (Hkv x S x n) programs, then a combine."""
+    token's own position) -> [n, Hq, D]. Split-KV: (Hkv x S x n) programs, then a combine.
+    ``tree = (offset [n], back [n])`` int32: token t reads logical keys >= pos[t] - back[t] at + offset[t]."""
     n, hq, d = q.shape
     hkv, m_alloc = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -575,9 +593,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     op = torch.empty(n, hkv, ns_p, rows, d, device=q.device, dtype=torch.float32)
     mp = torch.empty(n, hkv, ns_p, rows, device=q.device, dtype=torch.float32)
     lp = torch.empty_like(mp)
-    _attn_split[(hkv, splits, n)](q, k_cache, v_cache, pos, op, mp, lp, m_alloc, split_len, scale, G=g, HKV=hkv,
-                                  D=d, ROWS=rows, NS_P=ns_p, BLOCK=block, IEEE=q.dtype == torch.float32, PDL_ON=PDL,
-                                  num_warps=4, **_LAUNCH)
+    off, back = tree if tree is not None else (pos, pos)
+    _attn_split[(hkv, splits, n)](q, k_cache, v_cache, pos, off, back, op, mp, lp, m_alloc, split_len, scale, G=g,
+                                  HKV=hkv, D=d, ROWS=rows, NS_P=ns_p, BLOCK=block, IEEE=q.dtype == torch.float32,
+                                  TREE=tree is not None, PDL_ON=PDL, num_warps=4, **_LAUNCH)
     out = torch.empty_like(q)
     _attn_combine[(hkv, n * g)](op, mp, lp, out, splits, NS_P=ns_p, G=g, HKV=hkv, D=d, ROWS=rows, PDL_ON=PDL,
                                 num_warps=1, **_LAUNCH)

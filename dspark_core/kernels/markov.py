@@ -10,6 +10,11 @@ it, and resets the counter to 0 for the next launch (the next slot, or a CUDA gr
 ``_gemm_small``'s split-K in ``dspark_core.kernels.decode``. The previous token is read on the device, so no
 host sync is needed between slots.
 
+``MarkovArgmax.rows`` runs several such picks of one slot in one launch (grid: tiles x rows, a counter per row):
+a draft tree's main chain and branches at one depth, reading and writing a token buffer by index; a row may also
+ask for the second best (the argmax with its top token excluded: the tile holding the top offers its second,
+every other tile its first).
+
 Deterministic: whichever program arrives last, it reduces the same partials the same way (a max, then the
 lowest token id among the partials equal to it), and max / min are exact, so the token does not depend on
 the order in which programs finish. Launches of one object must be stream-ordered (they share the workspace
@@ -35,8 +40,8 @@ BLOCK_V = 128
 
 
 @triton.jit
-def _markov_tile(BASE, W1, W2, PREV, V, R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Rows [pid * BLOCK_V, +BLOCK_V) of ``base + W2 @ W1[prev]``: (their max, the first row holding it)."""
+def _markov_logits(BASE, W1, W2, PREV, V, R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Rows [pid * BLOCK_V, +BLOCK_V) of ``base + W2 @ W1[prev]`` (float32, -inf past V) and their ids."""
     pid = tl.program_id(0)
     prev = tl.load(PREV).to(tl.int64)
     rows = pid * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
@@ -51,10 +56,28 @@ def _markov_tile(BASE, W1, W2, PREV, V, R: tl.constexpr, BLOCK_V: tl.constexpr, 
         acc += tl.sum(w * m[None, :], axis=1)
     bias = acc.to(W2.dtype.element_ty).to(tl.float32)  # nn.Linear's output dtype, as the torch path
     logits = tl.load(BASE + rows, mask=rmask, other=float("-inf")).to(tl.float32) + bias  # [BLOCK_V]
-    logits = tl.where(rmask, logits, float("-inf"))
+    return tl.where(rmask, logits, float("-inf")), rows
+
+
+@triton.jit
+def _markov_tile(BASE, W1, W2, PREV, V, R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Rows [pid * BLOCK_V, +BLOCK_V) of ``base + W2 @ W1[prev]``: (their max, the first row holding it)."""
+    logits, rows = _markov_logits(BASE, W1, W2, PREV, V, R, BLOCK_V, BLOCK_R)
     best = tl.max(logits, axis=0)
     idx = tl.min(tl.where(logits == best, rows, 2147483647), axis=0)
     return best, idx
+
+
+@triton.jit
+def _markov_tile2(BASE, W1, W2, PREV, V, R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
+    """``_markov_tile`` and the same pair for the tile's rows without its argmax (the second best)."""
+    logits, rows = _markov_logits(BASE, W1, W2, PREV, V, R, BLOCK_V, BLOCK_R)
+    best = tl.max(logits, axis=0)
+    idx = tl.min(tl.where(logits == best, rows, 2147483647), axis=0)
+    rest = tl.where(rows == idx, float("-inf"), logits)
+    best2 = tl.max(rest, axis=0)
+    idx2 = tl.min(tl.where((rows < V) & (rows != idx) & (rest == best2), rows, 2147483647), axis=0)
+    return best, idx, best2, idx2
 
 
 @triton.jit
@@ -84,6 +107,51 @@ def _markov_slot(BASE, W1, W2, PREV, PV, PI, LOCK, OUT, V, R: tl.constexpr, BLOC
         tl.atomic_xchg(LOCK, 0)  # zero for the next launch (stream-ordered after this kernel's end)
 
 
+@triton.jit
+def _markov_rows(BASE, W1, W2, TOK, TABLE, PV, PI, LOCK, V, R: tl.constexpr, BLOCK_V: tl.constexpr,
+                 BLOCK_R: tl.constexpr, NP_P: tl.constexpr, PDL_ON: tl.constexpr):
+    """Program (p, row): ``_markov_slot`` for several (prev, out, out2) rows of one slot at once (a draft tree's
+    main chain and its branches at one depth, ``dspark_core.spec.tree``): TABLE[row] = indices into the token
+    buffer TOK of the previous token, the output and the second-best output (-1: none). Each row has its own
+    partials (PV / PI + row * 2 * NP_P) and arrival counter (LOCK + row)."""
+    if PDL_ON:
+        gdc_wait()
+    pid = tl.program_id(0)
+    row = tl.program_id(1)
+    n_prog = tl.num_programs(0)
+    prev_i = tl.load(TABLE + row * 3)
+    best, idx, best2, idx2 = _markov_tile2(BASE, W1, W2, TOK + prev_i, V, R, BLOCK_V, BLOCK_R)
+    if PDL_ON:
+        gdc_launch_dependents()
+    pv = PV + row * 2 * NP_P
+    pi = PI + row * 2 * NP_P
+    tl.store(pv + pid, best)
+    tl.store(pi + pid, idx)
+    tl.store(pv + NP_P + pid, best2)
+    tl.store(pi + NP_P + pid, idx2)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(LOCK + row, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_prog - 1:
+        offs = tl.arange(0, NP_P)
+        mask = offs < n_prog
+        v = tl.load(pv + offs, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        i = tl.load(pi + offs, mask=mask, other=2147483647, cache_modifier=".cg")
+        top = tl.max(v, axis=0)
+        tok = tl.min(tl.where(v == top, i, 2147483647), axis=0)
+        tl.store(TOK + tl.load(TABLE + row * 3 + 1), tok.to(tl.int64))
+        out2_i = tl.load(TABLE + row * 3 + 2)
+        if out2_i >= 0:
+            v2 = tl.load(pv + NP_P + offs, mask=mask, other=float("-inf"), cache_modifier=".cg")
+            i2 = tl.load(pi + NP_P + offs, mask=mask, other=2147483647, cache_modifier=".cg")
+            own = offs == tok // BLOCK_V
+            cv = tl.where(own, v2, v)
+            ci = tl.where(own, i2, i)
+            top2 = tl.max(cv, axis=0)
+            tok2 = tl.min(tl.where(mask & (cv == top2), ci, 2147483647), axis=0)
+            tl.store(TOK + out2_i, tl.minimum(tok2, V - 1).to(tl.int64))
+        tl.atomic_xchg(LOCK + row, 0)
+
+
 class MarkovArgmax:
     """Greedy Markov slots for one (W1 [V, r], W2 [V, r]) pair, with preallocated partial buffers and an
     arrival counter (made here, so before any CUDA graph capture)."""
@@ -98,12 +166,40 @@ class MarkovArgmax:
         self.pi = torch.empty(self.parts, device=w1.device, dtype=torch.int32)  # [P] their first token ids
         self.arrived = torch.zeros(1, device=w1.device, dtype=torch.int32)  # [1] zero between launches
         self.block_r = min(64, triton.next_power_of_2(self.rank))
+        self._row_buffers: tuple[torch.Tensor, ...] | None = None  # partials / counters of ``rows``
 
     def __call__(self, base: torch.Tensor, prev: torch.Tensor, out: torch.Tensor) -> None:
         """``out[0] = argmax(base + W2 W1[prev[0]])`` for base [V] (float32), prev / out 1-element int64 views."""
         _markov_slot[(self.parts,)](base, self.w1, self.w2, prev, self.pv, self.pi, self.arrived, out, self.vocab,
                                     R=self.rank, BLOCK_V=BLOCK_V, BLOCK_R=self.block_r,
                                     NP_P=triton.next_power_of_2(self.parts), PDL_ON=PDL, num_warps=4, **_LAUNCH)
+
+
+    def rows(self, base: torch.Tensor, tok: torch.Tensor, table: torch.Tensor, max_rows: int = 16) -> None:
+        """Several rows of one slot in one launch: for each ``table`` row (prev, out, out2) int32 indices into
+        ``tok`` (int64), ``tok[out] = argmax(base + W2 W1[tok[prev]])`` and, where out2 >= 0, ``tok[out2]`` = the
+        second best. Buffers for up to ``max_rows`` rows are made on first use (before any CUDA-graph capture)."""
+        _rows_check(tok, table)
+        n = table.shape[0]
+        np_p = triton.next_power_of_2(self.parts)
+        if self._row_buffers is None or self._row_buffers[2].numel() < n:
+            dev = self.w1.device
+            size = max(n, max_rows)
+            self._row_buffers = (torch.empty(size * 2 * np_p, device=dev, dtype=torch.float32),
+                                 torch.empty(size * 2 * np_p, device=dev, dtype=torch.int32),
+                                 torch.zeros(size, device=dev, dtype=torch.int32))
+        pv, pi, lock = self._row_buffers
+        _markov_rows[(self.parts, n)](base, self.w1, self.w2, tok, table, pv, pi, lock, self.vocab, R=self.rank,
+                                      BLOCK_V=BLOCK_V, BLOCK_R=self.block_r, NP_P=np_p, PDL_ON=PDL, num_warps=4,
+                                      **_LAUNCH)
+
+
+def _rows_check(tok: torch.Tensor, table: torch.Tensor) -> None:
+    if tok.dtype != torch.int64 or tok.dim() != 1 or not tok.is_contiguous():
+        raise ValueError(f"MarkovArgmax.rows: tok must be a contiguous int64 vector; got {tok.dtype} {list(tok.shape)}")
+    if table.dtype != torch.int32 or table.dim() != 2 or table.shape[1] != 3 or not table.is_contiguous():
+        raise ValueError(f"MarkovArgmax.rows: table must be contiguous int32 [rows, 3]; got {table.dtype} "
+                         f"{list(table.shape)}")
 
 
 def markov_slot_reference(base: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:

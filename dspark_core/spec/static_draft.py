@@ -32,6 +32,7 @@ import torch
 from dspark_core.draft.attention import AttentionMask
 from dspark_core.draft.model import DSparkDraft
 from dspark_core.spec.target_runner import fuse_layer
+from dspark_core.spec.tree import top2_reference
 
 HOOKS = ("block_inputs", "markov_features", "extra_kv", "score_candidates")
 
@@ -91,6 +92,7 @@ class StaticDraft:
         self.slots = torch.arange(s, device=self.device)  # [S]
         self.block_visible = torch.ones(s, dtype=torch.bool, device=self.device)  # [S]
         self.tokens = torch.zeros(s, dtype=torch.long, device=self.device)  # [S] the last proposal
+        self._tree_tables: dict = {}  # TreeLayout -> per-depth Markov row tables (Triton path)
         with torch.no_grad():
             cos, sin = draft.rope(self.k[0, 0, 0], self.key_pos.unsqueeze(0))  # [1, M, d]
         self.cos, self.sin = cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()  # [M, d]
@@ -103,20 +105,23 @@ class StaticDraft:
 
     # -- context --------------------------------------------------------------------------------
     @torch.no_grad()
-    def extend(self, aux_hidden: torch.Tensor, pos: torch.Tensor) -> None:
-        """Write the context K/V of aux_hidden [1, n, K, Ht] at positions ``pos [n]`` (device)."""
+    def extend(self, aux_hidden: torch.Tensor, pos: torch.Tensor, slot_offset: torch.Tensor | None = None) -> None:
+        """Write the context K/V of aux_hidden [1, n, K, Ht] at positions ``pos [n]`` (device); with
+        ``slot_offset [n]`` (a draft tree's rows) RoPE at ``pos`` but written to slots ``pos + slot_offset``."""
         n = aux_hidden.shape[1]
         if self.kernels and n <= 16:
-            return self._extend_kernels(aux_hidden, pos)
+            return self._extend_kernels(aux_hidden, pos, slot_offset)
         draft = self.draft
         c = draft.context_features(aux_hidden.to(self.device))  # [1, n, H]
         rope = draft.rope(c, pos.view(1, n))
+        slots = pos if slot_offset is None else pos + slot_offset.long()  # [n]
         for i, layer in enumerate(draft.layers):
             k, v = layer.self_attn.project_kv(c, rope)  # [1, nkv, n, d]
-            self.k[i].index_copy_(2, pos, k.to(self.dtype))
-            self.v[i].index_copy_(2, pos, v.to(self.dtype))
+            self.k[i].index_copy_(2, slots, k.to(self.dtype))
+            self.v[i].index_copy_(2, slots, v.to(self.dtype))
 
-    def _extend_kernels(self, aux_hidden: torch.Tensor, pos: torch.Tensor) -> None:
+    def _extend_kernels(self, aux_hidden: torch.Tensor, pos: torch.Tensor, slot_offset: torch.Tensor | None = None
+                        ) -> None:
         from dspark_core.kernels.decode import fused_linear, qk_norm_rope_cache
 
         draft, n = self.draft, aux_hidden.shape[1]
@@ -125,7 +130,8 @@ class StaticDraft:
         for i, w in enumerate(self.fused):
             qkv = fused_linear(pre, w.qkv_w, w.qkv_b, norm_weight=draft.hidden_norm.weight, eps=self.eps)
             qk_norm_rope_cache(qkv, w.q_norm, w.k_norm, self.cos, self.sin, pos, self.k[i], self.v[i],
-                               self.num_heads, self.num_kv_heads, self.eps)  # the queries are not used
+                               self.num_heads, self.num_kv_heads, self.eps,
+                               slot_offset=slot_offset)  # the queries are not used
 
     # -- propose ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -174,6 +180,43 @@ class StaticDraft:
         else:
             base = draft.slot_logits(hidden)
         return hidden, base
+
+    @torch.no_grad()
+    def propose_tree(self, anchor: torch.Tensor, p: torch.Tensor, layout, tok: torch.Tensor) -> None:
+        """Greedy draft tree (``dspark_core.spec.tree.TreeLayout``) at anchor [1] / p [1] into the token buffer
+        tok [R] = [anchor, node 1 .. node N] (tok[0] must hold the anchor): the main chain as ``propose``, each
+        branch's first token the second best of its depth's slot (same previous token as the main chain's),
+        then its greedy Markov continuation. With the Triton draft, one launch per depth for all its rows."""
+        if self.kernels:
+            _, base = self._block_kernels(anchor, p, need_hidden=False)
+        else:
+            base = self.draft.slot_logits(self._block_torch(anchor, p))  # [S, V] float32
+        rows = layout.markov_rows()
+        if self.kernels and self.draft.markov is not None:
+            tables = self._tree_tables.get(layout)
+            if tables is None:
+                tables = [torch.tensor(r, dtype=torch.int32, device=self.device) for r in rows]  # [rows_d, 3] each
+                self._tree_tables[layout] = tables
+            for d, table in enumerate(tables):
+                self.markov.rows(base[d].contiguous(), tok, table)
+            return
+        for d, picks in enumerate(rows):
+            for prev, out, out2 in picks:
+                self._slot(base[d], tok[prev : prev + 1], tok[out : out + 1],
+                           None if out2 < 0 else tok[out2 : out2 + 1])
+
+    def _slot(self, base: torch.Tensor, prev: torch.Tensor, out: torch.Tensor, out2: torch.Tensor | None = None
+              ) -> None:
+        """The torch path of one tree pick: out = argmax(base [V] + Markov bias of prev [1]), out2 = the second
+        best (``MarkovArgmax.rows`` on the Triton path)."""
+        draft = self.draft
+        logits = base.view(1, -1)  # [1, V]
+        if draft.markov is not None:
+            logits = logits + draft.markov_bias(draft.markov_features(prev, None, None)).float()
+        first, second = top2_reference(logits)
+        out.copy_(first)
+        if out2 is not None:
+            out2.copy_(second)
 
     def _markov_slots(self, base: torch.Tensor, anchor: torch.Tensor) -> None:
         """tokens[i] = argmax(base[i] + Markov bias of the previous token), slot by slot on the device."""

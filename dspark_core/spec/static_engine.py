@@ -17,6 +17,13 @@ not idle while the host works. The target always
 verifies S+1 tokens; a confidence cut (``confidence_threshold`` > 0) caps the accepted prefix at the cut,
 which commits the same tokens the reference commits after proposing only the confident slots.
 
+``tree_branches`` ((start, length), ...; ``dspark_core.spec.tree``) adds side branches to the proposal: the
+draft's second-best token at depth ``start`` and its greedy continuation, verified in the same forward (up to
+16 rows cost about one with the ``mma`` kernels); every row's draft context is written like the target's K/V
+(RoPE at its logical position, in its row's slot), and the accept step moves the winning branch's K/V -- target
+and draft -- to their logical slots. The output is still the target's greedy output; only the accepted length
+per cycle changes.
+
 Without ``cuda_graph`` (CPU, tests) the very same cycle code runs eagerly. Timing: ``time_every = k`` times
 draft and verify separately on every k-th cycle (a sync between the graphs on those cycles only); the
 other cycles run back to back, and ``decode_s`` covers all of them.
@@ -36,6 +43,7 @@ from dspark_core.spec.common import Clock, check_budget, prompt_tensor
 from dspark_core.spec.sampling import SamplingParams
 from dspark_core.spec.static_draft import StaticDraft, draft_kernels_problem
 from dspark_core.spec.target_runner import TargetRunner
+from dspark_core.spec.tree import TreeLayout, parse_branches
 from dspark_core.spec.types import GenerationResult, cut_at_stop
 
 
@@ -47,7 +55,8 @@ class StaticSpeculativeDecoder:
 
     def __init__(self, target: TargetRunner, draft, *, block_size: int | None = None,
                  confidence_threshold: float = 0.0, sampling: SamplingParams | None = None,
-                 kernels: bool | None = None, cuda_graph: bool | None = None, time_every: int = 0) -> None:
+                 kernels: bool | None = None, cuda_graph: bool | None = None, time_every: int = 0,
+                 tree_branches=()) -> None:
         if sampling is not None and not sampling.greedy:
             raise ValueError("the static engine decodes greedily; use SpeculativeDecoder for sampling "
                              f"(temperature {sampling.temperature})")
@@ -70,28 +79,44 @@ class StaticSpeculativeDecoder:
         self.static = StaticDraft(draft, target.max_len, kernels=kernels)
         self.confidence_threshold = float(confidence_threshold)
         self.time_every = int(time_every)
+        self.tree = TreeLayout(s, parse_branches(tree_branches))
+        if not self.tree.is_chain and self.confidence_threshold > 0:
+            raise ValueError("tree_branches with a confidence_threshold: the confidence cut applies to the chain only")
         dev = target.device
         self.p = torch.zeros(1, dtype=torch.long, device=dev)  # [1] anchor position
         self.anchor = torch.zeros(1, dtype=torch.long, device=dev)  # [1] anchor token
-        self.out = torch.zeros(s + 3, dtype=torch.long, device=dev)  # [a, n, t_1..t_S, bonus]
+        # [a, n, t_1..t_S, bonus] (+ the tree's node tokens [N]: then t = the accepted path's tokens, and
+        # out[2+S:] = [anchor, nodes] is the verify's input: the bonus slot holds the anchor between cycles)
+        self.out = torch.zeros(s + 3 + (0 if self.tree.is_chain else self.tree.nodes), dtype=torch.long, device=dev)
+        self.out[1] = s
         self.verify_slots = torch.arange(s + 1, device=dev)  # [S+1]
+        self.tables = None if self.tree.is_chain else self.tree.tensors(dev)
+        self.path = torch.zeros(3, s + 1, dtype=torch.long, device=dev)  # [3, S+1] tree: rows, from, to slots
         self._accept = None  # the Triton accept step (one launch) with the Triton draft; else torch ops
         if self.static.kernels:
             from dspark_core.kernels.accept import GreedyAccept
 
-            self._accept = GreedyAccept(s + 1, target._head_w.shape[0], dev)
+            tree = None if self.tree.is_chain else self.tree
+            self._accept = GreedyAccept(self.tree.rows, target._head_w.shape[0], dev, tree=tree)
+            if tree is not None:
+                self.path = self._accept.path
         self._graphs: tuple | None = None
         self._ring: _HostRing | None = None  # host copies of `out`, one per cycle in flight
         self._clock = Clock(dev)
 
     # -- the cycle (device code only: no host reads, static shapes) ---------------------------------
     def _propose(self) -> None:
+        if not self.tree.is_chain:
+            self.static.propose_tree(self.anchor, self.p, self.tree, self.out[2 + self.block_size :])
+            return  # out[1] (slots allowed) stays S, set once in __init__
         need_hidden = self.confidence_threshold > 0
         tokens, hidden = self.static.propose(self.anchor, self.p, need_hidden)  # [S], [S, H] | None
         self.out[1] = self.static.confident_slots(self.anchor, hidden, self.confidence_threshold)
         self.out[2 : 2 + self.block_size] = tokens
 
     def _verify_update(self) -> None:
+        if not self.tree.is_chain:
+            return self._verify_update_tree()
         s = self.block_size
         tokens = self.out[2 : 2 + s]  # [S]
         ids = torch.cat([self.anchor, tokens]).view(1, s + 1)  # [1, S+1]
@@ -109,6 +134,22 @@ class StaticSpeculativeDecoder:
             self.p += a + 1
             self.anchor.copy_(bonus)
         self.static.extend(aux, pos)  # all S+1 positions; only p..p+a are below the new length
+
+    def _verify_update_tree(self) -> None:
+        from dspark_core.kernels.accept import greedy_accept_tree_reference, kv_move_reference
+
+        s, t = self.block_size, self.tables
+        ids = self.out[2 + s :].view(1, -1)  # [1, R] the anchor (= the last bonus) and the node tokens
+        pos = self.p + t.depth  # [R] logical positions
+        logits, aux = self.target._step(ids, pos, tree=(t.offset, t.back))  # [1, R, V], [1, R, K, H]
+        self.static.extend(aux, pos, slot_offset=t.offset)  # every row's context, in its row's slot like the target
+        kv, draft_kv = (self.target.k_cache, self.target.v_cache), (self.static.k, self.static.v)
+        if self._accept is not None:  # one launch: accept, then the winning branch's K/V moves (target and draft)
+            self._accept(logits[0], self.out, self.p, self.anchor, kv=kv, draft_kv=draft_kv)
+        else:
+            greedy_accept_tree_reference(logits[0], self.out, self.p, self.anchor, t, self.path)
+            kv_move_reference(*kv, self.path)  # the accepted path's K/V to slots p+1..p+a
+            kv_move_reference(*draft_kv, self.path)
 
     # -- CUDA graphs ----------------------------------------------------------------------------
     def _capture(self) -> None:
@@ -166,7 +207,7 @@ class StaticSpeculativeDecoder:
         s = self.block_size
         prompt = prompt_tensor(prompt_ids, self.target.device)  # [1, P]
         depth = 2 if self._ring_depth_ok() else 1
-        check_budget(self.target, prompt.shape[1], max_new_tokens, depth * (s + 1))
+        check_budget(self.target, prompt.shape[1], max_new_tokens, depth * self.tree.rows)
         stops = set(int(t) for t in stop_ids)
         result = GenerationResult(tokens=[])
         t0 = self._clock()
@@ -177,6 +218,7 @@ class StaticSpeculativeDecoder:
         self.p.fill_(n_prompt)
         if self.cuda_graph and self._graphs is None:
             self._capture()
+        self.out[2 + s : 3 + s].copy_(self.anchor)  # the tree's token buffer starts with the anchor
         tokens = [int(self.anchor.item())]
         t1 = self._clock()
         result.prefill_s = t1 - t0

@@ -151,6 +151,12 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     HF's eager attention (matmul, float32 softmax, matmul), so CPU results match HF bit for bit."""
     k_cache.index_copy_(2, pos, k)
     v_cache.index_copy_(2, pos, v)
+    return _attend(q, k_cache, v_cache, bias, scaling)
+
+
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bias: torch.Tensor, scaling: float
+            ) -> torch.Tensor:
+    """q [B, Hq, n, D] over caches [B, Hkv, M, D] under ``bias [G*n, M]`` -> [B, Hq, n, D] (see cached_attention)."""
     b, hq, n, d = q.shape
     hkv = k_cache.shape[1]
     qg = q.reshape(b, hkv, (hq // hkv) * n, d)  # [B, Hkv, G*n, D]
@@ -160,6 +166,27 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         scores = torch.matmul(qg, k_cache.transpose(2, 3)) * scaling + bias  # [B, Hkv, G*n, M]
         out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v_cache)
     return out.reshape(b, hq, n, d)
+
+
+def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   pos: torch.Tensor, tree: tuple[torch.Tensor, torch.Tensor], scaling: float) -> torch.Tensor:
+    """``cached_attention`` for the rows of a draft tree (``dspark_core.spec.tree``): k / v are written at
+    ``pos + offset``; each row attends, one at a time, to the cache gathered into logical order (keys at
+    logical positions >= pos - back read ``offset`` slots further), under its causal mask -- the same
+    computation as a one-token step at its position."""
+    offset, back = (t.long() for t in tree)
+    k_cache.index_copy_(2, pos + offset, k)
+    v_cache.index_copy_(2, pos + offset, v)
+    group = q.shape[1] // k_cache.shape[1]
+    m = k_cache.shape[2]
+    keys = torch.arange(m, device=q.device)  # [M] logical key positions
+    outs = []
+    for t in range(q.shape[2]):
+        slots = torch.where(keys >= pos[t] - back[t], keys + offset[t], keys).clamp(max=m - 1)  # [M]
+        bias = torch.zeros(1, m, dtype=q.dtype, device=q.device).masked_fill(keys.view(1, m) > pos[t], float("-inf"))
+        outs.append(_attend(q[:, :, t : t + 1], k_cache.index_select(2, slots), v_cache.index_select(2, slots),
+                            bias.repeat(group, 1), scaling))
+    return torch.cat(outs, dim=2)  # [B, Hq, n, D]
 
 
 def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, w: LayerWeights, spec: _Spec) -> torch.Tensor:
@@ -412,13 +439,18 @@ class TargetRunner:
         return logits, aux
 
     def _step(self, ids: torch.Tensor, pos: torch.Tensor, *, head: str = "all", path: _Path | None = None,
-              kernels: bool | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+              kernels: bool | None = None, tree: tuple[torch.Tensor, torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The sync-free forward of ``ids [B, n]`` at positions ``pos [n]`` (a device tensor).
 
-        ``head``: "all" (logits for every position), "last" (only the last) or "none"."""
+        ``head``: "all" (logits for every position), "last" (only the last) or "none". ``tree = (offset [n],
+        back [n])``: the rows are a draft tree's (``dspark_core.spec.tree``): row t at logical position pos[t],
+        written to slot pos[t] + offset[t], attending to its ancestors only (batch 1)."""
         kernels = self.kernels if kernels is None else kernels  # graph capture: the runner's choice
         if kernels and ids.shape[1] <= self._kernel_max_tokens():
-            return self._kernel_step(ids, pos, head=head)
+            return self._kernel_step(ids, pos, head=head, tree=tree)
+        if tree is not None:
+            return self._tree_step(ids, pos, tree, head)
         path = path or self._fast
         group = self.num_heads // self.num_kv_heads
         x = F.embedding(ids, self._embed_w)  # [B, n, H]
@@ -437,14 +469,35 @@ class TargetRunner:
         rows = x[:, -1:] if head == "last" else x
         return path.head_fn(rows, self._norm_w, self._head_w, self._head_b, self._spec), aux
 
+    def _tree_step(self, ids: torch.Tensor, pos: torch.Tensor, tree: tuple[torch.Tensor, torch.Tensor], head: str
+                   ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The torch path of a tree step (eager, one attention per row: a reference, not a fast path)."""
+        if ids.shape[0] != 1:
+            raise ValueError(f"a draft tree step takes batch 1; got ids {tuple(ids.shape)}")
+        spec = self._spec
+        x = F.embedding(ids, self._embed_w)  # [1, n, H]
+        cos, sin = self._cos.index_select(0, pos), self._sin.index_select(0, pos)  # [n, D]
+        collected: dict[int, torch.Tensor] = {-1: x} if -1 in self.aux_layer_ids else {}
+        for layer, w in enumerate(self._layers):
+            q, k, v = attention_inputs(x, w, cos, sin, spec)
+            attn = tree_attention(q, k, v, self.k_cache[layer], self.v_cache[layer], pos, tree, spec.scaling)
+            x = attention_output_and_mlp(x, attn, w, spec)
+            if layer in self.aux_layer_ids:
+                collected[layer] = x
+        aux = self._stack_aux(collected, x)  # [1, n, K, H]
+        if head == "none":
+            return None, aux
+        rows = x[:, -1:] if head == "last" else x
+        return lm_head(rows, self._norm_w, self._head_w, self._head_b, spec), aux
+
     @staticmethod
     def _kernel_max_tokens() -> int:
         from dspark_core.kernels.decode import MAX_TOKENS
 
         return MAX_TOKENS
 
-    def _kernel_step(self, ids: torch.Tensor, pos: torch.Tensor, *, head: str = "all"
-                     ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _kernel_step(self, ids: torch.Tensor, pos: torch.Tensor, *, head: str = "all",
+                     tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The Triton path of :meth:`_step` (batch 1, n <= 16 tokens; see the module docstring)."""
         from dspark_core.kernels.decode import decode_attention, fused_linear, qk_norm_rope_cache
 
@@ -455,8 +508,9 @@ class TargetRunner:
             k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]  # [1, Hkv, M, D]
             qkv = fused_linear(x, w.qkv_w, w.qkv_b, norm_weight=w.ln1, eps=eps)  # [n, (Hq + 2 Hkv) D]
             q = qk_norm_rope_cache(qkv, w.q_norm, w.k_norm, self._cos, self._sin, pos, k_cache, v_cache,
-                                   self.num_heads, self.num_kv_heads, eps)  # [n, Hq, D]
-            attn = decode_attention(q, k_cache, v_cache, pos, self._spec.scaling)  # [n, Hq, D]
+                                   self.num_heads, self.num_kv_heads, eps,
+                                   slot_offset=None if tree is None else tree[0])  # [n, Hq, D]
+            attn = decode_attention(q, k_cache, v_cache, pos, self._spec.scaling, tree=tree)  # [n, Hq, D]
             x = fused_linear(attn.view(n, -1), w.o_w, w.o_b, residual=x)  # [n, H]
             h = fused_linear(x, w.gate_up_w, w.gate_up_b, norm_weight=w.ln2, eps=eps, gated=True)  # [n, F]
             x = fused_linear(h, w.down_w, w.down_b, residual=x)  # [n, H]
