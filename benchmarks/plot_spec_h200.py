@@ -63,7 +63,7 @@ def plot_accept(runs: list[tuple[str, dict]], out: Path) -> None:
         ax.plot(range(7), rates, marker="o", label=label)
     ax.set_xlabel("depth i")
     ax.set_ylabel("accept_rate@i (online: P(accepted depth > i))")
-    ax.set_title("Per-slot acceptance, 30 held-out GSM8K")
+    ax.set_title("Acceptance by depth, 30 held-out GSM8K")
     ax.legend(fontsize=8)
     _save(fig, out)
 
