@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from _spec_utils import one_thread  # noqa: F401 (fixture)
-from dspark_core.spec.tree import (TreeLayout, parse_branches, top2_reference, tree_accept_bruteforce,
-                                   tree_accept_reference)
+from dspark_core.spec.tree import TreeLayout, parse_branches, top2_reference, tree_accept_reference
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -44,6 +43,21 @@ def test_layout_table_and_errors():
         TreeLayout(7, ((1, 7), (2, 2)))
     with pytest.raises(ValueError, match="tree_branches"):
         parse_branches("1:x")
+
+
+def tree_accept_bruteforce(best: list[int], nodes: list[int], layout: TreeLayout
+                           ) -> tuple[int, list[int], int]:
+    """Plain-Python walk (tests): from the anchor, follow the child whose token equals the argmax at the
+    current row. Returns (a, path rows at depths 0..a, bonus)."""
+    _, _, _, parent, _ = layout.table()
+    row, path = 0, [0]
+    while True:
+        children = [r for r in range(1, layout.rows) if parent[r] == row and r != row]
+        nxt = [r for r in children if nodes[r - 1] == best[row]]
+        if not nxt:
+            return len(path) - 1, path, best[row]
+        row = nxt[0]
+        path.append(row)
 
 
 def _random_case(layout: TreeLayout, vocab: int, gen: torch.Generator) -> tuple[list[int], list[int]]:

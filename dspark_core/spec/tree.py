@@ -30,7 +30,7 @@ Shape legend: S block size (main-chain depth), N nodes (S + branch lengths), R =
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Sequence
+from typing import Iterable, NamedTuple
 
 import torch
 
@@ -124,8 +124,8 @@ class TreeLayout:
                            torch.tensor(anc, device=device))
 
 
-def parse_branches(spec: str | Iterable, *, where: str = "tree_branches") -> tuple[tuple[int, int], ...]:
-    """Branches from "1:3,2:1" or [[1, 3], [2, 1]] (start depth, length); ValueError naming ``where``."""
+def parse_branches(spec: str | Iterable) -> tuple[tuple[int, int], ...]:
+    """Branches from "1:3,2:1" or [[1, 3], [2, 1]] (start depth, length); ValueError on anything else."""
     if isinstance(spec, str):
         items = [part.split(":") for part in spec.replace(" ", "").split(",") if part]
     else:
@@ -135,7 +135,7 @@ def parse_branches(spec: str | Iterable, *, where: str = "tree_branches") -> tup
         try:
             start, length = (int(v) for v in item)
         except (TypeError, ValueError):
-            raise ValueError(f"{where}: {item!r} is not a (start, length) pair of integers") from None
+            raise ValueError(f"tree_branches: {item!r} is not a (start, length) pair of integers") from None
         out.append((start, length))
     return tuple(out)
 
@@ -160,17 +160,3 @@ def tree_accept_reference(logits: torch.Tensor, nodes: torch.Tensor, t: TreeTens
     w = score.argmax()  # the deepest accepted row (unique per depth; the anchor when none)
     return score[w], w, t.ancestors[w], best[w]
 
-
-def tree_accept_bruteforce(best: Sequence[int], nodes: Sequence[int], layout: TreeLayout
-                           ) -> tuple[int, list[int], int]:
-    """Plain-Python walk (tests): from the anchor, follow the child whose token equals the argmax at the
-    current row. Returns (a, path rows at depths 0..a, bonus)."""
-    _, _, _, parent, _ = layout.table()
-    row, path = 0, [0]
-    while True:
-        children = [r for r in range(1, layout.rows) if parent[r] == row and r != row]
-        nxt = [r for r in children if nodes[r - 1] == best[row]]
-        if not nxt:
-            return len(path) - 1, path, best[row]
-        row = nxt[0]
-        path.append(row)
