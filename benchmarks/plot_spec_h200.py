@@ -1,5 +1,5 @@
-"""Plots of the H200 speculative-decoding runs in ``reports/bench/spec_h200_smollm2/`` (session 5 at the top,
-sessions 3 and 4 in ``session3/`` / ``session4/``): decode tokens/s of AR and speculative decoding per kernel
+"""Plots of the H200 speculative-decoding runs in ``reports/bench/spec_h200_smollm2/`` (session 6 at the top,
+sessions 3-5 in ``session3/`` .. ``session5/``): decode tokens/s of AR and speculative decoding per kernel
 mode and proposal shape (chain or draft tree), and the per-depth acceptance of the drafts on the same 30
 held-out GSM8K problems.
 
@@ -22,7 +22,8 @@ DIR = ROOT / "reports" / "bench" / "spec_h200_smollm2"
 # (label, file): the runs with the trained draft, all on the same 30 prompts
 RUNS = [("s3 mma", "session3/decode.json"), ("s3 fma", "session3/decode_fma.json"),
         ("s4 mma", "session4/decode.json"), ("s4 fma", "session4/decode_fma_torch_accept.json"),
-        ("s5 mma", "decode.json"), ("s5 mma tree", "decode_tree_1-4_2-2_3-1_4-1.json")]
+        ("s5 mma", "session5/decode.json"), ("s5 mma tree", "session5/decode_tree_1-4_2-2_3-1_4-1.json"),
+        ("s6 mma", "decode.json"), ("s6 mma tree", "decode_tree_1-4_2-2_3-1_4-1.json")]
 
 
 def load(folder: Path, rel: str) -> dict:
@@ -35,7 +36,7 @@ def plot_speed(runs: list[tuple[str, dict]], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8.5, 3.8))
+    fig, ax = plt.subplots(figsize=(10.5, 3.8))
     x = range(len(runs))
     ar = [s["ar_tokens_per_s"] for _, s in runs]
     spec = [s["tokens_per_s"] for _, s in runs]
@@ -43,7 +44,7 @@ def plot_speed(runs: list[tuple[str, dict]], out: Path) -> None:
     ax.bar([i + 0.2 for i in x], spec, 0.4, label="speculative (static engine)")
     for i, s in enumerate(spec):
         ax.text(i + 0.2, s, f"{s / ar[i]:.2f}x\nMAL {runs[i][1]['mal']:.2f}", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(x), [label for label, _ in runs])
+    ax.set_xticks(list(x), [label for label, _ in runs], fontsize=8)
     ax.set_ylabel("decode tokens/s (batch 1, bf16)")
     ax.set_ylim(0, max(spec + ar) * 1.3)
     ax.set_title("SmolLM2-135M on one H200, 30 held-out GSM8K, greedy (output identical to AR)")

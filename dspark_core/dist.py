@@ -36,3 +36,9 @@ def init_distributed() -> Dist:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend)
     return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group (end of a torchrun stage); nothing to do in a single process."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -100,3 +100,38 @@ def save_tiny_target(path: str | Path, family: str = "qwen3", seed: int = 0, **o
     tiny_tokenizer().save_pretrained(path)
     return path
 
+
+REGEN_SCHEMA_FIELDS = ("id", "source", "prompt_ids", "response_ids", "prompt_text", "response_text", "backend",
+                       "finish_reason")
+NAN_TOKEN = 7  # write_regen never draws it, except in the ``poison`` row (tests make it produce NaN)
+
+
+def write_regen(path: str | Path, lengths: list[tuple[int, int]], seed: int = 0, poison: int | None = None,
+                vocab: int = 256) -> Path:
+    """A regenerate parquet of random token ids in ``(NAN_TOKEN, vocab)``; ``lengths`` = (prompt, response)
+    tokens per row. ``poison``: the row that gets ``NAN_TOKEN`` as its 3rd token."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    g = np.random.default_rng(seed)
+    rows: dict[str, list] = {k: [] for k in REGEN_SCHEMA_FIELDS}
+    for i, (p, r) in enumerate(lengths):
+        prompt = g.integers(NAN_TOKEN + 1, vocab, size=p).tolist()
+        if i == poison:
+            prompt[2] = NAN_TOKEN
+        rows["id"].append(f"s{i:03d}")
+        rows["source"].append("test")
+        rows["prompt_ids"].append(prompt)
+        rows["response_ids"].append(g.integers(NAN_TOKEN + 1, vocab, size=r).tolist())
+        rows["prompt_text"].append("p")
+        rows["response_text"].append("r")
+        rows["backend"].append("hf")
+        rows["finish_reason"].append("length")
+    schema = pa.schema([("id", pa.string()), ("source", pa.string()), ("prompt_ids", pa.list_(pa.int32())),
+                        ("response_ids", pa.list_(pa.int32())), ("prompt_text", pa.string()),
+                        ("response_text", pa.string()), ("backend", pa.string()), ("finish_reason", pa.string())])
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(rows, schema=schema), path)
+    return path

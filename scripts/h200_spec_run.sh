@@ -36,6 +36,11 @@
 #                            "mma mma:t16": the second with --tree-branches "$DSPARK_TREE_t16" (decode_mma_t16.json,
 #                            the first run's kernel tiles pinned)
 #                            DSPARK_BENCH_COMPILE=0 drops --compile (not needed with --kernels)
+#   DSPARK_NPROC=N           cache and train under torchrun on N GPUs of the host (one zarr store written in shards;
+#                            DDP with train.global_batch_size = N x micro_batch_size); default 1
+#   DSPARK_REGEN_SAMPLED=1   a second regenerate of the train prompts runs at the same time on cuda:1 with the
+#                            seed-004 sampling (T 0.7, top-p 0.8, top-k 20); cache reads data/regen_all = the
+#                            greedy answers + the sampled ones (ids suffixed ~t07); needs 2 GPUs (or DSPARK_TINY=1)
 #   DSPARK_FROM=STEP         start at STEP (target|prepare|regenerate|cache|train|eval_offline|bench), reusing $DSPARK_WORK
 #                            (train resumes from its last checkpoint: a run can span two device calls)
 #   DSPARK_UNTIL=STEP        stop after STEP (e.g. train: the next call continues with DSPARK_FROM=train)
@@ -54,6 +59,8 @@ SITE="${DSPARK_SITE:-/tmp/site}"
 PY="${PYTHON:-python3}"
 FROM="${DSPARK_FROM:-}"
 UNTIL="${DSPARK_UNTIL:-}"
+NPROC="${DSPARK_NPROC:-1}"
+REGEN_SAMPLED="${DSPARK_REGEN_SAMPLED:-0}"
 if [ "$TINY" = "1" ]; then
   REGEN_BUDGET_S="${DSPARK_REGEN_BUDGET_S:-600}"; TRAIN_BUDGET_S="${DSPARK_TRAIN_BUDGET_S:-600}"
 else
@@ -71,6 +78,8 @@ exec > >(tee -a "$OUT_DIR/run.log" >&3) 2>&1
 TEE_PID=$!
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export TQDM_MININTERVAL="${TQDM_MININTERVAL:-15}"  # progress bars: a line every 15 s in the log
+# several GPUs: NVLink multicast stays off (the device README: it can take the host's GPUs out of service)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 T0=$(date +%s.%N)
 TIMES="$WORK.times"  # "name seconds" lines, read by the summary
@@ -99,6 +108,7 @@ s = {"ok": rc == 0, "failed_step": None if rc == 0 else step,
      "step_seconds": {l.split()[0]: float(l.split()[1]) for l in times.read_text().splitlines()} if times.is_file() else {}}
 s["total_seconds"] = round(sum(s["step_seconds"].values()), 1)
 s["regenerate"] = load("reports/regenerate_stats.json")
+s["regenerate_sampled"] = load("reports/regenerate_sampled_stats.json")
 c = load("reports/cache_stats.json")
 if c:
     c.pop("splits", None)
@@ -216,7 +226,7 @@ cd "$WORK"
 cp "$REPO/params.yaml" params.yaml
 "$PY" -m dspark_core.cli profile apply h200_smollm2 --params params.yaml
 mkdir -p run_profile
-"$PY" - "$REPO" "$GGUF" "$TINY" <<'EOF'
+"$PY" - "$REPO" "$GGUF" "$TINY" "$NPROC" "$REGEN_SAMPLED" <<'EOF'
 """Run overrides as a second profile: the GGUF path, prompt paths made absolute, the tiny CPU scale, no
 DataLoader workers when /dev/shm (where they hand batches over) is small."""
 import shutil
@@ -228,6 +238,7 @@ import yaml
 from dspark_core.profiles import apply_profile
 
 repo, gguf, tiny = Path(sys.argv[1]), str(Path(sys.argv[2]).resolve()), sys.argv[3] == "1"
+nproc, sampled = int(sys.argv[4]), sys.argv[5] == "1"
 params = yaml.safe_load(Path("params.yaml").read_text())
 def absolute(src):
     if src.startswith("jsonl:") and not Path(src[6:]).is_absolute():
@@ -242,6 +253,11 @@ if tiny:
     over["draft"] = {"num_anchors": 16}
     over["train"] = {"total_steps": 8, "max_steps": 8, "micro_batch_size": 4, "global_batch_size": 4,
                      "checkpoint_every": 4, "log_every": 2, "precision": "fp32", "data_workers": 2}
+if nproc > 1:  # DDP: each rank keeps its micro-batch, the global batch grows with the ranks
+    micro = over.get("train", {}).get("micro_batch_size", params["train"]["micro_batch_size"])
+    over.setdefault("train", {})["global_batch_size"] = micro * nproc
+if sampled:  # cache reads the greedy + sampled answers (merged by the regenerate step)
+    over.setdefault("cache", {})["regen_dir"] = "data/regen_all"
 try:
     shm_gib = shutil.disk_usage("/dev/shm").free / 2**30
 except OSError:
@@ -260,13 +276,29 @@ echo "=== [$(since "$T0") s] step setup done in $(since "$t") s"
 # ---------------------------------------------------------------------------------------------- 1-5 stages
 step target "$PY" "$REPO/stages/target.py" --params params.yaml
 step prepare "$PY" "$REPO/stages/prepare.py" --params params.yaml
-step regenerate "$PY" "$REPO/stages/regenerate.py" --params params.yaml --time-budget-s "$REGEN_BUDGET_S"
-step cache "$PY" "$REPO/stages/cache.py" --params params.yaml
+LAUNCH=("$PY")
+[ "$NPROC" -le 1 ] || LAUNCH=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC")
+regenerate_all() {  # greedy answers (params.yaml) and, with DSPARK_REGEN_SAMPLED=1, sampled ones on cuda:1 at once
+  if [ "$REGEN_SAMPLED" != 1 ]; then
+    "$PY" "$REPO/stages/regenerate.py" --params params.yaml --time-budget-s "$REGEN_BUDGET_S"
+    return
+  fi
+  "$PY" "$REPO/scripts/h200_regen_merge.py" params
+  "$PY" "$REPO/stages/regenerate.py" --params params_sampled.yaml --time-budget-s "$REGEN_BUDGET_S" \
+    > regenerate_sampled.log 2>&1 &
+  local pid=$!
+  "$PY" "$REPO/stages/regenerate.py" --params params.yaml --time-budget-s "$REGEN_BUDGET_S"
+  wait "$pid" || { tail -n 30 regenerate_sampled.log; return 1; }
+  tail -n 5 regenerate_sampled.log
+  "$PY" "$REPO/scripts/h200_regen_merge.py" merge
+}
+step regenerate regenerate_all
+step cache "${LAUNCH[@]}" "$REPO/stages/cache.py" --params params.yaml
 # what is left of DSPARK_TOTAL_S after the bench's reserve, at most TRAIN_BUDGET_S, at least 30 s (or that)
 TRAIN_S=$(awk -v b="$TRAIN_BUDGET_S" -v tot="$TOTAL_S" -v res="$BENCH_RESERVE_S" -v el="$(since "$T0")" \
   'BEGIN { x = tot - res - el; if (x > b) x = b; lo = (b < 30) ? b : 30; if (x < lo) x = lo; printf "%d", x }')
 [ "$TRAIN_S" = "${TRAIN_BUDGET_S%.*}" ] || echo "--- train budget cut to $TRAIN_S s (run at $(since "$T0") s of $TOTAL_S)"
-step train "$PY" "$REPO/stages/train.py" --params params.yaml --variant baseline --time-budget-s "$TRAIN_S"
+step train "${LAUNCH[@]}" "$REPO/stages/train.py" --params params.yaml --variant baseline --time-budget-s "$TRAIN_S"
 step eval_offline "$PY" "$REPO/stages/eval_offline.py" --params params.yaml --variant baseline
 
 # ---------------------------------------------------------------------------------------------- 6 bench

@@ -4,6 +4,7 @@ from pathlib import Path
 import typer
 
 from dspark_core.cache import CacheConfig, run_cache
+from dspark_core.dist import shutdown_distributed
 
 
 def main(params: Path = typer.Option(Path("params.yaml"), help="params file"),
@@ -13,7 +14,10 @@ def main(params: Path = typer.Option(Path("params.yaml"), help="params file"),
          ) -> None:
     # Under DVC a params change reruns this stage on its persisted output: rebuild what no longer matches,
     # resume what does (a killed run).
-    run_cache(CacheConfig.load(params, "cache"), force=force, rebuild_stale=not keep_stale)
+    try:
+        run_cache(CacheConfig.load(params, "cache"), force=force, rebuild_stale=not keep_stale)
+    finally:
+        shutdown_distributed()  # torchrun: leave the process group
 
 
 if __name__ == "__main__":

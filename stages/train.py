@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from dspark_core.dist import shutdown_distributed
 from dspark_core.draft.stage import run_train_stage
 
 
@@ -17,7 +18,10 @@ def main(variant: str = typer.Option("baseline", help="a key of `variants` in pa
          time_budget_s: Optional[float] = typer.Option(
              None, "--time-budget-s", help="stop (checkpoint + export) after the step that passes this many seconds"),
          ) -> None:
-    run_train_stage(params, variant, time_budget_s=time_budget_s)
+    try:
+        run_train_stage(params, variant, time_budget_s=time_budget_s)
+    finally:
+        shutdown_distributed()  # torchrun: leave the process group
 
 
 if __name__ == "__main__":

@@ -19,38 +19,9 @@ from dspark_core.cache.capture import plan_batches
 from dspark_core.cache.store import open_store
 from dspark_core.config import ParamsError
 from dspark_core.target import load_target, read_fingerprint
-from dspark_core.testing import save_tiny_target
+from dspark_core.testing import NAN_TOKEN, save_tiny_target, write_regen
 
 LAYERS = (-1, 0, 2, 4)  # tiny targets have 6 decoder layers: 5 is the final one
-NAN_TOKEN = 7           # tests never draw it, except the sample meant to produce NaN
-
-
-def write_regen(path: Path, lengths: list[tuple[int, int]], seed: int = 0, poison: int | None = None) -> Path:
-    """A regenerate parquet with random token ids; ``lengths`` = (prompt, response) per row.
-
-    ``poison``: row that gets ``NAN_TOKEN`` as its 3rd token.
-    """
-    g = np.random.default_rng(seed)
-    rows = {k: [] for k in ("id", "source", "prompt_ids", "response_ids", "prompt_text", "response_text",
-                            "backend", "finish_reason")}
-    for i, (p, r) in enumerate(lengths):
-        prompt = g.integers(NAN_TOKEN + 1, 256, size=p).tolist()
-        if i == poison:
-            prompt[2] = NAN_TOKEN
-        rows["id"].append(f"s{i:03d}")
-        rows["source"].append("test")
-        rows["prompt_ids"].append(prompt)
-        rows["response_ids"].append(g.integers(NAN_TOKEN + 1, 256, size=r).tolist())
-        rows["prompt_text"].append("p")
-        rows["response_text"].append("r")
-        rows["backend"].append("hf")
-        rows["finish_reason"].append("length")
-    schema = pa.schema([("id", pa.string()), ("source", pa.string()), ("prompt_ids", pa.list_(pa.int32())),
-                        ("response_ids", pa.list_(pa.int32())), ("prompt_text", pa.string()),
-                        ("response_text", pa.string()), ("backend", pa.string()), ("finish_reason", pa.string())])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table(rows, schema=schema), path)
-    return path
 
 
 # 14 samples, 710 tokens: three 256-token chunks, three samples longer than max_length=96, one without response

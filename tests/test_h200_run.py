@@ -73,3 +73,36 @@ def test_script_parses():
     if bash is None:
         pytest.skip("no bash")
     subprocess.run([bash, "-n", str(ROOT / "scripts" / "h200_spec_run.sh")], check=True)
+    subprocess.run([bash, "-n", str(ROOT / "scripts" / "h200_multi_gpu_run.sh")], check=True)
+
+
+def test_sampled_answers_are_merged_after_the_greedy_ones(tmp_path, monkeypatch):
+    """DSPARK_REGEN_SAMPLED=1: the sampled copy's params differ only in sampling / GPU / paths, and the merged
+    train split holds both answer sets (distinct ids) in a file the cache stage reads."""
+    import sys
+
+    from dspark_core.cache.source import load_regen
+    from dspark_core.testing import write_regen
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import h200_regen_merge as m
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(ROOT / "params.yaml", "params.yaml")
+    apply_profile("h200_smollm2", Path("params.yaml"))
+    m.write_sampled_params()
+    greedy = yaml.safe_load(Path("params.yaml").read_text())["regenerate"]
+    sampled = RegenerateConfig.from_dict(yaml.safe_load(Path("params_sampled.yaml").read_text())["regenerate"])
+    assert (sampled.temperature, sampled.top_p, sampled.top_k, sampled.device) == (0.7, 0.8, 20, "cuda:1")
+    assert sampled.splits == ("train",) and sampled.out_dir != greedy["out_dir"]
+    assert sampled.max_new_tokens == greedy["max_new_tokens"] and sampled.target_dir == greedy["target_dir"]
+    write_regen(Path("data/regen/train.parquet"), [(5, 7), (6, 8), (4, 4)], seed=0)
+    write_regen(Path("data/regen/eval.parquet"), [(5, 7)], seed=1)
+    write_regen(Path("data/regen_sampled/train.parquet"), [(5, 9), (6, 3), (4, 5)], seed=2)
+    m.merge()
+    train = load_regen(Path("data/regen_all/train.parquet"), 64, "error")
+    assert len(train.ids) == 6 and len(set(train.ids)) == 6
+    assert sorted(i for i in train.ids if i.endswith("~t07")) == ["s000~t07", "s001~t07", "s002~t07"]
+    assert len(load_regen(Path("data/regen_all/eval.parquet"), 64, "error").ids) == 1

@@ -304,7 +304,7 @@ def generate_split(requests: Sequence[Request], sources: dict[str, str], store: 
             store.write(rows)
             stats["generated"] += len(batch)
             bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{stats['new_tokens'] / max(stats['seconds'], 1e-9):.1f}")
+            bar.set_postfix(tok_s=f"{stats['new_tokens'] / max(stats['seconds'], 1e-9):.1f}", refresh=False)
     return stats
 
 

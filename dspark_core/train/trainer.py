@@ -330,7 +330,7 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
                 live.make_summary()
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{row['loss']:.4f}")
+                bar.set_postfix(loss=f"{row['loss']:.4f}", refresh=False)  # shown at tqdm's own pace
         if on_step is not None:
             on_step(done, row)
         if done % cfg.checkpoint_every == 0 or final:
