@@ -35,7 +35,6 @@ sys.path.insert(0, str(ROOT))
 
 from dspark_core.io import write_json  # noqa: E402
 
-AUX_4B = (1, 4, 7, 10)  # of 12 layers
 AUX_TINY = (-1, 0, 2, 4)
 
 
@@ -45,16 +44,14 @@ def make_target(path: Path, shapes: str, layers: int) -> Path:
     from transformers import AutoModelForCausalLM
 
     from dspark_core.target import write_fingerprint
-    from dspark_core.testing import save_tiny_target, tiny_config, tiny_tokenizer
+    from dspark_core.testing import QWEN3_4B_SHAPES, save_tiny_target, tiny_config, tiny_tokenizer
 
     if (path / "fingerprint.json").is_file():
         return path
     if shapes == "tiny":
         save_tiny_target(path, "qwen3")
     else:
-        cfg = tiny_config("qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
-                          num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                          tie_word_embeddings=True, max_position_embeddings=40960, torch_dtype="bfloat16")
+        cfg = tiny_config("qwen3", **{**QWEN3_4B_SHAPES, "num_hidden_layers": layers, "torch_dtype": "bfloat16"})
         torch.manual_seed(0)
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -64,11 +61,20 @@ def make_target(path: Path, shapes: str, layers: int) -> Path:
     return path
 
 
+def aux_layer_ids(shapes: str, layers: int) -> list[int]:
+    """Four aux layers spread over the target (1, 4, 8, 10 of 12), as the seeds pick them; the tiny target's own."""
+    if shapes == "tiny":
+        return list(AUX_TINY)
+    if layers < 4:
+        raise ValueError(f"--layers must be >= 4 (aux layers before the last one); got {layers}")
+    return sorted({1, layers // 3, 2 * layers // 3, layers - 2})
+
+
 def stage_params(work: Path, target: Path, world: int, args) -> Path:
     import yaml
 
     tiny = args.shapes == "tiny"
-    cache = {"aux_layer_ids": list(AUX_TINY if tiny else AUX_4B), "max_length": args.max_length,
+    cache = {"aux_layer_ids": aux_layer_ids(args.shapes, args.layers), "max_length": args.max_length,
              "chunk_tokens": 256 if tiny else 512, "clevel": 1, "batch_tokens": args.batch_tokens,
              "dtype": "float32" if tiny else "bfloat16", "device": "cpu" if tiny else "auto", "splits": ["train"],
              "target_dir": str(target), "regen_dir": str(work / "regen"), "out_dir": str(work / f"cache_w{world}"),

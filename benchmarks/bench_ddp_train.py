@@ -39,6 +39,7 @@ import torch  # noqa: E402
 
 from dspark_core.dist import init_distributed  # noqa: E402
 from dspark_core.io import write_json  # noqa: E402
+from dspark_core.testing import QWEN3_4B_SHAPES  # noqa: E402
 
 AUX_4B = (1, 9, 17, 25, 33)
 AUX_TINY = (0, 2, 4)
@@ -51,9 +52,7 @@ def target_config(shapes: str):
         return Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
                            rope_theta=1e6, max_position_embeddings=4096)
-    return Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                       rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6)
+    return Qwen3Config(**QWEN3_4B_SHAPES)
 
 
 class RandomPool(torch.utils.data.Dataset):

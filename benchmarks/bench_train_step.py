@@ -48,6 +48,7 @@ from dspark_core.draft.config import DraftConfig, LossConfig  # noqa: E402
 from dspark_core.draft.model import DSparkDraft  # noqa: E402
 from dspark_core.draft.synthetic import random_item  # noqa: E402
 from dspark_core.draft.task import DSparkTrainModel, draft_denominators  # noqa: E402
+from dspark_core.testing import QWEN3_4B_SHAPES  # noqa: E402
 
 REFERENCE_STEP_S = {2048: 0.081, 4096: 0.086}
 REFERENCE_PEAK_GIB = 22.5
@@ -59,9 +60,7 @@ def target_config(tiny: bool) -> Qwen3Config:
         return Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=36,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
                            rope_theta=1e6, max_position_embeddings=8192)
-    return Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                       rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6)
+    return Qwen3Config(**QWEN3_4B_SHAPES)
 
 
 def build(args, precision: str,

@@ -16,6 +16,11 @@ import torch
 
 FAMILIES = ("qwen3", "qwen2", "llama")
 
+# Qwen3-4B's shapes (benchmarks build random models and inputs of this size; nothing is downloaded).
+QWEN3_4B_SHAPES = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                       rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6)
+
 # Specials appended after the 256 byte tokens.
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>", "<|pad|>")
 BYTE_VOCAB = 256
@@ -48,11 +53,11 @@ def tiny_config(family: str = "qwen3", **overrides):
         torch_dtype="float32",
     )
     if family == "qwen3":
-        cfg = Qwen3Config(head_dim=16, rope_theta=10000.0, **{**common, **overrides})
+        cfg = Qwen3Config(**{"head_dim": 16, "rope_theta": 10000.0, **common, **overrides})
     elif family == "qwen2":
-        cfg = Qwen2Config(rope_theta=10000.0, **{**common, **overrides})
+        cfg = Qwen2Config(**{"rope_theta": 10000.0, **common, **overrides})
     else:
-        cfg = LlamaConfig(head_dim=16, rope_theta=10000.0, **{**common, **overrides})
+        cfg = LlamaConfig(**{"head_dim": 16, "rope_theta": 10000.0, **common, **overrides})
     cfg._attn_implementation = "eager"
     return cfg
 
