@@ -11,8 +11,9 @@
 #   3 bench_train_step.py                one sample per GPU (weak scaling: an all-reduce per sample), 1 and NPROC
 #   4 bench_cache_shard.py               the cache stage on 1 and NPROC processes into one zarr store, compared
 #                                        bit for bit and verified against the target
-# DSPARK_MG_PARTS (default "dspark dmtd train_step cache_shard") picks parts: all four take ~12 minutes on an
-# nvidia-h200-x2 (each first DSpark step compiles for ~70 s), so split them over two device calls.
+# DSPARK_MG_PARTS (default "dspark dmtd train_step cache_shard") picks parts. In session 6 (nvidia-h200-x2) the
+# first three took 565 s (each first DSpark step compiles for ~70 s; the benchmark then also wrote a final
+# checkpoint, 48 GB for DMTD, which it no longer does): plan two device calls for all four.
 # Writes OUT_DIR/{ddp_train.json, ddp_*_w*.json, train_step_w*.json, cache_shard.json, run.log, gpus.txt}.
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

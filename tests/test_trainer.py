@@ -107,6 +107,17 @@ def test_time_budget_stops_with_a_checkpoint_and_resumes(tmp_path):
         train(ToyTask(), _cfg(tmp_path / "bad"), progress=False, time_budget_s=0)
 
 
+def test_without_checkpoints_nothing_is_written_or_resumed(tmp_path):
+    """checkpoints=False (the benchmarks): the same run, no checkpoint on disk, a second call starts at step 0."""
+    ref = train(ToyTask(), _cfg(tmp_path / "ref"), progress=False)
+    a = train(ToyTask(), _cfg(tmp_path / "none"), progress=False, checkpoints=False)
+    assert not (tmp_path / "none" / "checkpoints").exists()
+    b = train(ToyTask(), _cfg(tmp_path / "none"), progress=False, checkpoints=False)
+    assert a.steps == b.steps == ref.steps and len(b.history) == ref.steps
+    for (k, va), vb in zip(_params(ref.model).items(), _params(b.model).values()):
+        assert torch.equal(va, vb), k
+
+
 def test_data_workers_give_the_same_run(tmp_path):
     inline = train(ToyTask(), _cfg(tmp_path / "a", micro_batch_size=4), progress=False)
     workers = train(ToyTask(), _cfg(tmp_path / "b", micro_batch_size=4, data_workers=2), progress=False)

@@ -257,12 +257,13 @@ def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
 
 def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
           on_step: Callable[[int, dict[str, float]], None] | None = None,
-          progress: bool = True, time_budget_s: float | None = None) -> TrainResult:
+          progress: bool = True, time_budget_s: float | None = None, checkpoints: bool = True) -> TrainResult:
     """Run (or resume) training of ``task`` until ``cfg.stop_step``. Returns the (unwrapped) model.
 
     ``time_budget_s`` (off by default): stop after the first step that ends that many seconds after the
     loop started (compilation included), with a checkpoint, as if ``max_steps`` were that step; the lr
-    schedule is not stretched. ``TrainResult.steps`` is the step reached."""
+    schedule is not stretched. ``TrainResult.steps`` is the step reached. ``checkpoints=False`` (benchmarks)
+    neither resumes from nor writes checkpoints."""
     if time_budget_s is not None and not time_budget_s > 0:
         raise ValueError(f"train: time budget must be > 0 seconds; got {time_budget_s!r}")
     d = init_distributed()
@@ -277,7 +278,7 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
                             weight_decay=cfg.weight_decay, fused=device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     ckpt_root = Path(cfg.out_dir) / "checkpoints"
-    start = load_checkpoint(ckpt_root, model, opt, sched)
+    start = load_checkpoint(ckpt_root, model, opt, sched) if checkpoints else 0
     wrapped: nn.Module = model
     if d.world_size > 1:
         wrapped = nn.parallel.DistributedDataParallel(
@@ -333,7 +334,7 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
                 bar.set_postfix(loss=f"{row['loss']:.4f}", refresh=False)  # shown at tqdm's own pace
         if on_step is not None:
             on_step(done, row)
-        if done % cfg.checkpoint_every == 0 or final:
+        if checkpoints and (done % cfg.checkpoint_every == 0 or final):
             if d.is_main:
                 save_checkpoint(ckpt_root, done, model, opt, sched, cfg.keep_checkpoints)
             if d.world_size > 1:
