@@ -106,8 +106,6 @@ def save_tiny_target(path: str | Path, family: str = "qwen3", seed: int = 0, **o
     return path
 
 
-REGEN_SCHEMA_FIELDS = ("id", "source", "prompt_ids", "response_ids", "prompt_text", "response_text", "backend",
-                       "finish_reason")
 NAN_TOKEN = 7  # write_regen never draws it, except in the ``poison`` row (tests make it produce NaN)
 
 
@@ -119,8 +117,11 @@ def write_regen(path: str | Path, lengths: list[tuple[int, int]], seed: int = 0,
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    schema = pa.schema([("id", pa.string()), ("source", pa.string()), ("prompt_ids", pa.list_(pa.int32())),
+                        ("response_ids", pa.list_(pa.int32())), ("prompt_text", pa.string()),
+                        ("response_text", pa.string()), ("backend", pa.string()), ("finish_reason", pa.string())])
     g = np.random.default_rng(seed)
-    rows: dict[str, list] = {k: [] for k in REGEN_SCHEMA_FIELDS}
+    rows: dict[str, list] = {k: [] for k in schema.names}
     for i, (p, r) in enumerate(lengths):
         prompt = g.integers(NAN_TOKEN + 1, vocab, size=p).tolist()
         if i == poison:
@@ -133,9 +134,6 @@ def write_regen(path: str | Path, lengths: list[tuple[int, int]], seed: int = 0,
         rows["response_text"].append("r")
         rows["backend"].append("hf")
         rows["finish_reason"].append("length")
-    schema = pa.schema([("id", pa.string()), ("source", pa.string()), ("prompt_ids", pa.list_(pa.int32())),
-                        ("response_ids", pa.list_(pa.int32())), ("prompt_text", pa.string()),
-                        ("response_text", pa.string()), ("backend", pa.string()), ("finish_reason", pa.string())])
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(rows, schema=schema), path)
