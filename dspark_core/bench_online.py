@@ -75,6 +75,7 @@ class BenchOnlineConfig(Section):
     tree_branches: tuple[tuple[int, ...], ...] = ()  # static engine: draft-tree branches [start, length] (spec/tree.py)
     num_threads: int | None = None        # CPU threads for torch (None: torch's default)
     peers: tuple[str, ...] = ("hf_generate", "assisted", "prompt_lookup")
+    peers_variants: tuple[str, ...] = ("baseline",)  # variants whose bench runs the peers (draft-independent)
     prompt_lookup_num_tokens: int = 10
     assistant_dir: str | None = None      # HF dir of the assisted-generation peer; None: truncated target
     assistant_layers: int = 4             # layers of the truncated-target assistant
@@ -318,6 +319,8 @@ def run_bench_online_stage(params: str | Path, variant: str) -> dict[str, Any]:
     if not (draft_dir / "config.json").is_file():
         raise ValueError(f"{draft_dir}: no trained draft of variant {variant!r} (run `dvc repro train@{variant}`)")
     sets = load_prompt_sets(cfg.prompts_path, cfg.datasets, cfg.max_prompts)
+    if variant not in cfg.peers_variants:  # the peers do not depend on the draft: measured once
+        cfg = cfg.replace(peers=())
     out = Path(cfg.out_dir)
     return run_bench_online(TARGET_DIR, draft_dir, sets, cfg, out_json=out / f"{variant}.json",
                             plots_dir=out / variant, expected_fingerprint=read_fingerprint(TARGET_DIR)["fingerprint"])
@@ -356,6 +359,33 @@ def _resolve_kernels(cfg: BenchOnlineConfig, model: torch.nn.Module, device: tor
     if problem and cfg.kernels:
         raise ValueError(f"bench_online.kernels: true, but {problem}")
     return problem is None
+
+
+def static_engine_problem(sampling: SamplingParams, draft: Any) -> str | None:
+    """Why the static CUDA-graph engine cannot run this draft / sampling (None when it can): the benchmark
+    records it, so a variant that falls back to the reference engine says why."""
+    from dspark_core.spec.static_draft import static_draft_problem
+
+    if not sampling.greedy:
+        return f"temperature {sampling.temperature} (the static engine is greedy)"
+    return static_draft_problem(draft)
+
+
+def _add_variant_timers(metrics: dict[str, Any], runs: dict[str, Any], timers: dict[str, dict[str, float]]) -> None:
+    """``<timer>_ms_per_cycle`` and ``<timer>_share_of_cycle`` (of draft + verify time) per dataset and overall."""
+    totals: dict[str, float] = {}
+    all_cycle_s, all_cycles = 0.0, 0
+    for name, run in runs.items():
+        cycle_s = sum(sum(r.draft_s) + sum(r.verify_s) for r in run.spec)
+        cycles = sum(r.cycles for r in run.spec)
+        all_cycle_s, all_cycles = all_cycle_s + cycle_s, all_cycles + cycles
+        for key, sec in timers[name].items():
+            totals[key] = totals.get(key, 0.0) + sec
+            metrics[name][f"{key}_ms_per_cycle"] = 1e3 * sec / max(cycles, 1)
+            metrics[name][f"{key}_share_of_cycle"] = sec / cycle_s if cycle_s > 0 else None
+    for key, sec in totals.items():
+        metrics["overall"][f"{key}_ms_per_cycle"] = 1e3 * sec / max(all_cycles, 1)
+        metrics["overall"][f"{key}_share_of_cycle"] = sec / all_cycle_s if all_cycle_s > 0 else None
 
 
 def resolve_engine(name: str, sampling: SamplingParams, draft: Any, device: torch.device) -> str:
@@ -411,11 +441,16 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
     ar = ARDecoder(runner, sampling=cfg.sampling, seed=cfg.seed)
     stops = stop_ids_of(model, tokenizer)
     _warm_up(prompt_sets, tokenizer, spec, ar, stops)
-    runs = {name: decode_dataset(convs, tokenizer, spec, ar, cfg, stops, desc=name)
-            for name, convs in prompt_sets.items()}
+    runs, timers = {}, {}
+    for name, convs in prompt_sets.items():
+        draft.set_variant_timing(True)  # a variant's own online work (e.g. the Engram lookup), timed per dataset
+        runs[name] = decode_dataset(convs, tokenizer, spec, ar, cfg, stops, desc=name)
+        timers[name] = draft.variant_timers()
+        draft.set_variant_timing(False)
     greedy = cfg.sampling.greedy
     metrics: dict[str, Any] = {name: summarize(run, block, greedy) for name, run in runs.items()}
     metrics["overall"] = summarize(_merge(runs.values()), block, greedy)
+    _add_variant_timers(metrics, runs, timers)
     if cfg.peers and greedy:
         assistant = _assistant(cfg, model) if "assisted" in cfg.peers else None
         for name, run in runs.items():
@@ -424,6 +459,8 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
                 cfg.prompt_lookup_num_tokens, tokenizer.pad_token_id)
     metrics["setup"] = {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "cuda_graph": graphs,
                         "kernels": kernels, "engine": engine,
+                        "static_engine_problem": static_engine_problem(cfg.sampling, draft),
+                        "draft_kind": draft.cfg.kind,
                         "num_threads": torch.get_num_threads(),
                         "compile": cfg.compile, "block_size": block, "aux_layer_ids": list(draft.aux_layer_ids),
                         "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,

@@ -41,6 +41,7 @@ def dspark_rows(variants: Sequence[str], root: Path = REPORTS) -> list[dict[str,
                      "ce": off.get("ce"), "conf_mae": off.get("conf_mae"), "mal": on.get("mal"),
                      "tokens_per_s": on.get("tokens_per_s"), "ar_tokens_per_s": on.get("ar_tokens_per_s"),
                      "speedup": on.get("speedup"), "identical": on.get("identical"),
+                     "engram_lookup_share": on.get("engram_lookup_share_of_cycle"),
                      "_rates": [off.get(f"accept_rate@{i}") for i in range(64) if f"accept_rate@{i}" in off]})
     return rows
 

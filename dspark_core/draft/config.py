@@ -7,11 +7,56 @@ A variant's overrides are merged into the ``draft`` / ``loss`` mappings before `
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dspark_core.config import Section, non_negative, one_of, positive, require
 
 MARKOV_HEADS = ("vanilla", "none")
+# The draft classes a variant may select with ``draft.kind`` (dspark_core/draft/variants/).
+DRAFT_KINDS = ("baseline", "engram_markov", "engram_mask_gated", "engram_mask_replace")
+ENGRAM_KINDS = ("engram_markov", "engram_mask_gated", "engram_mask_replace")
+ENGRAM_SOURCES = ("trainable", "frozen")
+
+
+@dataclass(frozen=True)
+class EngramConfig(Section):
+    """The hashed multi-head n-gram table of the Engram variants (seed 000; ``draft/variants/engram.py``).
+
+    Each n-gram order has ``heads_per_order`` hash heads; head k of order n is a table of a prime number of
+    rows (the ``k``-th prime >= ``table_rows`` for that order) whose row width is the feature width divided
+    over all heads; the feature ``e_t`` of the prefix ending at t concatenates one row per head.
+    ``source``: ``trainable`` (learned with the draft at ``lr``, dense or ``sparse`` gradients) or ``frozen``
+    (read from ``table_path``, written by the ``engram_build`` stage). The table is not a draft parameter
+    in the seed's counts; its size is reported on its own.
+    """
+
+    orders: tuple[int, ...] = (2, 3)
+    heads_per_order: int = 2
+    table_rows: int = 20011
+    source: str = "trainable"
+    lr: float | None = None             # None: train.lr (trainable tables)
+    sparse: bool = False                # sparse gradients + SparseAdam for the table (one process only)
+    table_path: str = "data/engram/table.safetensors"
+    hash_seed: int = 0
+
+    def validate(self) -> None:
+        require(len(self.orders) > 0, "orders must not be empty")
+        for n in self.orders:
+            require(isinstance(n, int) and n >= 1, f"orders must be integers >= 1; got {list(self.orders)}")
+        require(list(self.orders) == sorted(set(self.orders)), f"orders must be strictly increasing; got "
+                f"{list(self.orders)}")
+        positive("heads_per_order", self.heads_per_order)
+        require(self.table_rows >= 2, f"table_rows must be >= 2; got {self.table_rows}")
+        one_of("source", self.source, ENGRAM_SOURCES)
+        if self.lr is not None:
+            positive("lr", self.lr)
+        non_negative("hash_seed", self.hash_seed)
+        require(not (self.sparse and self.source == "frozen"), "sparse: true needs source: trainable "
+                "(a frozen table has no gradient)")
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.orders) * self.heads_per_order
 
 
 @dataclass(frozen=True)
@@ -31,8 +76,13 @@ class DraftConfig(Section):
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
+    kind: str = "baseline"              # the draft class: baseline | engram_markov | engram_mask_gated | ...
+    engram: EngramConfig = field(default_factory=EngramConfig)  # read by the engram_* kinds only
 
     def validate(self) -> None:
+        one_of("kind", self.kind, DRAFT_KINDS)
+        require(not (self.kind == "engram_markov" and self.markov_head == "none"),
+                "kind engram_markov needs a Markov head (markov_head is 'none')")
         positive("num_draft_layers", self.num_draft_layers)
         positive("block_size", self.block_size)
         positive("num_anchors", self.num_anchors)

@@ -125,9 +125,10 @@ def propose(draft: "DSparkDraft", cache: ContextCache, anchor_token: torch.Tenso
     prev, prefix = anchor_token, anchor_token.unsqueeze(1)  # [B], [B, 1]
     tokens, probs, conf = [], [], []
     for i in range(draft.block_size):
-        m = draft.markov_features(prev, hidden[:, i], extras)  # [B, r] | None
+        slot_extras = {**(extras or {}), "block_prefix": prefix}  # a variant's per-slot lookups read the prefix
+        m = draft.markov_features(prev, hidden[:, i], slot_extras)  # [B, r] | None
         logits = base[:, i] if m is None else base[:, i] + draft.markov_bias(m).float()  # [B, V]
-        logits = draft.score_candidates(logits, hidden[:, i], prefix, i, extras)
+        logits = draft.score_candidates(logits, hidden[:, i], prefix, i, slot_extras)
         c = draft.confidence_logits(hidden[:, i], m)  # [B] | None
         tok, prob = sample_fn(logits)
         tok = tok.reshape(-1).to(anchor_token.device)

@@ -189,7 +189,12 @@ class DSparkDraft(nn.Module):
     ``embed_weight`` / ``lm_head_weight`` [V, Ht] are the target's (shared storage, frozen: parameters
     with ``requires_grad=False``, so DDP never broadcasts them and trainer checkpoints skip them). A tied
     target (the same tensor for both) is stored once.
+
+    ``token_history``: how many trailing committed tokens (through the anchor) a variant reads at inference;
+    the engine then passes ``extras = {"input_ids": [B, n], "anchors": [B, 1]}`` (0: no extras, the baseline).
     """
+
+    token_history = 0
 
     def __init__(self, cfg: DraftConfig, target_config: Any, embed_weight: torch.Tensor,
                  lm_head_weight: torch.Tensor, *, aux_layer_ids: Any, target_fingerprint: str | None = None) -> None:
@@ -331,6 +336,13 @@ class DSparkDraft(nn.Module):
                          extras: Mapping[str, Any] | None) -> torch.Tensor:
         """Hook 4. Rescore slot ``slot``'s logits [B, V] given h [B, H] and the chosen prefix [B, slot+1]."""
         return logits
+
+    def variant_timers(self) -> dict[str, float]:
+        """Seconds spent in a variant's own online work since ``set_variant_timing(True)`` (bench_online)."""
+        return {}
+
+    def set_variant_timing(self, on: bool) -> None:
+        """Start (and zero) or stop the variant's timers; the baseline has none."""
 
     # -- training forward ----------------------------------------------------------------------------
     def forward_train(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, anchors: torch.Tensor,
@@ -497,8 +509,10 @@ def load_draft(path: str | Path, target_model: nn.Module, expected_fingerprint: 
     if expected_fingerprint is not None and saved.get("fingerprint") not in (None, expected_fingerprint):
         raise ValueError(f"{src}: draft trained on target {saved['fingerprint']}, the given target is "
                          f"{expected_fingerprint}")
+    from dspark_core.draft.variants import build_draft
+
     lm = target_model.get_output_embeddings().weight
-    draft = DSparkDraft(cfg, tc, target_model.get_input_embeddings().weight, lm,
+    draft = build_draft(cfg, tc, target_model.get_input_embeddings().weight, lm,
                         aux_layer_ids=info["aux_layer_ids"], target_fingerprint=saved.get("fingerprint"))
     weights = load_file(str(path / "model.safetensors"))
     own = draft.own_state_dict()

@@ -42,7 +42,24 @@ def run_train_stage(params: Path, variant: str, time_budget_s: float | None = No
     run_config = {"variant": variant, "draft": draft_cfg.to_dict(), "loss": loss_cfg.to_dict(),
                   "train": train_cfg.to_dict(), "target": task.target_fingerprint,
                   "cache": sha256_json(data.manifest)}
-    run_training(task, train_cfg, run_config, Path("reports/train") / variant, time_budget_s=time_budget_s)
+    result = run_training(task, train_cfg, run_config, Path("reports/train") / variant, time_budget_s=time_budget_s)
+    write_param_counts(result.model, Path("reports/train") / variant / "model.json", variant)
+
+
+def write_param_counts(model, path: Path, variant: str) -> dict:
+    """Print and write the draft's parameter counts: trainable draft weights, the variant's own (seed 000's
+    counts) and the Engram table (not a draft parameter; its own line)."""
+    from dspark_core.dist import init_distributed
+    from dspark_core.draft.variants import param_counts
+    from dspark_core.io import write_json
+
+    draft = getattr(getattr(model, "module", model), "draft", model)
+    counts = {"kind": draft.cfg.kind, **param_counts(draft)}
+    if init_distributed().is_main:
+        print(f"train@{variant}: {counts['kind']} draft, {counts['draft']:,} trainable parameters "
+              f"({counts['variant']:,} of the variant); Engram table {counts['engram_table']:,} entries")
+        write_json(path, counts)
+    return counts
 
 
 def run_eval_offline_stage(params: Path, variant: str) -> dict:
@@ -66,3 +83,44 @@ def run_eval_offline_stage(params: Path, variant: str) -> dict:
     out = Path("reports/eval_offline")
     return evaluate_offline(draft, data, cfg, metrics_path=out / f"{variant}.json", plots_dir=out / variant,
                             pad_id=tok.pad_token_id or 0, device=device)
+
+
+ENGRAM_DIR = Path("data/engram")
+
+
+def run_engram_build_stage(params: Path) -> dict:
+    """Stage ``engram_build``: the frozen Engram table (``draft.engram``) from the train cache's token ids and the
+    target's embedding -> ``draft.engram.table_path``; its size -> reports/engram_table.json."""
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    from dspark_core.cache.store import open_store, read_manifest
+    from dspark_core.draft.variants.engram import EngramTable, build_frozen_table, write_frozen_table
+    from dspark_core.io import write_json
+    from dspark_core.target import load_target, read_fingerprint
+
+    cfg = DraftConfig.load(params, "draft")
+    eng = cfg.engram
+    if Path(eng.table_path).parent != ENGRAM_DIR:
+        raise ParamsError(f"{params}: draft.engram.table_path must lie in {ENGRAM_DIR}/ (the stage's output in "
+                          f"dvc.yaml); got {eng.table_path}")
+    model, _ = load_target(TARGET_DIR)
+    fp = read_fingerprint(TARGET_DIR)["fingerprint"]
+    store = CACHE_DIR / "train.zarr"
+    manifest = read_manifest(store)
+    if manifest["model_fingerprint"] != fp:
+        raise ValueError(f"{store}: cache from another model; rebuild the cache stage")
+    group = open_store(store)
+    ids, offsets = np.asarray(group["input_ids"][:]), np.asarray(group["offsets"][:])
+    samples = (ids[offsets[n]:offsets[n + 1]] for n in range(len(offsets) - 1))
+    dim = cfg.hidden_size or model.config.hidden_size
+    embed = model.get_input_embeddings().weight.detach().float()
+    weights = build_frozen_table(eng, dim, tqdm(samples, total=len(offsets) - 1, desc="engram_build", unit="sample"),
+                                 embed)
+    layout = EngramTable(eng, dim).layout()
+    stats = {"samples": len(offsets) - 1, "tokens": int(offsets[-1]), "params": sum(w.numel() for w in weights),
+             "bytes": sum(w.numel() * w.element_size() for w in weights),
+             "rows_hit": [int((w.abs().sum(-1) > 0).sum()) for w in weights], **layout}
+    write_frozen_table(eng.table_path, weights, layout, fp, stats)
+    write_json(Path("reports/engram_table.json"), stats)
+    return stats

@@ -23,6 +23,7 @@ from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.draft.config import DraftConfig, LossConfig
 from dspark_core.draft.loss import dspark_sums, slot_weights
 from dspark_core.draft.model import DSparkDraft
+from dspark_core.draft.variants import build_draft
 from dspark_core.metrics import block_counts
 from dspark_core.train.task import TermSpec
 
@@ -111,14 +112,28 @@ class DSparkTask:
     def build_model(self, device: torch.device, dtype: torch.dtype) -> DSparkTrainModel:
         """Draft + loss on ``device``, trainable weights in ``dtype``. On GPU the frozen embedding / LM head
         are kept in bf16: the trainer computes in bf16 autocast there, and the LM-head matmuls dominate."""
-        draft = DSparkDraft(self.draft_cfg, self.target_config, self.embed_weight, self.lm_head_weight,
+        draft = build_draft(self.draft_cfg, self.target_config, self.embed_weight, self.lm_head_weight,
                             aux_layer_ids=self.aux_layer_ids, target_fingerprint=self.target_fingerprint)
+        if hasattr(draft, "load_frozen_sources"):  # e.g. a frozen Engram table built by the engram_build stage
+            draft.load_frozen_sources()
         draft.attention_backend = self.attention_backend
         draft.gradient_checkpointing = self.gradient_checkpointing
         draft = draft.to(device=device, dtype=dtype)
         if torch.device(device).type == "cuda":
             draft.set_frozen_dtype(torch.bfloat16)
         return DSparkTrainModel(draft, self.loss_cfg)
+
+    def param_groups(self, model: nn.Module) -> list[dict[str, Any]]:
+        """One group for the draft; a trainable Engram table gets its own (``draft.engram.lr``, ``sparse``)."""
+        table = getattr(getattr(model, "draft", model), "engram_table", None)
+        table_ids = {id(p) for p in table.parameters()} if table is not None else set()
+        rest = [p for p in model.parameters() if p.requires_grad and id(p) not in table_ids]
+        groups: list[dict[str, Any]] = [{"params": rest}]
+        if table is not None:
+            eng = self.draft_cfg.engram
+            groups.append({"params": [p for p in table.parameters() if p.requires_grad], "lr": eng.lr,
+                           "sparse": eng.sparse})
+        return groups
 
     def train_dataset(self) -> Sequence[Any]:
         return self.data

@@ -76,8 +76,9 @@ class SpeculativeDecoder:
         tokens = anchor.tolist()
         t1 = self._clock()
         result.prefill_s = t1 - t0
+        history = prompt[0].tolist()  # committed ids before ``tokens`` (variants that read token ids)
         while len(tokens) < max_new_tokens and tokens[-1] not in stops:
-            committed = self._cycle(cache, anchor, result)
+            committed = self._cycle(cache, anchor, result, self._extras(history, tokens))
             tokens.extend(committed)
             if stops.intersection(committed):
                 break
@@ -88,10 +89,25 @@ class SpeculativeDecoder:
         return result
 
     # -- one cycle ------------------------------------------------------------------------------
-    def _cycle(self, cache, anchor: torch.Tensor, result: GenerationResult) -> tuple[int, ...]:
+    def _extras(self, history: list[int], tokens: list[int]) -> dict[str, torch.Tensor] | None:
+        """What a variant reads besides the context: the last ``draft.token_history`` committed ids through the
+        anchor (``input_ids [1, n]``) and the anchor's index in them (``anchors [1, 1]``); None for the baseline."""
+        n = int(getattr(self.draft, "token_history", 0))
+        if n <= 0:
+            return None
+        tail = (history + tokens)[-n:]
+        dev = self.target.device
+        return {"input_ids": torch.tensor([tail], dtype=torch.long, device=dev),
+                "anchors": torch.tensor([[len(tail) - 1]], dtype=torch.long, device=dev)}
+
+    def _cycle(self, cache, anchor: torch.Tensor, result: GenerationResult,
+               extras: dict[str, torch.Tensor] | None = None) -> tuple[int, ...]:
         p = self.target.length  # anchor position
         t0 = self._clock()
-        proposal = self.draft.propose(cache, anchor, self.sample_fn, self.confidence_threshold)
+        if extras is None:
+            proposal = self.draft.propose(cache, anchor, self.sample_fn, self.confidence_threshold)
+        else:
+            proposal = self.draft.propose(cache, anchor, self.sample_fn, self.confidence_threshold, extras=extras)
         n = self._check_proposal(proposal)
         t1 = self._clock()
         verify_ids = torch.cat([anchor.view(1, 1), proposal.tokens[:, :n].to(anchor.device)], dim=1)  # [1, n+1]

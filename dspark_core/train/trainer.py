@@ -233,6 +233,64 @@ def load_checkpoint(ckpt_root: Path, model: nn.Module, opt, sched) -> int:
     return int(st["step"])
 
 
+# -- optimiser ----------------------------------------------------------------------------------
+class AdamWWithSparse(torch.optim.Optimizer):
+    """AdamW over the dense parameter groups and ``SparseAdam`` over those marked ``sparse`` (an embedding table
+    with sparse gradients), one optimiser to the scheduler and the checkpoints. Every group keeps its own lr
+    (the schedule scales each)."""
+
+    def __init__(self, groups: list[dict[str, Any]], cfg: TrainConfig, fused: bool) -> None:
+        super().__init__([{"params": g["params"]} for g in groups], {"lr": cfg.lr})
+        kw = dict(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        dense = [g for g in groups if not g.get("sparse")]
+        sparse = [{k: v for k, v in g.items() if k != "sparse"} for g in groups if g.get("sparse")]
+        self.dense = torch.optim.AdamW([{k: v for k, v in g.items() if k != "sparse"} for g in dense], lr=cfg.lr,
+                                       weight_decay=cfg.weight_decay, fused=fused, **kw)
+        self.sparse = torch.optim.SparseAdam(sparse, lr=cfg.lr, **kw)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # the inner optimisers' (load_state_dict replaces them)
+        if "sparse" not in self.__dict__:  # inside torch.optim.Optimizer.__init__
+            return self.__dict__["_groups"]
+        return self.dense.param_groups + self.sparse.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.__dict__["_groups"] = value
+
+    def step(self, closure=None):  # noqa: D102
+        self.dense.step()
+        self.sparse.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
+        self.dense.zero_grad(set_to_none=set_to_none)
+        self.sparse.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:  # noqa: D102
+        return {"dense": self.dense.state_dict(), "sparse": self.sparse.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: D102
+        self.dense.load_state_dict(state["dense"])
+        self.sparse.load_state_dict(state["sparse"])
+
+
+def build_optimizer(task: TrainTask, model: nn.Module, cfg: TrainConfig, device: torch.device, d: Dist):
+    """AdamW over the trainable parameters; a task's ``param_groups(model)`` may give groups their own ``lr``
+    (None: ``train.lr``) and mark groups ``sparse`` (then :class:`AdamWWithSparse`)."""
+    groups = task.param_groups(model) if hasattr(task, "param_groups") else [
+        {"params": [p for p in model.parameters() if p.requires_grad]}]
+    groups = [{**g, "lr": g.get("lr") or cfg.lr} for g in groups if g["params"]]
+    fused = device.type == "cuda"
+    if not any(g.get("sparse") for g in groups):
+        return torch.optim.AdamW([{k: v for k, v in g.items() if k != "sparse"} for g in groups], lr=cfg.lr,
+                                 betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                 fused=fused)
+    if d.world_size > 1:
+        raise ValueError("sparse gradients (draft.engram.sparse: true) train in one process only; "
+                         "set draft.engram.sparse: false under torchrun")
+    return AdamWWithSparse(groups, cfg, fused)
+
+
 # -- the loop ---------------------------------------------------------------------------------
 @dataclass
 class TrainResult:
@@ -274,8 +332,7 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"task {task.name!r}: the model has no trainable parameters")
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                            weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+    opt = build_optimizer(task, model, cfg, device, d)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     ckpt_root = Path(cfg.out_dir) / "checkpoints"
     start = load_checkpoint(ckpt_root, model, opt, sched) if checkpoints else 0
@@ -382,10 +439,30 @@ def _combine(task: TrainTask, sums: dict[str, torch.Tensor], dens: dict[str, tor
 
 
 def _clip(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    if any(p.grad is not None and p.grad.is_sparse for p in params):
+        return _clip_with_sparse(params, max_norm)
     if max_norm > 0:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
     grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
     return float(torch.stack(grads).norm()) if grads else 0.0
+
+
+def _clip_with_sparse(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Global-norm clipping when some gradients are sparse (torch's clip_grad_norm_ cannot norm them)."""
+    norms = []
+    for p in params:
+        if p.grad is not None:
+            g = p.grad.coalesce() if p.grad.is_sparse else p.grad
+            if p.grad.is_sparse:
+                p.grad = g
+            norms.append((g.values() if g.is_sparse else g).detach().float().norm())
+    total = float(torch.stack(norms).norm()) if norms else 0.0
+    if max_norm > 0 and total > max_norm:
+        coef = max_norm / (total + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return total
 
 
 def _step_metrics(task: TrainTask, sums: dict[str, torch.Tensor], dens: dict[str, torch.Tensor],

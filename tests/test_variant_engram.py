@@ -1,0 +1,303 @@
+"""Engram variants (seed 000): the hashed n-gram lookup against its formula, training forward == single-block
+inference for each variant, the zero-init equivalences, parameter counts at seed shapes, frozen tables
+(engram_build) and the online engine (greedy output identical to AR, with partial acceptance)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark_core.cache.dataset import CacheCollator
+from dspark_core.draft.anchors import add_anchor_fields
+from dspark_core.draft.config import DraftConfig, EngramConfig
+from dspark_core.draft.model import DSparkDraft, load_draft, save_draft
+from dspark_core.draft.synthetic import items_from_target
+from dspark_core.draft.variants import build_draft, param_counts
+from dspark_core.draft.variants.engram import (EngramTable, build_frozen_table, is_prime, read_frozen_table,
+                                               table_primes, write_frozen_table)
+from dspark_core.testing import tiny_model
+
+AUX = (0, 2, 4)
+S = 4
+KINDS = ("engram_markov", "engram_mask_gated", "engram_mask_replace")
+SMALL = EngramConfig(orders=(1, 2, 3), heads_per_order=2, table_rows=31)
+
+
+def _cfg(kind: str, **over) -> DraftConfig:
+    base = dict(num_draft_layers=2, block_size=S, mask_token_id=259, num_anchors=6, markov_rank=8, kind=kind,
+                engram=SMALL)
+    return DraftConfig(**{**base, **over})
+
+
+def _draft(model, kind: str, seed: int = 1, perturb: bool = True, **over):
+    torch.manual_seed(seed)
+    d = build_draft(_cfg(kind, **over), model.config, model.get_input_embeddings().weight,
+                    model.get_output_embeddings().weight, aux_layer_ids=AUX)
+    if perturb:  # non-zero gates and W_V, so every Engram path changes the output
+        with torch.no_grad():
+            for name, p in d.named_parameters():
+                if p.requires_grad and name in ("engram_gate", "engram_v.weight"):
+                    p.copy_(0.5 * torch.randn_like(p))
+    return d.eval()
+
+
+_ITEMS: dict = {}
+
+
+def _batch(model, n=3, anchors=4, seed=0):
+    key = (model.config.model_type, n, seed)
+    if key not in _ITEMS:
+        items = items_from_target(model, AUX, n, 5, 19, seed=seed)
+        items[1] = {k: v[:-4] for k, v in items[1].items()}  # ragged
+        _ITEMS[key] = items
+    return add_anchor_fields(CacheCollator(0)(_ITEMS[key]), anchors, S, torch.Generator().manual_seed(seed))
+
+
+# -- the lookup -------------------------------------------------------------------------------------------
+def test_primes_and_hash_against_the_formula():
+    cfg = EngramConfig(orders=(2, 3), heads_per_order=3, table_rows=100)
+    rows = table_primes(cfg)
+    assert rows == [101, 103, 107, 101, 103, 107] and all(is_prime(r) for r in rows)
+    table = EngramTable(cfg, 30)
+    assert table.widths == [5] * 6 and table.num_params == 5 * sum(rows)
+    ids = torch.randint(0, 1000, (2, 9))
+    pos = torch.tensor([[-1, 0, 1, 2, 8], [3, 4, 5, 6, 7]])
+    bucket, valid = table.buckets(ids, pos)
+    for b in range(2):
+        for p in range(5):
+            t = int(pos[b, p])
+            for k, n in enumerate(table.head_orders):
+                ok = t - n + 1 >= 0
+                assert bool(valid[b, p, k]) == ok
+                if ok:
+                    want = sum((int(ids[b, t - j]) + 1) * int(table.mult[k, j]) for j in range(n)) % rows[k]
+                    assert int(bucket[b, p, k]) == want
+    e = table.lookup(ids, pos)  # [2, 5, 30]
+    assert torch.equal(e[0, 0], torch.zeros(30))  # no predecessor: zeros
+    assert torch.equal(e[0, 1, 5:], torch.zeros(25)) and e[0, 1, :5].abs().sum() == 0  # order 2/3 incomplete
+    assert e[1, 0].abs().min() > 0  # every head complete
+
+
+def test_lookup_depends_only_on_the_last_n_tokens():
+    table = EngramTable(SMALL, 12)
+    a = torch.tensor([[5, 6, 7, 8, 9]])
+    b = torch.tensor([[1, 2, 7, 8, 9]])
+    torch.testing.assert_close(table.lookup(a, torch.tensor([[4]])), table.lookup(b, torch.tensor([[4]])))
+    c = torch.tensor([[1, 2, 3, 8, 9]])  # the 3-gram differs, the 1- and 2-grams agree
+    diff = (table.lookup(a, torch.tensor([[4]])) - table.lookup(c, torch.tensor([[4]])))[0, 0]
+    assert diff[:8].abs().sum() == 0 and diff[8:].abs().sum() > 0
+
+
+# -- training forward == single-block inference ------------------------------------------------------------
+def _teacher_forcing(targets: torch.Tensor, seen: list):
+    it = iter(targets.tolist())
+
+    def sample_fn(logits):
+        seen.append(logits.clone())
+        return torch.tensor([next(it)]), torch.softmax(logits, -1)
+
+    return sample_fn
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_training_forward_equals_single_block_inference(family, kind):
+    target = tiny_model(family)
+    draft = _draft(target, kind)
+    batch = _batch(target)
+    with torch.no_grad():
+        h = draft.forward_train(batch["input_ids"], batch["aux_hidden"], batch["anchors"], batch["anchor_valid"],
+                                extras=batch)
+        m = draft.markov_features(batch["prev_tokens"], h, batch)
+        train_logits = draft.slot_logits(h) + draft.markov_bias(m).float()
+        base = DSparkDraft.markov_features(draft, batch["prev_tokens"], h, batch)
+    if kind == "engram_markov":
+        assert (m - base).abs().max() > 1e-3  # the Engram path is live
+    checked = 0
+    for b, a in batch["anchor_valid"].nonzero().tolist():
+        p = int(batch["anchors"][b, a])
+        cache = draft.new_context_cache(batch=1, max_len=64)
+        draft.extend_context(cache, batch["aux_hidden"][b:b + 1, :p])
+        hist = batch["input_ids"][b:b + 1, max(0, p + 1 - draft.token_history):p + 1]  # what the engine passes
+        extras = {"input_ids": hist, "anchors": torch.tensor([[hist.shape[1] - 1]])}
+        anchor = batch["input_ids"][b, p].view(1)
+        h_inf = draft.forward_block(cache, anchor, extras)[0]  # [S, H]
+        torch.testing.assert_close(h_inf, h[b, a], rtol=0, atol=1e-5)
+        seen: list = []
+        draft.propose(cache, anchor, _teacher_forcing(batch["targets"][b, a], seen), extras=extras)
+        valid = int(batch["slot_valid"][b, a].sum())
+        torch.testing.assert_close(torch.cat(seen)[:valid], train_logits[b, a, :valid], rtol=0, atol=1e-5)
+        checked += 1
+    assert checked == 12
+
+
+# -- zero-init equivalences -------------------------------------------------------------------------------
+def _baseline_with_same_weights(model, variant):
+    torch.manual_seed(0)
+    cfg = DraftConfig(**{**variant.cfg.to_dict(), "kind": "baseline", "engram": SMALL})
+    base = DSparkDraft(cfg, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
+                       aux_layer_ids=AUX)
+    missing, unexpected = base.load_state_dict(variant.state_dict(), strict=False)
+    assert not missing and all(k.startswith("engram_") for k in unexpected)
+    return base.eval()
+
+
+@pytest.mark.parametrize("kind", ["engram_markov", "engram_mask_gated"])
+def test_zero_init_equals_baseline(kind):
+    target = tiny_model("qwen3")
+    draft = _draft(target, kind, perturb=False)
+    base = _baseline_with_same_weights(target, draft)
+    batch = _batch(target)
+    with torch.no_grad():
+        h = draft.forward_train(batch["input_ids"], batch["aux_hidden"], batch["anchors"], batch["anchor_valid"],
+                                extras=batch)
+        hb = base.forward_train(batch["input_ids"], batch["aux_hidden"], batch["anchors"], batch["anchor_valid"])
+        torch.testing.assert_close(h, hb, rtol=0, atol=0)
+        m = draft.markov_features(batch["prev_tokens"], h, batch)
+        torch.testing.assert_close(m, base.markov_features(batch["prev_tokens"], hb, None), rtol=0, atol=0)
+
+
+def test_replace_is_not_the_baseline_and_reads_the_pre_anchor_feature():
+    target = tiny_model("qwen3")
+    draft = _draft(target, "engram_mask_replace")
+    batch = _batch(target)
+    x = draft.block_inputs(batch["input_ids"].gather(1, batch["anchors"]), batch)  # [B, A, S, Ht]
+    e = draft.engram_table.lookup(batch["input_ids"], batch["anchors"] - 1)
+    z = draft.engram_proj(e)
+    z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-6)
+    valid = batch["anchor_valid"]
+    torch.testing.assert_close(x[valid][:, 1:], z[valid].unsqueeze(1).expand(-1, S - 1, -1), rtol=0, atol=1e-6)
+    assert (x[valid][:, 0] == target.get_input_embeddings().weight[batch["input_ids"].gather(1, batch["anchors"])
+                                                                   [valid]]).all()
+
+
+# -- parameter counts at seed shapes ------------------------------------------------------------------------
+def test_seed000_parameter_counts():
+    from transformers import Qwen3Config
+
+    tc = Qwen3Config(vocab_size=151936, hidden_size=2560, num_hidden_layers=64, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=9728, tie_word_embeddings=True)
+    want = {"engram_markov": 3 * 2560 * 256, "engram_mask_gated": 2560 ** 2 + 6,
+            "engram_mask_replace": 2560 ** 2}
+    assert list(want.values()) == [1_966_080, 6_553_606, 6_553_600]
+    cfg = dict(num_draft_layers=3, block_size=7, markov_rank=256, num_attention_heads=24, num_key_value_heads=2,
+               head_dim=256, mask_token_id=151669)
+    with torch.device("meta"):
+        w = torch.empty(151936, 2560)
+        base = param_counts(DSparkDraft(DraftConfig(**cfg), tc, w, w, aux_layer_ids=(45, 46, 47)))
+        for kind, n in want.items():
+            counts = param_counts(build_draft(DraftConfig(**cfg, kind=kind), tc, w, w, aux_layer_ids=(45, 46, 47)))
+            assert counts["variant"] == n
+            assert counts["draft"] - base["draft"] == n  # the table is not a draft parameter
+            assert counts["engram_table"] == sum(table_primes(EngramConfig())) * 640
+
+
+# -- frozen tables ------------------------------------------------------------------------------------------
+def test_frozen_table_is_the_mean_next_embedding(tmp_path):
+    cfg = EngramConfig(orders=(1, 2), heads_per_order=1, table_rows=7, source="frozen")
+    embed = torch.randn(20, 6)
+    samples = [torch.tensor([1, 2, 3, 1, 2, 4]), torch.tensor([2, 3])]
+    weights = build_frozen_table(cfg, 4, samples, embed)
+    table = EngramTable(cfg, 4)
+    g = torch.Generator().manual_seed(cfg.hash_seed + 1)
+    for k, w in enumerate(table.widths):  # brute force: every bucket's mean next embedding, projected
+        proj = torch.randn(6, w, generator=g, dtype=torch.float64) / 6 ** 0.5
+        acc: dict[int, list] = {}
+        for ids in samples:
+            bucket, valid = table.buckets(ids.view(1, -1), torch.arange(len(ids) - 1).view(1, -1))
+            for t in range(len(ids) - 1):
+                if valid[0, t, k]:
+                    acc.setdefault(int(bucket[0, t, k]), []).append(embed[ids[t + 1]].double())
+        want = torch.zeros(table.rows[k], w, dtype=torch.float64)
+        for r, vs in acc.items():
+            want[r] = torch.stack(vs).mean(0) @ proj
+        torch.testing.assert_close(weights[k], want.float())
+    path = tmp_path / "t.safetensors"
+    write_frozen_table(str(path), weights, table.layout(), "fp-a", {"samples": 2})
+    back = read_frozen_table(str(path), table.layout(), "fp-a")
+    assert all(torch.equal(a, b) for a, b in zip(back, weights))
+    with pytest.raises(ValueError, match="another target"):
+        read_frozen_table(str(path), table.layout(), "fp-b")
+    other = EngramTable(EngramConfig(orders=(1, 2), heads_per_order=1, table_rows=11), 4).layout()
+    with pytest.raises(ValueError, match="rows differ"):
+        read_frozen_table(str(path), other, "fp-a")
+    with pytest.raises(ValueError, match="engram_build"):
+        read_frozen_table(str(tmp_path / "missing.safetensors"), table.layout(), None)
+
+
+def test_frozen_draft_loads_its_table_and_trains_nothing_of_it(tmp_path):
+    target = tiny_model("qwen3")
+    path = tmp_path / "table.safetensors"
+    eng = EngramConfig(orders=(1, 2, 3), heads_per_order=2, table_rows=31, source="frozen", table_path=str(path))
+    d = build_draft(_cfg("engram_mask_gated", engram=eng), target.config, target.get_input_embeddings().weight,
+                    target.get_output_embeddings().weight, aux_layer_ids=AUX)
+    weights = build_frozen_table(eng, d.hidden_size, [torch.randint(0, 200, (40,))],
+                                 target.get_input_embeddings().weight.detach())
+    write_frozen_table(str(path), weights, d.engram_table.layout(), None, {})
+    d.load_frozen_sources()
+    assert all(torch.equal(t.weight, w) for t, w in zip(d.engram_table.tables, weights))
+    assert not any(p.requires_grad for p in d.engram_table.parameters())
+    save_draft(tmp_path / "draft", d)  # the checkpoint carries the table: eval / bench need no table file
+    path.unlink()
+    back = load_draft(tmp_path / "draft", target)
+    assert type(back).__name__ == "EngramMaskGatedDraft"
+    assert all(torch.equal(t.weight, w) for t, w in zip(back.engram_table.tables, weights))
+
+
+def test_bad_engram_params_are_named():
+    from dspark_core.config import ParamsError
+
+    with pytest.raises(ParamsError, match="draft.kind must be one of"):
+        DraftConfig.from_dict({"kind": "engram"}, prefix="draft.")
+    with pytest.raises(ParamsError, match="draft.engram.orders must be strictly increasing"):
+        DraftConfig.from_dict({"engram": {"orders": [3, 2]}}, prefix="draft.")
+    with pytest.raises(ParamsError, match="draft.engram.source must be one of"):
+        DraftConfig.from_dict({"engram": {"source": "file"}}, prefix="draft.")
+    with pytest.raises(ParamsError, match="sparse: true needs source: trainable"):
+        DraftConfig.from_dict({"engram": {"source": "frozen", "sparse": True}}, prefix="draft.")
+    target = tiny_model("qwen3")
+    d = _draft(target, "engram_mask_gated")
+    cache = d.new_context_cache(batch=1, max_len=16)
+    with pytest.raises(ValueError, match="pass extras with 'input_ids'"):
+        d.forward_block(cache, torch.tensor([3]))
+
+
+# -- online: the reference engine --------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+def test_online_greedy_identical_to_ar_with_partial_acceptance(kind, one_thread):
+    """A 16-token vocabulary makes a random draft right often enough for partial acceptances; the engine
+    passes the committed ids through the anchor, which the variant's lookups read."""
+    from dspark_core.spec.ar import ARDecoder
+    from dspark_core.spec.engine import SpeculativeDecoder
+    from dspark_core.spec.target_runner import TargetRunner
+
+    model = tiny_model("qwen3", vocab_size=16, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    cfg = DraftConfig(num_draft_layers=1, block_size=S, mask_token_id=None, num_anchors=4, markov_rank=8, kind=kind,
+                      engram=SMALL)
+    draft = build_draft(cfg, model.config, model.get_input_embeddings().weight,
+                        model.get_output_embeddings().weight, aux_layer_ids=(0, 2, 4)).eval()
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name in ("engram_gate", "engram_v.weight"):
+                p.copy_(torch.randn_like(p))
+    runner = TargetRunner(model, max_len=96, aux_layer_ids=draft.aux_layer_ids)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    ar = ARDecoder(runner).generate(prompt, 40)
+    seen, committed = [], list(prompt)
+    inner = draft.propose
+
+    def spy(cache, anchor, sample_fn, threshold=0.0, extras=None):
+        seen.append((extras["input_ids"][0].tolist(), int(extras["anchors"][0, 0]), cache.length))
+        return inner(cache, anchor, sample_fn, threshold, extras=extras)
+
+    draft.propose = spy
+    cycles = []
+    spec = SpeculativeDecoder(runner, draft, block_size=S, on_cycle=cycles.append)
+    res = spec.generate(prompt, 40)
+    assert res.tokens == ar.tokens
+    assert 1.0 < res.mean_accepted_length < S + 1
+    assert any(c.num_accepted < c.num_proposed for c in cycles) and any(c.num_accepted > 0 for c in cycles)
+    committed += ar.tokens
+    for ids, anchor_idx, p in seen:  # the last token_history ids through the anchor at position p
+        assert ids == committed[max(0, p + 1 - draft.token_history):p + 1] and anchor_idx == len(ids) - 1
