@@ -44,6 +44,12 @@
 #   DSPARK_FROM=STEP         start at STEP (target|prepare|regenerate|cache|train|eval_offline|bench), reusing $DSPARK_WORK
 #                            (train resumes from its last checkpoint: a run can span two device calls)
 #   DSPARK_UNTIL=STEP        stop after STEP (e.g. train: the next call continues with DSPARK_FROM=train)
+#   DSPARK_VARIANTS="baseline engram_markov ..."   variants (params.yaml `variants`) trained and evaluated on the same
+#                            cache, one after the other (default: baseline); the bench step decodes the first
+#   DSPARK_TRAIN_STEPS=N     train.total_steps = max_steps = N for every variant (the same data budget for each;
+#                            default: the profile's schedule cut by the time budget)
+#   DSPARK_BENCH_ONLINE=1    step bench_online: stages/bench_online.py for every variant on the held-out prompts
+#                            (reference engine for all, the same engine for every variant; no peers) -> summary.json
 #   DSPARK_WHL_DIR, DSPARK_SITE, DSPARK_WORK, PYTHON   wheel dir (.whl), install dir (/tmp/site), work dir, python3
 set -euo pipefail
 
@@ -61,6 +67,9 @@ FROM="${DSPARK_FROM:-}"
 UNTIL="${DSPARK_UNTIL:-}"
 NPROC="${DSPARK_NPROC:-1}"
 REGEN_SAMPLED="${DSPARK_REGEN_SAMPLED:-0}"
+read -r -a VARIANTS <<< "${DSPARK_VARIANTS:-baseline}"
+TRAIN_STEPS="${DSPARK_TRAIN_STEPS:-}"
+BENCH_ONLINE="${DSPARK_BENCH_ONLINE:-0}"
 if [ "$TINY" = "1" ]; then
   REGEN_BUDGET_S="${DSPARK_REGEN_BUDGET_S:-600}"; TRAIN_BUDGET_S="${DSPARK_TRAIN_BUDGET_S:-600}"
 else
@@ -123,6 +132,13 @@ for name in ("loss", "tau_prob", "accept_rate@0", "accept_rate@3", "accept_rate@
         rows = [l.split("\t") for l in f.read_text().splitlines()[1:] if l.strip()]
         curve[name] = [[int(float(r[-2])), round(float(r[-1]), 5)] for r in rows]
 s["train_curve"] = curve
+s["variants"] = {}
+for f in sorted(Path("reports/train").glob("*/metrics.json")):
+    v = f.parent.name
+    bo = load(f"reports/bench_online/{v}.json") or {}
+    s["variants"][v] = {"model": load(f"reports/train/{v}/model.json"), "train_final": load(f),
+                        "eval_offline": load(f"reports/eval_offline/{v}.json"),
+                        "bench_online": {k: bo[k] for k in ("overall", "setup") if k in bo} or None}
 d = load(out / "decode.json")
 if d and d.get("spec"):
     sp = d["spec"]
@@ -145,7 +161,7 @@ EOF
 }
 trap finish EXIT
 
-STEPS=(target prepare regenerate cache train eval_offline bench)
+STEPS=(target prepare regenerate cache train eval_offline bench_online bench)
 skip() {  # skip STEP: true while DSPARK_FROM names a later step
   [ -n "$FROM" ] || return 1
   local s
@@ -181,7 +197,7 @@ if [ -n "$FROM" ]; then
   case " ${STEPS[*]} " in *" $FROM "*) ;; *) echo "DSPARK_FROM=$FROM: not a step (${STEPS[*]})"; exit 2;; esac
   [ -f "$WORK/params.yaml" ] || { echo "DSPARK_FROM=$FROM needs an earlier run's $WORK/params.yaml"; exit 2; }
   if [ -f "$TIMES" ]; then  # keep the times of the steps before FROM only
-    awk -v from="$FROM" 'BEGIN { split("setup target prepare regenerate cache train eval_offline bench", o, " ");
+    awk -v from="$FROM" 'BEGIN { split("setup target prepare regenerate cache train eval_offline bench_online bench", o, " ");
       for (i in o) rank[o[i]] = i } rank[$1] < rank[from]' "$TIMES" > "$TIMES.tmp" && mv "$TIMES.tmp" "$TIMES"
   fi
 else
@@ -226,7 +242,7 @@ cd "$WORK"
 cp "$REPO/params.yaml" params.yaml
 "$PY" -m dspark_core.cli profile apply h200_smollm2 --params params.yaml
 mkdir -p run_profile
-"$PY" - "$REPO" "$GGUF" "$TINY" "$NPROC" "$REGEN_SAMPLED" <<'EOF'
+"$PY" - "$REPO" "$GGUF" "$TINY" "$NPROC" "$REGEN_SAMPLED" "$TRAIN_STEPS" <<'EOF'
 """Run overrides as a second profile: the GGUF path, prompt paths made absolute, the tiny CPU scale, no
 DataLoader workers when /dev/shm (where they hand batches over) is small."""
 import shutil
@@ -238,7 +254,7 @@ import yaml
 from dspark_core.profiles import apply_profile
 
 repo, gguf, tiny = Path(sys.argv[1]), str(Path(sys.argv[2]).resolve()), sys.argv[3] == "1"
-nproc, sampled = int(sys.argv[4]), sys.argv[5] == "1"
+nproc, sampled, steps = int(sys.argv[4]), sys.argv[5] == "1", sys.argv[6]
 params = yaml.safe_load(Path("params.yaml").read_text())
 def absolute(src):
     if src.startswith("jsonl:") and not Path(src[6:]).is_absolute():
@@ -253,6 +269,8 @@ if tiny:
     over["draft"] = {"num_anchors": 16}
     over["train"] = {"total_steps": 8, "max_steps": 8, "micro_batch_size": 4, "global_batch_size": 4,
                      "checkpoint_every": 4, "log_every": 2, "precision": "fp32", "data_workers": 2}
+if steps:  # the same number of steps for every variant
+    over.setdefault("train", {}).update(total_steps=int(steps), max_steps=int(steps))
 if nproc > 1:  # DDP: each rank keeps its micro-batch, the global batch grows with the ranks
     micro = over.get("train", {}).get("micro_batch_size", params["train"]["micro_batch_size"])
     over.setdefault("train", {})["global_batch_size"] = micro * nproc
@@ -298,8 +316,37 @@ step cache "${LAUNCH[@]}" "$REPO/stages/cache.py" --params params.yaml
 TRAIN_S=$(awk -v b="$TRAIN_BUDGET_S" -v tot="$TOTAL_S" -v res="$BENCH_RESERVE_S" -v el="$(since "$T0")" \
   'BEGIN { x = tot - res - el; if (x > b) x = b; lo = (b < 30) ? b : 30; if (x < lo) x = lo; printf "%d", x }')
 [ "$TRAIN_S" = "${TRAIN_BUDGET_S%.*}" ] || echo "--- train budget cut to $TRAIN_S s (run at $(since "$T0") s of $TOTAL_S)"
-step train "${LAUNCH[@]}" "$REPO/stages/train.py" --params params.yaml --variant baseline --time-budget-s "$TRAIN_S"
-step eval_offline "$PY" "$REPO/stages/eval_offline.py" --params params.yaml --variant baseline
+train_all() {  # every variant in turn, each with an equal share of the train budget
+  local v share=$(( TRAIN_S / ${#VARIANTS[@]} ))
+  for v in "${VARIANTS[@]}"; do
+    echo "--- train@$v (budget $share s)"
+    "${LAUNCH[@]}" "$REPO/stages/train.py" --params params.yaml --variant "$v" --time-budget-s "$share"
+  done
+}
+eval_all() {
+  local v
+  for v in "${VARIANTS[@]}"; do "$PY" "$REPO/stages/eval_offline.py" --params params.yaml --variant "$v"; done
+}
+bench_online_all() {  # the held-out GSM8K prompts, the reference engine for every variant, greedy, no peers
+  [ "$BENCH_ONLINE" = 1 ] || { echo "(DSPARK_BENCH_ONLINE=0: skipped)"; return 0; }
+  "$PY" - "$PROMPTS_DIR/eval_gsm8k.jsonl" "$SPEC_NEW_TOKENS" "$TINY" <<'EOF'
+import sys
+from pathlib import Path
+
+import yaml
+
+p = yaml.safe_load(Path("params.yaml").read_text())
+tiny = sys.argv[3] == "1"
+p["bench_online"].update(datasets=[f"jsonl:{sys.argv[1]}"], max_prompts=2 if tiny else 30, peers=[],
+                         max_new_tokens=24 if tiny else int(sys.argv[2]), engine="reference", max_len=2048)
+Path("params_bench.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+EOF
+  local v
+  for v in "${VARIANTS[@]}"; do "$PY" "$REPO/stages/bench_online.py" --params params_bench.yaml --variant "$v"; done
+}
+step train train_all
+step eval_offline eval_all
+step bench_online bench_online_all
 
 # ---------------------------------------------------------------------------------------------- 6 bench
 EVAL="$PROMPTS_DIR/eval_gsm8k.jsonl"
@@ -335,7 +382,7 @@ bench_modes() {  # one bench_decode run per entry of DSPARK_BENCH_MODES (or one 
     [ -z "${pinned[$m]:-}" ] || env+=(DSPARK_KERNEL_CONFIGS="${pinned[$m]}")
     # shellcheck disable=SC2086
     env "${env[@]}" "$PY" "$REPO/benchmarks/bench_decode.py" "${BENCH[@]}" --target data/target \
-      --draft data/train/baseline/final --prompts "$EVAL" --out "$out" $BENCH_ARGS "${extra[@]}"
+      --draft "data/train/${VARIANTS[0]}/final" --prompts "$EVAL" --out "$out" $BENCH_ARGS "${extra[@]}"
     [ -n "${pinned[$m]:-}" ] || [ -n "${DSPARK_KERNEL_CONFIGS:-}" ] || ! grep -q kernel_configs "$out" \
       || pinned[$m]="$out"
   done
