@@ -23,6 +23,10 @@ def draft_class(kind: str) -> type:
 
         if kind in KINDS:
             return KINDS[kind]
+    if kind == "draft_memory":
+        from dspark_core.draft.variants.memory import DraftMemory
+
+        return DraftMemory
     raise ValueError(f"draft.kind {kind!r} is not a known draft (known: {', '.join(DRAFT_KINDS)})")
 
 
