@@ -301,3 +301,35 @@ def test_online_greedy_identical_to_ar_and_memory_is_the_kept_suffix(online, one
         fed += 1
     assert fed >= 3
     assert len(calls) == len(cycles) + (fed if online == "first_stage" else 0)
+
+
+def test_bench_online_reports_both_memory_sources(tmp_path, monkeypatch, one_thread):
+    """bench_online@draft_memory: the reference engine (the static one refuses the extra_kv hook, and says so),
+    greedy output identical to AR, and the MAL of chained and first-stage memory side by side."""
+    import json
+
+    import yaml
+
+    from dspark_core.bench_online import run_bench_online_stage
+    from dspark_core.draft.model import save_draft
+    from dspark_core.target import load_target
+    from dspark_core.testing import save_tiny_target
+
+    model, _ = load_target(save_tiny_target(tmp_path / "data" / "target", "qwen3"))
+    save_draft(tmp_path / "data" / "train" / "draft_memory" / "final", _draft(model, num_draft_layers=1))
+    (tmp_path / "p.jsonl").write_text(json.dumps({"turns": ["What is 2 + 3?"]}) + "\n"
+                                      + json.dumps({"turns": ["Name a colour."]}) + "\n")
+    section = dict(datasets=["jsonl:p.jsonl"], max_prompts=2, max_new_tokens=12, max_len=256, peers=[],
+                   out_dir="reports/bo")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"bench_online": section}))
+    monkeypatch.chdir(tmp_path)
+    metrics = run_bench_online_stage("params.yaml", "draft_memory")
+    setup = metrics["setup"]
+    assert setup["engine"] == "reference" and setup["draft_kind"] == "draft_memory"
+    assert "overrides the variant hook extra_kv" in setup["static_engine_problem"]
+    for name in ("jsonl:p.jsonl", "overall"):
+        rows = metrics[name]["online_modes"]
+        assert set(rows) == {"chained", "first_stage"} and rows["chained"]["mal"] == metrics[name]["mal"]
+        assert all(r["identical"] and r["mal"] >= 1.0 for r in rows.values())
+    saved = json.loads((tmp_path / "reports/bo/draft_memory.json").read_text())
+    assert saved["overall"]["online_modes"]["first_stage"]["mal"] == rows["first_stage"]["mal"]
