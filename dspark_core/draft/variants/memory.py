@@ -24,7 +24,8 @@ Training (two forward passes sharing the weights; gradients only through the sec
 
 The batch keys stage 1 adds: ``memory_hidden [B, A, M, H]`` (old slots 1..S-1, detached), ``memory_positions
 [B, A, M]``, ``memory_valid [B, A, M]``, ``stage1_anchors [B, A]`` (the old anchors),
-``stage1_matches [B, A]`` (m, -1 for an invalid old block) and ``stage1_kept [B, A]`` (the transition was kept). Blocks are re-sorted by new anchor (dropped ones last).
+``stage1_matches [B, A]`` (m, -1 for an invalid old block) and ``stage1_kept [B, A]`` (the transition was
+kept). Blocks are re-sorted by new anchor (dropped ones last).
 
 Online (reference engine): the draft's context cache (:class:`MemoryCache`, one per ``generate``) keeps the last
 proposal's states and its anchor position ``a``; at the next ``propose`` (anchor ``p' = cache.length = a + acc
@@ -178,9 +179,9 @@ class DraftMemory(DSparkDraft):
         new, kept = transition(anchors, valid, m, batch["loss_mask"])
         pos, mem_valid = memory_slots(anchors, m, kept, slot_valid)
         out = dict(batch)
-        out.update(anchors=new, anchor_valid=kept, stage1_anchors=anchors, memory_hidden=hidden[:, :, 1:].detach(), memory_positions=pos,
-                   memory_valid=mem_valid, stage1_matches=torch.where(valid.bool(), m, torch.full_like(m, -1)),
-                   stage1_kept=kept)
+        out.update(anchors=new, anchor_valid=kept, memory_hidden=hidden[:, :, 1:].detach(), memory_positions=pos,
+                   memory_valid=mem_valid, stage1_anchors=anchors, stage1_kept=kept,
+                   stage1_matches=torch.where(valid.bool(), m, torch.full_like(m, -1)))
         big = batch["input_ids"].shape[1]
         order = torch.where(kept, new, torch.full_like(new, big)).argsort(dim=1, stable=True)  # dropped last
         _reorder(out, ("anchors", "anchor_valid") + STAGE1_KEYS + MEMORY_KEYS, order)
