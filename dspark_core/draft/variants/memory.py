@@ -25,7 +25,8 @@ Training (two forward passes sharing the weights; gradients only through the sec
 The batch keys stage 1 adds: ``memory_hidden [B, A, M, H]`` (old slots 1..S-1, detached), ``memory_positions
 [B, A, M]``, ``memory_valid [B, A, M]``, ``stage1_anchors [B, A]`` (the old anchors),
 ``stage1_matches [B, A]`` (m, -1 for an invalid old block) and ``stage1_kept [B, A]`` (the transition was
-kept). Blocks are re-sorted by new anchor (dropped ones last).
+kept). Blocks are re-sorted by new anchor (dropped ones last). eval_offline calls the same hook, so its tau_prob /
+accept_rate@i of this variant are measured at the new anchors (right after a draft error), with memory.
 
 Online (reference engine): the draft's context cache (:class:`MemoryCache`, one per ``generate``) keeps the last
 proposal's states and its anchor position ``a``; at the next ``propose`` (anchor ``p' = cache.length = a + acc
