@@ -15,6 +15,8 @@ plain AR (``ARDecoder``) and speculative with the trained draft (``bench_online.
   tokens / sum of decode seconds), speculative vs AR, the same target code path;
 - ``proposal_length_hist`` (counts of 0 .. S proposed tokens), ``mean_proposal_length``;
 - ``identical``: greedy speculative output token-for-token equal to AR on every prompt (None when sampling);
+- ``online_modes`` (drafts with ``online_modes()``, i.e. Draft Memory, when ``compare_online_modes``): the same
+  prompts decoded again in each other mode (chained vs first-stage memory): mal, identical, tokens_per_s, cycle_ms;
 - ``peers`` (optional): Hugging Face ``generate`` greedy, assisted generation (``assistant_model``) and
   prompt-lookup decoding (``prompt_lookup_num_tokens``) on the same prompts: tokens/s, and whether the
   greedy text equals our AR output.
