@@ -1,7 +1,8 @@
 """Draft variants (seed 000), one named file each, selected by ``draft.kind`` in params.yaml.
 
 A variant subclasses :class:`~dspark_core.draft.model.DSparkDraft` and overrides its hooks (``block_inputs``,
-``markov_features``, ``extra_kv``, ``score_candidates``, ``prepare_batch``); nothing of it lives in the baseline. ``build_draft`` is the one place that maps a kind to its class.
+``markov_features``, ``extra_kv``, ``score_candidates``, ``prepare_batch``); nothing of it lives in the baseline.
+``build_draft`` is the one place that maps a kind to its class.
 """
 
 from __future__ import annotations
