@@ -15,6 +15,8 @@ plain AR (``ARDecoder``) and speculative with the trained draft (``bench_online.
   tokens / sum of decode seconds), speculative vs AR, the same target code path;
 - ``proposal_length_hist`` (counts of 0 .. S proposed tokens), ``mean_proposal_length``;
 - ``identical``: greedy speculative output token-for-token equal to AR on every prompt (None when sampling);
+- ``online_modes`` (drafts with ``online_modes()``, i.e. Draft Memory, when ``compare_online_modes``): the same
+  prompts decoded again in each other mode (chained vs first-stage memory): mal, identical, tokens_per_s, cycle_ms;
 - ``peers`` (optional): Hugging Face ``generate`` greedy, assisted generation (``assistant_model``) and
   prompt-lookup decoding (``prompt_lookup_num_tokens``) on the same prompts: tokens/s, and whether the
   greedy text equals our AR output.
@@ -79,6 +81,7 @@ class BenchOnlineConfig(Section):
     prompt_lookup_num_tokens: int = 10
     assistant_dir: str | None = None      # HF dir of the assisted-generation peer; None: truncated target
     assistant_layers: int = 4             # layers of the truncated-target assistant
+    compare_online_modes: bool = True    # a draft with online modes (draft_memory): decode again in each other mode
     prompts_path: str = "data/prompts/eval.parquet"
     out_dir: str = "reports/bench_online"
 
@@ -451,6 +454,8 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
     metrics: dict[str, Any] = {name: summarize(run, block, greedy) for name, run in runs.items()}
     metrics["overall"] = summarize(_merge(runs.values()), block, greedy)
     _add_variant_timers(metrics, runs, timers)
+    if cfg.compare_online_modes:
+        compare_online_modes(draft, spec, runs, metrics, cfg, stops, block)
     if cfg.peers and greedy:
         assistant = _assistant(cfg, model) if "assisted" in cfg.peers else None
         for name, run in runs.items():
@@ -460,7 +465,7 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
     metrics["setup"] = {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "cuda_graph": graphs,
                         "kernels": kernels, "engine": engine,
                         "static_engine_problem": static_engine_problem(cfg.sampling, draft),
-                        "draft_kind": draft.cfg.kind,
+                        "draft_kind": draft.cfg.kind, "online_mode": getattr(draft, "online_mode", None),
                         "num_threads": torch.get_num_threads(),
                         "compile": cfg.compile, "block_size": block, "aux_layer_ids": list(draft.aux_layer_ids),
                         "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
@@ -470,6 +475,37 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
     if plots_dir is not None:
         plot_metrics(metrics, Path(plots_dir), block)
     return metrics
+
+
+def compare_online_modes(draft: Any, spec: Any, runs: dict[str, DatasetRun], metrics: dict[str, Any],
+                         cfg: BenchOnlineConfig, stops: Sequence[int], block: int) -> None:
+    """For a draft with ``online_modes()`` (Draft Memory: ``chained`` | ``first_stage`` memory), decode the same
+    prompts again in every other mode; ``metrics[name]['online_modes'][mode]`` = mal, identical, tokens_per_s,
+    cycle_ms (the main run's mode included). Nothing for drafts without modes."""
+    modes = getattr(draft, "online_modes", lambda: ())()
+    if len(modes) < 2:
+        return
+    main = draft.online_mode
+    keys = ("mal", "identical", "tokens_per_s", "cycle_ms")
+    alt_runs: dict[str, dict[str, DatasetRun]] = {}
+    try:
+        for mode in (m for m in modes if m != main):
+            draft.set_online_mode(mode)
+            alt_runs[mode] = {name: DatasetRun(prompts=run.prompts, ar=run.ar,
+                                               spec=[spec.generate(p, cfg.max_new_tokens, stops) for p in run.prompts])
+                              for name, run in runs.items()}
+    finally:
+        draft.set_online_mode(main)
+    greedy = cfg.sampling.greedy
+    for name in metrics:
+        if name == "setup":
+            continue
+        rows = {main: {k: metrics[name][k] for k in keys}}
+        for mode, mode_runs in alt_runs.items():
+            run = mode_runs[name] if name in mode_runs else _merge(mode_runs.values())
+            s = summarize(run, block, greedy)
+            rows[mode] = {k: s[k] for k in keys}
+        metrics[name]["online_modes"] = rows
 
 
 def _warm_up(prompt_sets, tokenizer, spec: SpeculativeDecoder, ar: ARDecoder, stops) -> None:

@@ -80,6 +80,7 @@ def evaluate_offline(draft, dataset: Sequence[dict[str, torch.Tensor]], cfg: Eva
 
 
 def _accumulate(draft, batch: dict[str, torch.Tensor], loss_cfg: LossConfig, metrics: OfflineMetrics) -> None:
+    batch = draft.prepare_batch(batch)  # a variant's model-dependent supervision (identity for the baseline)
     hidden = draft.forward_train(batch["input_ids"], batch["aux_hidden"], batch["anchors"], batch["anchor_valid"],
                                  extras=batch)  # [B, A, S, H]
     out = slot_outputs(draft, hidden, batch, loss_cfg, extras=batch)

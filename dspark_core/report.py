@@ -42,6 +42,7 @@ def dspark_rows(variants: Sequence[str], root: Path = REPORTS) -> list[dict[str,
                      "tokens_per_s": on.get("tokens_per_s"), "ar_tokens_per_s": on.get("ar_tokens_per_s"),
                      "speedup": on.get("speedup"), "identical": on.get("identical"),
                      "engram_lookup_share": on.get("engram_lookup_share_of_cycle"),
+                     "mal_first_stage_memory": (on.get("online_modes") or {}).get("first_stage", {}).get("mal"),
                      "_rates": [off.get(f"accept_rate@{i}") for i in range(64) if f"accept_rate@{i}" in off]})
     return rows
 

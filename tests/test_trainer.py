@@ -243,3 +243,33 @@ def test_own_lr_group_and_sparse_table_resume_bit_identically(tmp_path, sparse):
     slow = train(EmbedTask(sparse, 1e-6), _cfg(tmp_path / "slow", grad_clip=0.5), progress=False)
     drift = (slow.model.table.weight - init.table.weight).abs().max()
     assert 0 < drift < 1e-4 < (full.model.table.weight - init.table.weight).abs().max()  # the group's own lr
+
+
+class PreparedTask(ToyTask):
+    """Supervision decided by the model before the denominators: only entries the model gets wrong by more
+    than 0.7 count (a model-dependent mask, as Draft Memory's stage 1 or the reranker's hit set)."""
+
+    calls = 0
+
+    def prepare_step(self, model, batches):
+        assert not torch.is_grad_enabled()
+        PreparedTask.calls += 1
+        out = []
+        for b in batches:
+            err = (model(b["x"]) - b["y"]).abs().max(-1).values  # [B, 6]
+            out.append({**b, "m": b["m"] * (err > 0.7).float()})
+        return out
+
+
+def test_prepare_step_runs_before_the_denominators(tmp_path):
+    PreparedTask.calls = 0
+    res = train(PreparedTask(), _cfg(tmp_path / "p", micro_batch_size=4, grad_clip=0.0), progress=False)
+    assert PreparedTask.calls == 8  # once per step
+    task, model = PreparedTask(), PreparedTask().build_model("cpu", torch.float32)
+    batches = [task.collate([task.train_dataset()[i] for i in idx], [torch.Generator().manual_seed(0)] * 4)
+               for idx in ([0, 1, 2, 3], [4, 5, 6, 7])]
+    with torch.no_grad():
+        prepared = task.prepare_step(model, batches)
+    den = sum(b["m"].sum() for b in prepared)
+    assert 0 < den < sum(b["m"].sum() for b in batches)  # the mask really depends on the model
+    assert len(res.history) == 8 and all(h["loss"] > 0 for h in res.history)

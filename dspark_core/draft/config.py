@@ -13,9 +13,10 @@ from dspark_core.config import Section, non_negative, one_of, positive, require
 
 MARKOV_HEADS = ("vanilla", "none")
 # The draft classes a variant may select with ``draft.kind`` (dspark_core/draft/variants/).
-DRAFT_KINDS = ("baseline", "engram_markov", "engram_mask_gated", "engram_mask_replace")
+DRAFT_KINDS = ("baseline", "engram_markov", "engram_mask_gated", "engram_mask_replace", "draft_memory")
 ENGRAM_KINDS = ("engram_markov", "engram_mask_gated", "engram_mask_replace")
 ENGRAM_SOURCES = ("trainable", "frozen")
+MEMORY_ONLINE = ("chained", "first_stage")
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,19 @@ class EngramConfig(Section):
 
 
 @dataclass(frozen=True)
+class MemoryConfig(Section):
+    """Draft Memory (seed 000; ``draft/variants/memory.py``). ``online``: where the memory fed at a cycle comes
+    from -- ``chained`` (the previous cycle's proposal states, themselves computed with memory: what serving
+    has) or ``first_stage`` (the previous block recomputed without memory, as in training's stage 1; one more
+    draft block forward per cycle). Training does not read it; bench_online reports both."""
+
+    online: str = "chained"
+
+    def validate(self) -> None:
+        one_of("online", self.online, MEMORY_ONLINE)
+
+
+@dataclass(frozen=True)
 class DraftConfig(Section):
     """The DSpark draft (seed 004 section 5.1, seed 000 "Baseline 架构")."""
 
@@ -76,8 +90,9 @@ class DraftConfig(Section):
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
-    kind: str = "baseline"              # the draft class: baseline | engram_markov | engram_mask_gated | ...
+    kind: str = "baseline"              # the draft class: baseline | engram_* | draft_memory
     engram: EngramConfig = field(default_factory=EngramConfig)  # read by the engram_* kinds only
+    memory: MemoryConfig = field(default_factory=MemoryConfig)  # read by draft_memory only
 
     def validate(self) -> None:
         one_of("kind", self.kind, DRAFT_KINDS)

@@ -337,6 +337,11 @@ class DSparkDraft(nn.Module):
         """Hook 4. Rescore slot ``slot``'s logits [B, V] given h [B, H] and the chosen prefix [B, slot+1]."""
         return logits
 
+    def prepare_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Hook 5 (training and eval_offline, no_grad): model-dependent supervision added to a batch before
+        its loss denominators are taken (Draft Memory's stage 1). The baseline returns the batch unchanged."""
+        return batch
+
     def variant_timers(self) -> dict[str, float]:
         """Seconds spent in a variant's own online work since ``set_variant_timing(True)`` (bench_online)."""
         return {}

@@ -148,6 +148,12 @@ class DSparkTask:
         batch = self.collator(items)
         return add_anchor_fields(batch, self.draft_cfg.num_anchors, self.draft_cfg.block_size, generator)
 
+    def prepare_step(self, model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """The draft's ``prepare_batch`` hook on each micro-batch (no_grad; the trainer calls it before the
+        denominators). The baseline's is the identity."""
+        draft = getattr(model, "draft", model)
+        return [draft.prepare_batch(b) for b in batches]
+
     def denominators(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return draft_denominators(batch["slot_valid"], self.loss_cfg.decay_gamma)
 

@@ -54,3 +54,8 @@ class TrainTask(Protocol):
 
     def forward_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Loss numerators (keys of ``terms``) and metric numerators (keys of ``metric_denominators``)."""
+
+    # Optional: ``prepare_step(model, batches) -> batches``. Called once per optimiser step on the device
+    # micro-batches, under no_grad with the unwrapped model, BEFORE ``denominators``: for supervision that
+    # depends on the model (Draft Memory's stage-1 anchor moves, the reranker's candidate hits), so the
+    # global denominators still come before any backward.

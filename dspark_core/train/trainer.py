@@ -353,6 +353,9 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
     for step in range(start, cfg.stop_step):
         t0 = time.perf_counter()
         batches = [_to(b, device) for b in next(stream)]
+        if hasattr(task, "prepare_step"):  # model-dependent supervision, decided before the denominators
+            with torch.no_grad(), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
+                batches = task.prepare_step(model, batches)
         dens = _global_denominators(task, batches, d, device)
         sums_acc: dict[str, torch.Tensor] = {}
         for m, batch in enumerate(batches):

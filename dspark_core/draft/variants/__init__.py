@@ -1,8 +1,8 @@
 """Draft variants (seed 000), one named file each, selected by ``draft.kind`` in params.yaml.
 
-A variant subclasses :class:`~dspark_core.draft.model.DSparkDraft` and overrides one of its hooks
-(``block_inputs``, ``markov_features``, ``extra_kv``, ``score_candidates``); nothing of it lives in the
-baseline. ``build_draft`` is the one place that maps a kind to its class.
+A variant subclasses :class:`~dspark_core.draft.model.DSparkDraft` and overrides its hooks (``block_inputs``,
+``markov_features``, ``extra_kv``, ``score_candidates``, ``prepare_batch``); nothing of it lives in the baseline.
+``build_draft`` is the one place that maps a kind to its class.
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ def draft_class(kind: str) -> type:
 
         if kind in KINDS:
             return KINDS[kind]
+    if kind == "draft_memory":
+        from dspark_core.draft.variants.memory import DraftMemory
+
+        return DraftMemory
     raise ValueError(f"draft.kind {kind!r} is not a known draft (known: {', '.join(DRAFT_KINDS)})")
 
 
