@@ -505,3 +505,30 @@ def test_sampling_with_the_reranked_proposal_keeps_the_target_distribution(one_t
                           for t in range(16)])
     pair = (p2[t1].unsqueeze(1) * p3).numpy().ravel()
     assert chisquare_pvalue(rows[:, 1] * 16 + rows[:, 2], pair) > 1e-3
+
+
+# -- params.yaml / dvc.yaml --------------------------------------------------------------------------------------
+def test_params_variant_groups_match_the_dag():
+    """``variants`` is the union of ``variants_scratch`` (train@) and ``variants_warm`` (train_warm@, whose
+    warm-start source is a dep); exactly the warm ones have a warm_start."""
+    from pathlib import Path
+
+    import yaml
+
+    from dspark_core.draft.stage import variant_configs
+
+    root = Path(__file__).resolve().parent.parent
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    scratch, warm = params["variants_scratch"], params["variants_warm"]
+    assert params["variants"] == {**scratch, **warm} and not set(scratch) & set(warm)
+    assert all("warm_start" not in v for v in scratch.values())
+    assert all(v["warm_start"]["from_variant"] in scratch for v in warm.values())
+    dvc = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    assert dvc["train"]["foreach"] == "${variants_scratch}" and dvc["train_warm"]["foreach"] == "${variants_warm}"
+    assert "data/train/${item.warm_start.from_variant}" in dvc["train_warm"]["do"]["deps"]
+    assert dvc["eval_offline"]["foreach"] == dvc["bench_online"]["foreach"] == "${variants}"
+    frozen = params["variants"]["reranker_frozen"]["warm_start"]
+    assert frozen["freeze_base"] and frozen["step"] <= params["train"]["max_steps"]
+    draft, loss, _ = variant_configs(root / "params.yaml", "reranker_joint")
+    assert draft.kind == "reranker" and draft.reranker.top_k == 16 and draft.reranker.width == 256
+    assert loss.rank_alpha == 1.0

@@ -303,16 +303,20 @@ def _matched_prefix(choice: torch.Tensor, idx: tuple, batch: Mapping[str, torch.
 
 
 class RerankerTrainModel(DSparkTrainModel):
-    """Draft + DSpark loss + the rank loss; ``tau_prob`` of the reranked distribution (seed 000)."""
+    """Draft + DSpark loss + the rank loss; ``tau_prob`` and ``accept_rate@i`` of the reranked distribution (seed
+    000), ``tau_prob_before_rerank`` of the full-vocabulary one."""
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         hidden = self.draft.forward_train(batch["input_ids"], batch["aux_hidden"], batch["anchors"],
                                           batch["anchor_valid"], extras=batch)  # [B, A, S, H]
         sums = dspark_sums(self.draft, hidden, batch, self.loss_cfg, extras=batch)
         rank = rank_sums(self.draft, hidden, batch, self.loss_cfg.decay_gamma)
-        for key in ("a_after", "prefix_after", "prefix_before"):
+        a_after = rank.pop("a_after")  # [B, A, S], zero on invalid slots
+        for i in range(a_after.shape[-1]):
+            rank[f"accept_rate@{i}"] = a_after[..., i].sum()
+        for key in ("prefix_after", "prefix_before"):
             rank.pop(key)
-        return {**sums, **rank}  # tau_prob: the reranked one
+        return {**sums, **rank}  # tau_prob, accept_rate@i: of the reranked distribution
 
 
 class RerankerTask(DSparkTask):
