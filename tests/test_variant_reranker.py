@@ -532,3 +532,31 @@ def test_params_variant_groups_match_the_dag():
     draft, loss, _ = variant_configs(root / "params.yaml", "reranker_joint")
     assert draft.kind == "reranker" and draft.reranker.top_k == 16 and draft.reranker.width == 256
     assert loss.rank_alpha == 1.0
+
+
+def test_warm_start_checkpoint_resolution(tmp_path, monkeypatch):
+    import yaml
+
+    from dspark_core.config import ParamsError
+    from dspark_core.draft.stage import warm_start_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    params = tmp_path / "params.yaml"
+    variants = {"baseline": {}, "warm": {"warm_start": {"from_variant": "baseline", "step": 2, "freeze_base": True}},
+                "latest": {"warm_start": {"from_variant": "baseline"}}, "self": {"warm_start": {"from_variant": "self"}}}
+    params.write_text(yaml.safe_dump({"variants": variants}))
+    assert warm_start_checkpoint(params, "baseline")[1:] == (None, 0)
+    with pytest.raises(ValueError, match=r"step_00000002 not found \(kept: none\)"):
+        warm_start_checkpoint(params, "warm")
+    with pytest.raises(ValueError, match="run `dvc repro train@baseline` first"):
+        warm_start_checkpoint(params, "latest")
+    with pytest.raises(ParamsError, match="names the variant itself"):
+        warm_start_checkpoint(params, "self")
+    root = tmp_path / "data/train/baseline/checkpoints"
+    for step in (1, 2):
+        (root / f"step_{step:08d}").mkdir(parents=True)
+        (root / f"step_{step:08d}/model.safetensors").write_bytes(b"")
+    (root / "latest.json").write_text('{"step": 1, "dir": "step_00000001"}')
+    warm, ckpt, step = warm_start_checkpoint(params, "warm")
+    assert warm.freeze_base and step == 2 and ckpt == root.relative_to(tmp_path) / "step_00000002"
+    assert warm_start_checkpoint(params, "latest")[2] == 1

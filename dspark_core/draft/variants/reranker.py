@@ -140,7 +140,7 @@ class RerankerDraft(DSparkDraft):
             raise ValueError("draft.kind reranker needs a Markov head (markov_head is 'none')")
         self.reranker = PrefixReranker(self.hidden_size, cfg.markov_rank, cfg.reranker, cfg.block_size)
         self.reranker.reset_parameters(float(getattr(target_config, "initializer_range", 0.02)))
-        self.top_k = cfg.reranker.top_k
+        self.top_k = min(cfg.reranker.top_k, self.vocab_size)
         self._prefix_kv: KV | None = None  # inference: the block's prefix K/V (cleared at slot 0)
         self.timing, self.rerank_s = False, 0.0
 
