@@ -466,45 +466,62 @@ def test_online_greedy_identical_to_ar_with_partial_acceptance(one_thread):
     assert draft.variant_timers()["reranker"] > 0
 
 
-def test_sampling_with_the_reranked_proposal_keeps_the_target_distribution(one_thread):
-    """Tokens 2 and 3 of the output come from a draft-verify cycle (token 1 from prefill): their joint distribution
-    must be the target's p(t2 | prompt, t1) under temperature 1 whatever the reranked q (top 4 of 16, W_o random),
-    and q must be zero outside the candidates."""
+def _sampled_tokens(model, draft, prompt, draws, misreport=False):
+    """``draws`` x the first 3 output tokens under temperature 1 (token 1 from prefill, 2 and 3 from a cycle) and the
+    largest support of a proposal's q. ``misreport``: verification gets the full-vocabulary DSpark softmax as q
+    (the seed's greedy-only interface used for sampling), not the reranked distribution the tokens come from."""
     from dspark_core.spec.engine import SpeculativeDecoder
     from dspark_core.spec.sampling import SamplingParams
     from dspark_core.spec.target_runner import TargetRunner
 
-    model = tiny_model("qwen3", vocab_size=16, eos_token_id=None, pad_token_id=None)
-    draft = _online_draft(model)
     runner = TargetRunner(model, max_len=32, aux_layer_ids=draft.aux_layer_ids)
-    prompt = [3, 1, 4, 1, 5]
-    supports = []
-    inner = draft.propose
+    supports, before = [], []
+    inner_score, inner_propose = draft.score_candidates, draft.propose
 
-    def spy(*args, **kwargs):
-        prop = inner(*args, **kwargs)
+    def score(logits, *args):
+        before.append(torch.softmax(logits, -1))
+        return inner_score(logits, *args)
+
+    def propose(*args, **kwargs):
+        before.clear()
+        prop = inner_propose(*args, **kwargs)
         supports.append(int((prop.probs[0] > 0).sum(-1).max()))
+        if misreport:
+            prop.probs = torch.stack(before, dim=1)[:, :prop.num_tokens]
         return prop
 
-    draft.propose = spy
+    draft.score_candidates, draft.propose = score, propose
     spec = SpeculativeDecoder(runner, draft, block_size=S, sampling=SamplingParams(temperature=1.0), seed=11)
-    draws = 3000
     out = np.array([spec.generate(prompt, 3).tokens[:3] for _ in range(draws)])  # [draws, 3]
-    assert max(supports) <= 4
+    return out, max(supports)
+
+
+def _pair_pvalues(model, prompt, out):
+    """p-values of (t1, t2) against p(t1) p(t2 | t1) and, for the likeliest t1, of (t2, t3) against the target."""
     with torch.no_grad():
-        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double(), -1)  # [V]
-        p2 = torch.stack([torch.softmax(model(torch.tensor([prompt + [t]])).logits[0, -1].double(), -1)
-                          for t in range(16)])  # [V, V]
-    joint = (p1.unsqueeze(1) * p2).numpy().ravel()  # (t1, t2)
-    assert chisquare_pvalue(out[:, 0] * 16 + out[:, 1], joint) > 1e-3
-    # t3 given (t1, t2) pooled over t1: check t2 -> t3 transitions where t1 is the most likely first token
-    t1 = int(p1.argmax())
+        def next_dist(seq):
+            return torch.softmax(model(torch.tensor([seq])).logits[0, -1].double(), -1)
+
+        p1 = next_dist(prompt)  # [V]
+        p2 = torch.stack([next_dist(prompt + [t]) for t in range(16)])  # [V, V]
+        t1 = int(p1.argmax())
+        p3 = torch.stack([next_dist(prompt + [t1, t]) for t in range(16)])
+    first = chisquare_pvalue(out[:, 0] * 16 + out[:, 1], (p1.unsqueeze(1) * p2).numpy().ravel())
     rows = out[out[:, 0] == t1]
-    with torch.no_grad():
-        p3 = torch.stack([torch.softmax(model(torch.tensor([prompt + [t1, t]])).logits[0, -1].double(), -1)
-                          for t in range(16)])
-    pair = (p2[t1].unsqueeze(1) * p3).numpy().ravel()
-    assert chisquare_pvalue(rows[:, 1] * 16 + rows[:, 2], pair) > 1e-3
+    second = chisquare_pvalue(rows[:, 1] * 16 + rows[:, 2], (p2[t1].unsqueeze(1) * p3).numpy().ravel())
+    return first, second
+
+
+def test_sampling_with_the_reranked_proposal_keeps_the_target_distribution(one_thread):
+    """Exact rejection sampling with the reranked q (top 4 of 16, W_o random; zero outside the candidates) keeps
+    the target's distribution under temperature 1; the same test rejects verifying with the pre-rerank q."""
+    model = tiny_model("qwen3", vocab_size=16, eos_token_id=None, pad_token_id=None)
+    prompt = [3, 1, 4, 1, 5]
+    out, support = _sampled_tokens(model, _online_draft(model), prompt, 2000)
+    assert support <= 4
+    assert min(_pair_pvalues(model, prompt, out)) > 1e-3
+    wrong, _ = _sampled_tokens(model, _online_draft(model), prompt, 1500, misreport=True)
+    assert min(_pair_pvalues(model, prompt, wrong)) < 1e-6  # power
 
 
 # -- params.yaml / dvc.yaml --------------------------------------------------------------------------------------
