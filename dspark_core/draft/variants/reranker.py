@@ -238,10 +238,11 @@ class RerankerDraft(DSparkDraft):
         cand = batch["rank_candidates"][b, a, j]  # [N, K]
         m = self.markov_features(batch["prev_tokens"], hidden, batch)[b, a, j]  # [N, r]
         head = self.head_states(hidden[b, a, j])  # [N, Ht]
-        lm_rows = F.embedding(cand, self.lm_head_weight).to(head.dtype)  # [N, K, Ht]
         e_out = F.embedding(cand, self.markov.w2.weight)  # [N, K, r]
-        dspark = (lm_rows @ head.unsqueeze(-1)).squeeze(-1).float() + \
-            (e_out @ m.to(e_out.dtype).unsqueeze(-1)).squeeze(-1).float()  # [N, K]
+        with torch.autocast(head.device.type, enabled=False):  # l_i in float32, as the loss's logits
+            lm_rows = F.embedding(cand, self.lm_head_weight).float()  # [N, K, Ht]
+            dspark = torch.einsum("nkh,nh->nk", lm_rows, head.float()) + \
+                torch.einsum("nkr,nr->nk", e_out.float(), m.float())  # [N, K]
         state = self.prefix_states(batch["prev_tokens"])[b, a, j]  # [N, w]
         scores = dspark + self.reranker.residual(hidden[b, a, j], state, e_out)
         return {"scores": scores, "dspark": dspark, "candidates": cand, "index": torch.stack([b, a, j])}
