@@ -204,9 +204,10 @@ def _prefix_state(draft, prefix: list[int]) -> torch.Tensor:
 def _brute_force_rank_loss(draft, batch, top_k, gamma=4.0):
     num = den = 0.0
     rr = draft.reranker
+    hidden = draft.forward_train(batch["input_ids"], batch["aux_hidden"], batch["anchors"], batch["anchor_valid"])
     for b, a, j in batch["slot_valid"].nonzero().tolist():
         p = int(batch["anchors"][b, a])
-        h = draft.forward_train(batch["input_ids"], batch["aux_hidden"], batch["anchors"], batch["anchor_valid"])[b, a, j]
+        h = hidden[b, a, j]
         prev = batch["prev_tokens"][b, a]
         l = draft.slot_logits(h) + draft.markov_bias(draft.markov.features(prev[j])).float()  # [V]
         cand = set(torch.topk(l, top_k).indices.tolist())
@@ -560,7 +561,8 @@ def test_warm_start_checkpoint_resolution(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     params = tmp_path / "params.yaml"
     variants = {"baseline": {}, "warm": {"warm_start": {"from_variant": "baseline", "step": 2, "freeze_base": True}},
-                "latest": {"warm_start": {"from_variant": "baseline"}}, "self": {"warm_start": {"from_variant": "self"}}}
+                "latest": {"warm_start": {"from_variant": "baseline"}},
+                "self": {"warm_start": {"from_variant": "self"}}}
     params.write_text(yaml.safe_dump({"variants": variants}))
     assert warm_start_checkpoint(params, "baseline")[1:] == (None, 0)
     with pytest.raises(ValueError, match=r"step_00000002 not found \(kept: none\)"):

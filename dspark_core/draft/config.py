@@ -96,7 +96,7 @@ class DraftConfig(Section):
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
-    kind: str = "baseline"              # the draft class: baseline | engram_markov | engram_mask_gated | ...
+    kind: str = "baseline"              # the draft class: baseline | engram_markov | ... | reranker
     engram: EngramConfig = field(default_factory=EngramConfig)  # read by the engram_* kinds only
     reranker: RerankerConfig = field(default_factory=RerankerConfig)  # read by the reranker kind only
 

@@ -64,14 +64,14 @@ class PrefixEncoder(nn.Module):
     def forward(self, emb: torch.Tensor, start: int = 0, kv: KV | None = None) -> tuple[torch.Tensor, KV]:
         """emb [B, T, r] at in-block positions ``start .. start+T-1``; ``kv`` the K/V of positions < start."""
         batch, length = emb.shape[:2]
+        if kv is not None and length > 1:
+            raise ValueError("PrefixEncoder: continue a cached prefix one token at a time")
         pos = torch.arange(start, start + length, device=emb.device)
         x = self.in_proj(emb) + self.pos(pos)  # [B, T, w]
         q, k, v = self.qkv(self.attn_norm(x)).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         if kv is not None:  # [B, nh, T, d] each
             k, v = torch.cat([kv[0], k], dim=2), torch.cat([kv[1], v], dim=2)
         att = F.scaled_dot_product_attention(q, k, v, is_causal=kv is None and length > 1)  # [B, nh, T, d]
-        if kv is not None and length > 1:
-            raise ValueError("PrefixEncoder: continue a cached prefix one token at a time")
         x = x + self.attn_out(att.transpose(1, 2).reshape(batch, length, -1))
         x = x + self.ffn_out(F.silu(self.ffn_in(self.ffn_norm(x))))
         return self.out_norm(x), (k, v)
@@ -331,9 +331,8 @@ class RerankerTask(DSparkTask):
                                         target_agreement="tokens", target_agreement_before_rerank="tokens")
 
     def build_model(self, device: torch.device, dtype: torch.dtype) -> DSparkTrainModel:
-        model = super().build_model(device, dtype)
-        out = RerankerTrainModel(model.draft, self.loss_cfg)
-        return out
+        """The base model (warm start and freezing included) with the rank loss added to its forward."""
+        return RerankerTrainModel(super().build_model(device, dtype).draft, self.loss_cfg)
 
     def denominators(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if "rank_hit" not in batch:
