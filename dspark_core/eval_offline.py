@@ -88,6 +88,7 @@ def _accumulate(draft, batch: dict[str, torch.Tensor], loss_cfg: LossConfig, met
     a_full[tuple(out["index"])] = out["overlap"]
     conf = torch.sigmoid(out["conf_logits"]) if out["conf_logits"] is not None else None  # [N]
     metrics.add(a_full, batch["slot_valid"], out["ce"], conf)
+    metrics.add_extra(draft.variant_offline_sums(hidden, batch))  # e.g. the reranker's metrics
 
 
 def write_plots(plots_dir: Path, result: dict[str, Any], reliability: dict[str, list], block_size: int) -> None:

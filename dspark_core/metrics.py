@@ -67,6 +67,7 @@ class OfflineMetrics:
         self.bin_count = torch.zeros(calibration_bins, dtype=torch.float64)  # [M]
         self.bin_conf = torch.zeros(calibration_bins, dtype=torch.float64)  # [M]
         self.bin_acc = torch.zeros(calibration_bins, dtype=torch.float64)  # [M]
+        self.extra: dict[str, list[float]] = {}  # a variant's own metrics: name -> [numerator, denominator]
 
     def add(self, a: torch.Tensor, slot_valid: torch.Tensor, ce: torch.Tensor,
             confidence: torch.Tensor | None = None) -> None:
@@ -82,6 +83,13 @@ class OfflineMetrics:
         self.ce_sum += float(ce.double().sum())
         if confidence is not None:
             self._add_confidence(confidence.double().cpu(), a[slot_valid].double().cpu())
+
+    def add_extra(self, sums: dict[str, tuple[Any, Any]]) -> None:
+        """A variant's metrics of one batch, ``{name: (numerator, denominator)}`` (see ``result``)."""
+        for name, (num, den) in sums.items():
+            acc = self.extra.setdefault(name, [0.0, 0.0])
+            acc[0] += float(num)
+            acc[1] += float(den)
 
     def _add_confidence(self, conf: torch.Tensor, a: torch.Tensor) -> None:
         self.has_conf = True
@@ -105,6 +113,8 @@ class OfflineMetrics:
         out["conf_bias"] = self.conf_err / n_tok if self.has_conf and n_tok else None
         out["num_blocks"] = self.blocks
         out["num_tokens"] = int(n_tok)
+        for name, (num, den) in self.extra.items():  # a variant's metrics (may replace tau_prob, accept_rate@i)
+            out[name] = num / den if den else None
         return out
 
     def reliability(self) -> dict[str, list]:

@@ -32,6 +32,11 @@ def _fmt(x: Any, nd: int = 3) -> str:
     return str(x)
 
 
+# the prefix reranker's offline metrics (seed 000), dashes for the other variants
+RERANK_KEYS = ("rerank_tau_gain", "rerank_target_agreement_gain", "candidate_recall",
+               "rerank_teacher_forced_prefix_gain")
+
+
 def dspark_rows(variants: Sequence[str], root: Path = REPORTS) -> list[dict[str, Any]]:
     rows = []
     for v in variants:
@@ -43,6 +48,7 @@ def dspark_rows(variants: Sequence[str], root: Path = REPORTS) -> list[dict[str,
                      "speedup": on.get("speedup"), "identical": on.get("identical"),
                      "engram_lookup_share": on.get("engram_lookup_share_of_cycle"),
                      "mal_first_stage_memory": (on.get("online_modes") or {}).get("first_stage", {}).get("mal"),
+                     **{k: off.get(k) for k in RERANK_KEYS}, "reranker_share": on.get("reranker_share_of_cycle"),
                      "_rates": [off.get(f"accept_rate@{i}") for i in range(64) if f"accept_rate@{i}" in off]})
     return rows
 

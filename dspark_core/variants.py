@@ -1,4 +1,5 @@
-"""Variants are params: ``variants.<name>`` holds overrides of the ``draft``, ``loss`` and ``train`` sections.
+"""Variants are params: ``variants.<name>`` holds overrides of the ``draft``, ``loss``, ``train`` and ``warm_start``
+sections (``warm_start``: start from another variant's checkpoint; dvc.yaml's ``train_warm`` stage).
 
     variants:
       baseline: {}
@@ -17,7 +18,7 @@ import yaml
 
 from dspark_core.config import ParamsError
 
-VARIANT_SECTIONS = ("draft", "loss", "train")
+VARIANT_SECTIONS = ("draft", "loss", "train", "warm_start")
 
 
 def _read(params: str | Path) -> dict[str, Any]:
@@ -49,8 +50,9 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def section_for_variant(params: str | Path, section: str, name: str) -> dict[str, Any]:
+def section_for_variant(params: str | Path, section: str, name: str, optional: bool = False) -> dict[str, Any]:
+    """``optional``: a section missing from the file is empty (its defaults)."""
     doc = _read(params)
-    if section not in doc:
+    if section not in doc and not optional:
         raise ParamsError(f"{params}: section '{section}' is missing")
-    return merge(doc[section] or {}, variant_overrides(params, name).get(section, {}))
+    return merge(doc.get(section) or {}, variant_overrides(params, name).get(section, {}))

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _draft_utils import teacher_forcing
 from dspark_core.cache.dataset import CacheCollator
 from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.draft.config import DraftConfig
@@ -47,17 +48,6 @@ def _batch(model, n=3, prompt=5, response=19, anchors=4, seed=0):
     return add_anchor_fields(CacheCollator(0)(_ITEMS[key]), anchors, S, torch.Generator().manual_seed(seed))
 
 
-def _teacher_forcing(targets: torch.Tensor, seen: list):
-    """A sample_fn that picks the reference token of each slot and records the logits it was given."""
-    it = iter(targets.tolist())
-
-    def sample_fn(logits):
-        seen.append(logits.clone())
-        return torch.tensor([next(it)]), torch.softmax(logits, -1)
-
-    return sample_fn
-
-
 @pytest.mark.parametrize("family,over", [("qwen3", {}), ("llama", {}), ("qwen2", {}),
                                          ("qwen3", {"hidden_size": 48, "num_attention_heads": 6, "head_dim": 8})])
 def test_training_forward_equals_single_block_inference(family, over):
@@ -83,7 +73,7 @@ def test_training_forward_equals_single_block_inference(family, over):
         torch.testing.assert_close(h_inf, h[b, a], rtol=0, atol=1e-5)
         torch.testing.assert_close(draft.slot_logits(h_inf), train_logits[b, a], rtol=0, atol=1e-5)
         seen: list = []
-        prop = draft.propose(cache, anchor, _teacher_forcing(batch["targets"][b, a], seen))
+        prop = draft.propose(cache, anchor, teacher_forcing(batch["targets"][b, a], seen))
         valid = int(batch["slot_valid"][b, a].sum())  # Markov inputs are the reference tokens on valid slots
         torch.testing.assert_close(torch.cat(seen)[:valid], train_markov[b, a, :valid], rtol=0, atol=1e-5)
         torch.testing.assert_close(prop.confidence[0, :valid], train_conf[b, a, :valid], rtol=0, atol=1e-5)

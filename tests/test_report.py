@@ -18,12 +18,16 @@ def test_report_tables_and_plots(tmp_path):
     (tmp_path / "dmtd" / "bidir_refresh.json").write_text(json.dumps(
         {"perplexity": 2.5, "target_perplexity": 2.0, "gsm8k_accuracy": 0.5, "target_gsm8k_accuracy": 0.5,
          "tokens_per_s": 40.0, "ar_tokens_per_s": 20.0, "speedup": 2.0, "device": "cpu"}))
+    (tmp_path / "eval_offline" / "rr.json").write_text(json.dumps(
+        {"tau_prob": 2.0, "rerank_tau_gain": 0.25, "rerank_target_agreement_gain": 0.02, "candidate_recall": 0.9,
+         "rerank_teacher_forced_prefix_gain": 0.125}))
     params = tmp_path / "params.yaml"
-    params.write_text("variants:\n  baseline: {}\n  other: {}\ndmtd:\n  variants: [bidir_refresh]\n")
+    params.write_text("variants:\n  baseline: {}\n  other: {}\n  rr: {}\ndmtd:\n  variants: [bidir_refresh]\n")
     run_report(params, root=tmp_path)
     text = (tmp_path / "summary.md").read_text()
     assert "| baseline | 2.500 | 0.700 | 1.250 | 0.100 | 2.750 | 30.000 | 10.000 | 3.000 | yes |" in text
-    assert "| other | - |" in text  # a variant without results shows dashes, not zeros
+    assert "| other | - |" in text
+    assert "| rr | 2.000 |" in text and "| 0.250 | 0.020 | 0.900 | 0.125 | - |" in text  # the reranker's gains  # a variant without results shows dashes, not zeros
     assert "| bidir_refresh | 2.500 | 2.000 | 0.500 | 0.500 | 40.000 | 20.000 | 2.000 | cpu |" in text
     for png in ("dspark_accept_rate.png", "dmtd_quality_speed.png"):
         assert (tmp_path / "plots" / png).read_bytes()[:4] == b"\x89PNG"

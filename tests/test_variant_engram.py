@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _draft_utils import seed000_param_counts, teacher_forcing
 from dspark_core.cache.dataset import CacheCollator
 from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.draft.config import DraftConfig, EngramConfig
 from dspark_core.draft.model import DSparkDraft, load_draft, save_draft
 from dspark_core.draft.synthetic import items_from_target
-from dspark_core.draft.variants import build_draft, param_counts
+from dspark_core.draft.variants import build_draft
 from dspark_core.draft.variants.engram import (EngramTable, build_frozen_table, is_prime, read_frozen_table,
                                                table_primes, write_frozen_table)
 from dspark_core.testing import tiny_model
@@ -89,16 +90,6 @@ def test_lookup_depends_only_on_the_last_n_tokens():
 
 
 # -- training forward == single-block inference ------------------------------------------------------------
-def _teacher_forcing(targets: torch.Tensor, seen: list):
-    it = iter(targets.tolist())
-
-    def sample_fn(logits):
-        seen.append(logits.clone())
-        return torch.tensor([next(it)]), torch.softmax(logits, -1)
-
-    return sample_fn
-
-
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_training_forward_equals_single_block_inference(family, kind):
@@ -124,7 +115,7 @@ def test_training_forward_equals_single_block_inference(family, kind):
         h_inf = draft.forward_block(cache, anchor, extras)[0]  # [S, H]
         torch.testing.assert_close(h_inf, h[b, a], rtol=0, atol=1e-5)
         seen: list = []
-        draft.propose(cache, anchor, _teacher_forcing(batch["targets"][b, a], seen), extras=extras)
+        draft.propose(cache, anchor, teacher_forcing(batch["targets"][b, a], seen), extras=extras)
         valid = int(batch["slot_valid"][b, a].sum())
         torch.testing.assert_close(torch.cat(seen)[:valid], train_logits[b, a, :valid], rtol=0, atol=1e-5)
         checked += 1
@@ -173,23 +164,14 @@ def test_replace_is_not_the_baseline_and_reads_the_pre_anchor_feature():
 
 # -- parameter counts at seed shapes ------------------------------------------------------------------------
 def test_seed000_parameter_counts():
-    from transformers import Qwen3Config
-
-    tc = Qwen3Config(vocab_size=151936, hidden_size=2560, num_hidden_layers=64, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, intermediate_size=9728, tie_word_embeddings=True)
     want = {"engram_markov": 3 * 2560 * 256, "engram_mask_gated": 2560 ** 2 + 6,
             "engram_mask_replace": 2560 ** 2}
     assert list(want.values()) == [1_966_080, 6_553_606, 6_553_600]
-    cfg = dict(num_draft_layers=3, block_size=7, markov_rank=256, num_attention_heads=24, num_key_value_heads=2,
-               head_dim=256, mask_token_id=151669)
-    with torch.device("meta"):
-        w = torch.empty(151936, 2560)
-        base = param_counts(DSparkDraft(DraftConfig(**cfg), tc, w, w, aux_layer_ids=(45, 46, 47)))
-        for kind, n in want.items():
-            counts = param_counts(build_draft(DraftConfig(**cfg, kind=kind), tc, w, w, aux_layer_ids=(45, 46, 47)))
-            assert counts["variant"] == n
-            assert counts["draft"] - base["draft"] == n  # the table is not a draft parameter
-            assert counts["engram_table"] == sum(table_primes(EngramConfig())) * 640
+    for kind, n in want.items():
+        base, counts = seed000_param_counts(kind)
+        assert counts["variant"] == n
+        assert counts["draft"] - base["draft"] == n  # the table is not a draft parameter
+        assert counts["engram_table"] == sum(table_primes(EngramConfig())) * 640
 
 
 # -- frozen tables ------------------------------------------------------------------------------------------

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _draft_utils import seed000_param_counts
 from dspark_core.cache.dataset import CacheCollator
 from dspark_core.draft.anchors import add_anchor_fields, block_targets
 from dspark_core.draft.config import DraftConfig, LossConfig, MemoryConfig
-from dspark_core.draft.model import DSparkDraft
 from dspark_core.draft.synthetic import items_from_target
-from dspark_core.draft.variants import build_draft, param_counts
+from dspark_core.draft.variants import build_draft
 from dspark_core.draft.variants.memory import MEMORY_KEYS, DraftMemory, first_mismatch, memory_slots, transition
 from dspark_core.testing import tiny_model
 
@@ -218,16 +218,7 @@ def test_gradients_only_through_stage_two(one_thread):
 
 # -- parameter counts ---------------------------------------------------------------------------------------------
 def test_seed000_parameter_count():
-    from transformers import Qwen3Config
-
-    tc = Qwen3Config(vocab_size=151936, hidden_size=2560, num_hidden_layers=64, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, intermediate_size=9728, tie_word_embeddings=True)
-    cfg = dict(num_draft_layers=3, block_size=7, markov_rank=256, num_attention_heads=24, num_key_value_heads=2,
-               head_dim=256, mask_token_id=151669)
-    with torch.device("meta"):
-        w = torch.empty(151936, 2560)
-        base = param_counts(DSparkDraft(DraftConfig(**cfg), tc, w, w, aux_layer_ids=(45, 46, 47)))
-        mem = param_counts(build_draft(DraftConfig(**cfg, kind="draft_memory"), tc, w, w, aux_layer_ids=(45, 46, 47)))
+    base, mem = seed000_param_counts("draft_memory")
     assert mem["variant"] == 2560 ** 2 + 2560 == 6_556_160
     assert mem["draft"] - base["draft"] == 6_556_160
 

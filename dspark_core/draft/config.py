@@ -13,7 +13,8 @@ from dspark_core.config import Section, non_negative, one_of, positive, require
 
 MARKOV_HEADS = ("vanilla", "none")
 # The draft classes a variant may select with ``draft.kind`` (dspark_core/draft/variants/).
-DRAFT_KINDS = ("baseline", "engram_markov", "engram_mask_gated", "engram_mask_replace", "draft_memory")
+DRAFT_KINDS = ("baseline", "engram_markov", "engram_mask_gated", "engram_mask_replace", "draft_memory",
+               "reranker")
 ENGRAM_KINDS = ("engram_markov", "engram_mask_gated", "engram_mask_replace")
 ENGRAM_SOURCES = ("trainable", "frozen")
 MEMORY_ONLINE = ("chained", "first_stage")
@@ -74,6 +75,26 @@ class MemoryConfig(Section):
 
 
 @dataclass(frozen=True)
+class RerankerConfig(Section):
+    """The prefix reranker (seed 000; ``draft/variants/reranker.py``): the Markov top-``top_k`` candidates rescored
+    from a one-layer causal Transformer over the block's prefix (width ``width``, ``num_heads`` heads, FFN
+    ``width -> ffn_size -> width``) and the draft hidden state."""
+
+    top_k: int = 16
+    width: int = 256
+    num_heads: int = 4
+    ffn_size: int = 1024
+    norm_eps: float = 1e-5
+
+    def validate(self) -> None:
+        for name in ("top_k", "width", "num_heads", "ffn_size"):
+            positive(name, getattr(self, name))
+        positive("norm_eps", self.norm_eps)
+        require(self.width % self.num_heads == 0, f"width ({self.width}) must be a multiple of num_heads "
+                f"({self.num_heads})")
+
+
+@dataclass(frozen=True)
 class DraftConfig(Section):
     """The DSpark draft (seed 004 section 5.1, seed 000 "Baseline 架构")."""
 
@@ -90,14 +111,17 @@ class DraftConfig(Section):
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
-    kind: str = "baseline"              # the draft class: baseline | engram_* | draft_memory
+    kind: str = "baseline"              # the draft class: baseline | engram_* | draft_memory | reranker
     engram: EngramConfig = field(default_factory=EngramConfig)  # read by the engram_* kinds only
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # read by draft_memory only
+    reranker: RerankerConfig = field(default_factory=RerankerConfig)  # read by the reranker kind only
 
     def validate(self) -> None:
         one_of("kind", self.kind, DRAFT_KINDS)
         require(not (self.kind == "engram_markov" and self.markov_head == "none"),
                 "kind engram_markov needs a Markov head (markov_head is 'none')")
+        require(not (self.kind == "reranker" and self.markov_head == "none"),
+                "kind reranker needs a Markov head (its E_in / E_out tables; markov_head is 'none')")
         positive("num_draft_layers", self.num_draft_layers)
         positive("block_size", self.block_size)
         positive("num_anchors", self.num_anchors)
@@ -131,6 +155,7 @@ class LossConfig(Section):
     conf_alpha: float = 1.0
     decay_gamma: float = 4.0
     vocab_chunk_slots: int = 512        # slots whose full-vocabulary logits exist at once
+    rank_alpha: float = 1.0             # weight of the prefix reranker's rank loss (draft.kind reranker only)
 
     def validate(self) -> None:
         non_negative("ce_alpha", self.ce_alpha)
@@ -138,3 +163,22 @@ class LossConfig(Section):
         non_negative("conf_alpha", self.conf_alpha)
         positive("decay_gamma", self.decay_gamma)
         positive("vocab_chunk_slots", self.vocab_chunk_slots)
+        non_negative("rank_alpha", self.rank_alpha)
+
+
+@dataclass(frozen=True)
+class WarmStartConfig(Section):
+    """Start ``train`` of a variant from another variant's trainer checkpoint (seed 000: the frozen-baseline
+    reranker starts from baseline step 2,604). ``from_variant`` null: from scratch. ``step`` null: that run's
+    latest checkpoint. ``freeze_base``: train only the variant's own parameters (``draft.variant_params()``);
+    the optimiser and the lr schedule start afresh either way, and the curves' x axis continues at ``step``."""
+
+    from_variant: str | None = None
+    step: int | None = None
+    freeze_base: bool = False
+
+    def validate(self) -> None:
+        if self.step is not None:
+            positive("step", self.step)
+        require(self.from_variant is not None or (self.step is None and not self.freeze_base),
+                "step / freeze_base need from_variant")

@@ -342,6 +342,13 @@ class DSparkDraft(nn.Module):
         its loss denominators are taken (Draft Memory's stage 1). The baseline returns the batch unchanged."""
         return batch
 
+    def variant_offline_sums(self, hidden: torch.Tensor, batch: Mapping[str, torch.Tensor]
+                             ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """eval_offline: a variant's own metrics of one batch as ``{name: (numerator, denominator)}`` (summed over
+        batches, then divided; a name of the baseline's metrics replaces it). hidden [B, A, S, H] from
+        ``forward_train`` on the prepared batch. The baseline has none."""
+        return {}
+
     def variant_timers(self) -> dict[str, float]:
         """Seconds spent in a variant's own online work since ``set_variant_timing(True)`` (bench_online)."""
         return {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dspark_core.config import ParamsError
-from dspark_core.draft.config import DraftConfig, LossConfig
+from dspark_core.draft.config import DraftConfig, LossConfig, WarmStartConfig
 from dspark_core.io import sha256_json
 from dspark_core.train.trainer import TrainConfig
 from dspark_core.variants import section_for_variant
@@ -31,18 +31,49 @@ def variant_configs(params: Path, variant: str) -> tuple[DraftConfig, LossConfig
     return draft, loss, train
 
 
+def warm_start_checkpoint(params: Path, variant: str) -> tuple[WarmStartConfig, Path | None, int]:
+    """The variant's ``warm_start`` section, the trainer checkpoint dir it starts from (None: from scratch) and that
+    checkpoint's step (the curves' offset)."""
+    from dspark_core.io import read_json
+
+    warm = WarmStartConfig.from_dict(section_for_variant(params, "warm_start", variant, optional=True),
+                                     src=str(params), prefix="warm_start.")
+    if warm.from_variant is None:
+        return warm, None, 0
+    if warm.from_variant == variant:
+        raise ParamsError(f"{params}: variants.{variant}.warm_start.from_variant names the variant itself")
+    root = TRAIN_DIR / warm.from_variant / "checkpoints"
+    step = warm.step
+    if step is None:
+        if not (root / "latest.json").is_file():
+            raise ValueError(f"warm start of {variant}: {root} has no checkpoint; run `dvc repro "
+                             f"train@{warm.from_variant}` first")
+        step = int(read_json(root / "latest.json")["step"])
+    ckpt = root / f"step_{step:08d}"
+    if not (ckpt / "model.safetensors").is_file():
+        kept = sorted(p.name for p in root.glob("step_*")) if root.is_dir() else []
+        raise ValueError(f"warm start of {variant}: {ckpt} not found (kept: {', '.join(kept) or 'none'}); set "
+                         f"warm_start.step to a kept step or retrain {warm.from_variant}")
+    return warm, ckpt, step
+
+
 def run_train_stage(params: Path, variant: str, time_budget_s: float | None = None) -> None:
     from dspark_core.cache.dataset import CacheDataset
-    from dspark_core.draft.task import DSparkTask
+    from dspark_core.draft.variants import task_class
     from dspark_core.train.run import run_training
 
     draft_cfg, loss_cfg, train_cfg = variant_configs(params, variant)
-    task = DSparkTask.from_paths(draft_cfg, loss_cfg, TARGET_DIR, CACHE_DIR / "train.zarr")
+    warm, ckpt, offset = warm_start_checkpoint(params, variant)
+    task = task_class(draft_cfg.kind).from_paths(draft_cfg, loss_cfg, TARGET_DIR, CACHE_DIR / "train.zarr",
+                                                 init_checkpoint=ckpt, freeze_base=warm.freeze_base)
     data: CacheDataset = task.train_dataset()  # type: ignore[assignment]
     run_config = {"variant": variant, "draft": draft_cfg.to_dict(), "loss": loss_cfg.to_dict(),
                   "train": train_cfg.to_dict(), "target": task.target_fingerprint,
                   "cache": sha256_json(data.manifest)}
-    result = run_training(task, train_cfg, run_config, Path("reports/train") / variant, time_budget_s=time_budget_s)
+    if ckpt is not None:
+        run_config["warm_start"] = {**warm.to_dict(), "checkpoint": str(ckpt), "step": offset}
+    result = run_training(task, train_cfg, run_config, Path("reports/train") / variant, time_budget_s=time_budget_s,
+                          log_step_offset=offset)
     write_param_counts(result.model, Path("reports/train") / variant / "model.json", variant)
 
 

@@ -48,6 +48,36 @@ class DSparkTrainModel(nn.Module):
         return dspark_sums(self.draft, hidden, batch, self.loss_cfg, extras=batch)
 
 
+def load_warm_start(model: nn.Module, ckpt_dir: Path) -> None:
+    """Copy a trainer checkpoint (``ckpt_dir/model.safetensors``: the trainable weights of another variant's
+    ``DSparkTrainModel``) into ``model``. Each of its weights must exist here with the same shape; weights it
+    lacks (a variant's own new modules) keep their initialisation."""
+    from safetensors.torch import load_file
+
+    path = ckpt_dir / "model.safetensors"
+    if not path.is_file():
+        raise ValueError(f"warm start: {path} not found (is the step among the run's kept checkpoints?)")
+    weights = load_file(str(path))
+    params = dict(model.named_parameters())
+    bad = [k for k, v in weights.items() if k not in params or tuple(params[k].shape) != tuple(v.shape)]
+    if bad:
+        raise ValueError(f"warm start: {path} does not fit this draft ({bad[:3]} unknown or of another shape)")
+    with torch.no_grad():
+        for k, v in weights.items():
+            params[k].copy_(v)
+
+
+def freeze_all_but_variant(model: nn.Module) -> None:
+    """Only the variant's own parameters (``draft.variant_params()``) stay trainable."""
+    draft = getattr(model, "draft", model)
+    own = {id(p) for p in getattr(draft, "variant_params", dict)().values()}
+    if not own:
+        raise ValueError(f"warm_start.freeze_base: draft.kind {draft.cfg.kind!r} has no parameters of its own")
+    for p in model.parameters():
+        if id(p) not in own:
+            p.requires_grad_(False)
+
+
 def draft_denominators(slot_valid: torch.Tensor, gamma: float) -> dict[str, torch.Tensor]:
     """Data-only denominators of one micro-batch from slot_valid [B, A, S]."""
     blocks, tokens = block_counts(slot_valid)
@@ -71,8 +101,10 @@ class DSparkTask:
                  embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, aux_layer_ids: Sequence[int],
                  train_data: Sequence[Any], pad_id: int = 0, target_fingerprint: str | None = None,
                  collator: Callable[[list[Any]], dict[str, torch.Tensor]] | None = None,
-                 attention_backend: str = "auto", gradient_checkpointing: bool = False) -> None:
+                 attention_backend: str = "auto", gradient_checkpointing: bool = False,
+                 init_checkpoint: str | Path | None = None, freeze_base: bool = False) -> None:
         self.draft_cfg, self.loss_cfg = draft_cfg, loss_cfg
+        self.init_checkpoint, self.freeze_base = init_checkpoint, freeze_base
         self.target_config = target_config
         self.embed_weight, self.lm_head_weight = embed_weight, lm_head_weight
         self.aux_layer_ids = tuple(aux_layer_ids)
@@ -121,7 +153,12 @@ class DSparkTask:
         draft = draft.to(device=device, dtype=dtype)
         if torch.device(device).type == "cuda":
             draft.set_frozen_dtype(torch.bfloat16)
-        return DSparkTrainModel(draft, self.loss_cfg)
+        model = DSparkTrainModel(draft, self.loss_cfg)
+        if self.init_checkpoint is not None:
+            load_warm_start(model, Path(self.init_checkpoint))
+        if self.freeze_base:
+            freeze_all_but_variant(model)
+        return model
 
     def param_groups(self, model: nn.Module) -> list[dict[str, Any]]:
         """One group for the draft; a trainable Engram table gets its own (``draft.engram.lr``, ``sparse``)."""

@@ -87,9 +87,9 @@ def _live_class() -> Any:
 
 
 def run_training(task: Any, cfg: TrainConfig, run_config: dict[str, Any], report_dir: str | Path,
-                 time_budget_s: float | None = None) -> TrainResult:
+                 time_budget_s: float | None = None, log_step_offset: int = 0) -> TrainResult:
     """Train ``task`` into ``cfg.out_dir`` (checkpoints + ``final/``), curves and metrics into ``report_dir``.
-    ``time_budget_s``: see :func:`dspark_core.train.trainer.train`."""
+    ``time_budget_s``, ``log_step_offset``: see :func:`dspark_core.train.trainer.train`."""
     from dspark_core.train.trainer import init_distributed
 
     out_dir = Path(cfg.out_dir)
@@ -103,7 +103,7 @@ def run_training(task: Any, cfg: TrainConfig, run_config: dict[str, Any], report
     if d.is_main:
         live = _live_class()(dir=str(report_dir), resume=resume, save_dvc_exp=False, dvcyaml=None, report=None)
         live.log_params({"run_config_hash": sha256_json(run_config)})
-    result = train(task, cfg, live=live, time_budget_s=time_budget_s)
+    result = train(task, cfg, live=live, time_budget_s=time_budget_s, log_step_offset=log_step_offset)
     if d.is_main and hasattr(task, "export"):  # DMTD: the last checkpoint is the model
         task.export(result.model, out_dir / "final")
         if live is not None:

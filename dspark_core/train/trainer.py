@@ -315,13 +315,15 @@ def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
 
 def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
           on_step: Callable[[int, dict[str, float]], None] | None = None,
-          progress: bool = True, time_budget_s: float | None = None, checkpoints: bool = True) -> TrainResult:
+          progress: bool = True, time_budget_s: float | None = None, checkpoints: bool = True,
+          log_step_offset: int = 0) -> TrainResult:
     """Run (or resume) training of ``task`` until ``cfg.stop_step``. Returns the (unwrapped) model.
 
     ``time_budget_s`` (off by default): stop after the first step that ends that many seconds after the
     loop started (compilation included), with a checkpoint, as if ``max_steps`` were that step; the lr
     schedule is not stretched. ``TrainResult.steps`` is the step reached. ``checkpoints=False`` (benchmarks)
-    neither resumes from nor writes checkpoints."""
+    neither resumes from nor writes checkpoints. ``log_step_offset``: added to the logged step (the curves of a
+    run warm-started at that step use cumulative steps; the schedule and the checkpoints count from 0)."""
     if time_budget_s is not None and not time_budget_s > 0:
         raise ValueError(f"train: time budget must be > 0 seconds; got {time_budget_s!r}")
     d = init_distributed()
@@ -385,7 +387,7 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
         final = done == cfg.stop_step or out_of_time
         if d.is_main:
             if live is not None and (done % cfg.log_every == 0 or final):
-                live.step = done
+                live.step = done + log_step_offset
                 for k, v in row.items():
                     live.log_metric(f"train/{k}", v)
                 live.make_summary()

@@ -27,7 +27,22 @@ def draft_class(kind: str) -> type:
         from dspark_core.draft.variants.memory import DraftMemory
 
         return DraftMemory
+    if kind == "reranker":
+        from dspark_core.draft.variants.reranker import RerankerDraft
+
+        return RerankerDraft
     raise ValueError(f"draft.kind {kind!r} is not a known draft (known: {', '.join(DRAFT_KINDS)})")
+
+
+def task_class(kind: str) -> type:
+    """The training task of ``draft.kind``: ``DSparkTask``, or a variant's subclass adding its loss terms."""
+    if kind == "reranker":
+        from dspark_core.draft.variants.reranker import RerankerTask
+
+        return RerankerTask
+    from dspark_core.draft.task import DSparkTask
+
+    return DSparkTask
 
 
 def build_draft(cfg: DraftConfig, target_config: Any, embed_weight: Any, lm_head_weight: Any, **kwargs: Any):
