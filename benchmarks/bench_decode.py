@@ -33,10 +33,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from dspark_core.io import write_json  # noqa: E402
-from dspark_core.spec.common import synced_clock  # noqa: E402
-from dspark_core.spec.ar import ARDecoder, StaticARDecoder  # noqa: E402
-from dspark_core.spec.target_runner import TargetRunner  # noqa: E402
-from dspark_core.spec.tree import parse_branches  # noqa: E402
+from dspark_core.decoding.common import synced_clock  # noqa: E402
+from dspark_core.decoding.ar import ARDecoder, StaticARDecoder  # noqa: E402
+from dspark_core.decoding.target_runner import TargetRunner  # noqa: E402
+from dspark_core.decoding.tree import parse_branches  # noqa: E402
 
 SHAPES = {
     "qwen3-4b": ("qwen3", dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
@@ -126,7 +126,7 @@ def static_cycle(model, prompt: torch.Tensor, args) -> dict:
     ``--cycle-draft-layers`` layers on these shapes. The draft is untrained (MAL ~1), so this measures time per
     cycle, not speedup: speculative beats AR when MAL > cycle_ms / decode_step_ms."""
     from dspark_core.draft import DraftConfig, DSparkDraft
-    from dspark_core.spec.static_engine import StaticSpeculativeDecoder
+    from dspark_core.decoding.static_engine import StaticSpeculativeDecoder
 
     layers = model.config.num_hidden_layers
     aux = sorted({max(1, round(i * (layers - 2) / 4)) for i in range(5)})  # 5 layers spread like the seed's
@@ -196,7 +196,7 @@ def bench_ar(name: str, family: str, overrides: dict, args, device: torch.device
 
 def bench_spec(args, device: torch.device, dtype: torch.dtype) -> dict:
     """Speculative vs AR with a trained draft on a real target (greedy), via the bench_online pieces."""
-    from dspark_core.bench_online import (BenchOnlineConfig, decode_dataset, make_engine, peer_comparison,
+    from dspark_core.decoding.bench_online import (BenchOnlineConfig, decode_dataset, make_engine, peer_comparison,
                                           read_jsonl_prompts, resolve_engine, stop_ids_of, summarize,
                                           truncated_assistant)
     from dspark_core.draft.model import load_draft
@@ -254,7 +254,7 @@ def main() -> None:
     ap.add_argument("--spec-max-len", type=int, default=2048)
     ap.add_argument("--confidence-threshold", type=float, default=0.0)
     ap.add_argument("--tree-branches", type=parse_branches, default=(),
-                    help='draft-tree branches "start:length,..." (static engine; dspark_core/spec/tree.py), '
+                    help='draft-tree branches "start:length,..." (static engine; dspark_core/decoding/tree.py), '
                          'e.g. "1:3,2:1,3:1,4:1"')
     ap.add_argument("--engine", choices=("static", "reference"), default=None,
                     help="speculative engine for (b): static (device-side cycle, CUDA graphs; default on GPU) or "

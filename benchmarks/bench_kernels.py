@@ -178,7 +178,7 @@ def part_decode_profile(dev) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from dspark_core.spec.target_runner import TargetRunner
+    from dspark_core.decoding.target_runner import TargetRunner
 
     cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN, num_hidden_layers=36,
                       num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D, tie_word_embeddings=True,

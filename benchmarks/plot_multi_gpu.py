@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dspark_core.bench_online import _save  # noqa: E402
+from dspark_core.decoding.bench_online import _save  # noqa: E402
 
 DEFAULT = ROOT / "reports" / "bench" / "multi_gpu_h200x2" / "ddp_train.json"
 

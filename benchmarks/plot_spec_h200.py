@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dspark_core.bench_online import _save  # noqa: E402
+from dspark_core.decoding.bench_online import _save  # noqa: E402
 
 DIR = ROOT / "reports" / "bench" / "spec_h200_smollm2"
 # (label, file): the runs with the trained draft, all on the same 30 prompts

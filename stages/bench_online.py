@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from dspark_core.bench_online import run_bench_online_stage
+from dspark_core.decoding.bench_online import run_bench_online_stage
 
 
 def main(variant: str = typer.Option("baseline", help="a key of `variants` in params.yaml"),

@@ -11,7 +11,7 @@ from dspark_core.dmtd.config import VARIANTS
 from dspark_core.dmtd.inference import ARDecoder, DMTDDecoder
 from dspark_core.dmtd.layers import attend_dense, layer_out, layer_qkv, rope
 from dspark_core.dmtd.model import DMTDModel, PlainModel, default_positions
-from dspark_core.spec.sampling import SamplingParams
+from dspark_core.decoding.sampling import SamplingParams
 
 TAU, P, MASK = 4, 4, 259
 ATOL = 2e-5

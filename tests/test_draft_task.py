@@ -14,7 +14,7 @@ from dspark_core.draft.config import DraftConfig, LossConfig
 from dspark_core.draft.model import load_draft
 from dspark_core.draft.task import DSparkTask
 from dspark_core.draft.synthetic import items_from_target
-from dspark_core.eval_offline import EvalOfflineConfig, evaluate_offline
+from dspark_core.draft.eval_offline import EvalOfflineConfig, evaluate_offline
 from dspark_core.metrics import overlap
 from dspark_core.testing import tiny_model
 

@@ -79,7 +79,7 @@ def test_fused_linear_matches_reference(dtype, n, invariant, gemm, variant, monk
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_qk_norm_rope_cache_matches_reference(dtype, qk_norm):
     from dspark_core.kernels.decode import qk_norm_rope_cache
-    from dspark_core.spec.target_runner import _rope, rms_norm
+    from dspark_core.decoding.target_runner import _rope, rms_norm
 
     g = torch.Generator().manual_seed(1)
     n, hq, hkv, d, m = 3, 4, 2, 16, 40
@@ -132,7 +132,7 @@ def test_kernel_step_matches_eager_runner(family):
 
     float32: equal to 1e-4. bf16 (CUDA): its distance to the float32 runner is at most 3x the eager bf16
     runner's own (they round at different points; on the H200 the worst case seen was 2.05x: 0.105 vs 0.051)."""
-    from dspark_core.spec.target_runner import TargetRunner
+    from dspark_core.decoding.target_runner import TargetRunner
     from dspark_core.testing import tiny_model
 
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -167,7 +167,7 @@ def test_kernel_step_matches_eager_runner(family):
 
 
 def test_kernels_refused_with_reason():
-    from dspark_core.spec.target_runner import TargetRunner
+    from dspark_core.decoding.target_runner import TargetRunner
     from dspark_core.testing import tiny_model
 
     with pytest.raises(ValueError, match="batch_size is 2"):
@@ -240,7 +240,7 @@ def test_kernel_step_is_batch_invariant(family, gemm, monkeypatch):
     """A step of n tokens gives bit for bit the logits, aux states and cache of n single-token steps, so a
     greedy verify of a proposal agrees exactly with AR decoding (bf16 included)."""
     from dspark_core.kernels import decode
-    from dspark_core.spec.target_runner import TargetRunner
+    from dspark_core.decoding.target_runner import TargetRunner
     from dspark_core.testing import tiny_model
 
     assert decode.BATCH_INVARIANT

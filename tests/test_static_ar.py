@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _spec_utils import one_thread  # noqa: F401 (fixture)
+from _decoding_utils import one_thread  # noqa: F401 (fixture)
 from dspark_core.draft import DraftConfig, DSparkDraft
-from dspark_core.spec.ar import ARDecoder, StaticARDecoder
-from dspark_core.spec.sampling import SamplingParams
-from dspark_core.spec.static_engine import StaticSpeculativeDecoder
-from dspark_core.spec.target_runner import TargetRunner
+from dspark_core.decoding.ar import ARDecoder, StaticARDecoder
+from dspark_core.decoding.sampling import SamplingParams
+from dspark_core.decoding.static_engine import StaticSpeculativeDecoder
+from dspark_core.decoding.target_runner import TargetRunner
 from dspark_core.testing import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -12,14 +12,14 @@ import os
 import pytest
 import torch
 
-from _spec_utils import one_thread  # noqa: F401 (fixture)
+from _decoding_utils import one_thread  # noqa: F401 (fixture)
 from dspark_core.draft import DraftConfig, DSparkDraft
-from dspark_core.spec.ar import ARDecoder
-from dspark_core.spec.engine import SpeculativeDecoder
-from dspark_core.spec.sampling import SamplingParams
-from dspark_core.spec.static_draft import StaticDraft
-from dspark_core.spec.static_engine import StaticSpeculativeDecoder
-from dspark_core.spec.target_runner import TargetRunner
+from dspark_core.decoding.ar import ARDecoder
+from dspark_core.decoding.engine import SpeculativeDecoder
+from dspark_core.decoding.sampling import SamplingParams
+from dspark_core.decoding.static_draft import StaticDraft
+from dspark_core.decoding.static_engine import StaticSpeculativeDecoder
+from dspark_core.decoding.target_runner import TargetRunner
 from dspark_core.testing import tiny_model
 
 if not torch.cuda.is_available():
@@ -234,7 +234,7 @@ def test_static_cuda_graph_matches_ar(kernels):
 
 def test_bench_online_engine_param():
     """``bench_online.engine``: auto = reference on CPU, static on request (greedy only), bad names refused."""
-    from dspark_core.bench_online import BenchOnlineConfig, make_engine, resolve_engine
+    from dspark_core.decoding.bench_online import BenchOnlineConfig, make_engine, resolve_engine
 
     model, draft = _setup("qwen3")
     greedy, sampled = SamplingParams(), SamplingParams(temperature=0.7)

@@ -1,4 +1,4 @@
-"""Draft trees (``dspark_core.spec.tree``): the layout, greedy tree acceptance against a plain walk, the Triton
+"""Draft trees (``dspark_core.decoding.tree``): the layout, greedy tree acceptance against a plain walk, the Triton
 tree accept / K/V move / Markov top-2 against torch, the target's tree step against the chain forward of each
 node's path, and the static engine with branches against AR (identical output, more tokens per cycle).
 
@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-from _spec_utils import one_thread  # noqa: F401 (fixture)
-from dspark_core.spec.tree import TreeLayout, parse_branches, top2_reference, tree_accept_reference
+from _decoding_utils import one_thread  # noqa: F401 (fixture)
+from dspark_core.decoding.tree import TreeLayout, parse_branches, top2_reference, tree_accept_reference
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -179,7 +179,7 @@ def _tiny(family: str, layers: int = 3, vocab: int = 16):
 @pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=needs_triton)])
 def test_tree_step_matches_chain_of_each_path(kernels):
     """Every tree row's logits and aux states == the last row of a chain forward of its path (same prefix)."""
-    from dspark_core.spec.target_runner import TargetRunner
+    from dspark_core.decoding.target_runner import TargetRunner
 
     model, _ = _tiny("qwen3", vocab=64)
     layout = TreeLayout(4, ((1, 2), (3, 1)))
@@ -207,9 +207,9 @@ def test_tree_step_matches_chain_of_each_path(kernels):
 def test_static_tree_engine_matches_ar(kernels):
     """Branches change only the tokens per cycle: the output is AR's, and more tokens are accepted per cycle
     than with the chain (16-token vocabulary: a random draft's second choice is often right)."""
-    from dspark_core.spec.ar import ARDecoder
-    from dspark_core.spec.static_engine import StaticSpeculativeDecoder
-    from dspark_core.spec.target_runner import TargetRunner
+    from dspark_core.decoding.ar import ARDecoder
+    from dspark_core.decoding.static_engine import StaticSpeculativeDecoder
+    from dspark_core.decoding.target_runner import TargetRunner
 
     model, draft = _tiny("qwen3")
     branches = ((1, 2), (2, 1), (3, 1))
@@ -237,8 +237,8 @@ def test_static_tree_engine_matches_ar(kernels):
 
 
 def test_tree_refuses_confidence_cut():
-    from dspark_core.spec.static_engine import StaticSpeculativeDecoder
-    from dspark_core.spec.target_runner import TargetRunner
+    from dspark_core.decoding.static_engine import StaticSpeculativeDecoder
+    from dspark_core.decoding.target_runner import TargetRunner
 
     model, draft = _tiny("qwen3")
     runner = TargetRunner(model, max_len=96, aux_layer_ids=draft.aux_layer_ids)
@@ -252,9 +252,9 @@ def test_tree_refuses_confidence_cut():
 def test_tree_cuda_graph_bf16_matches_ar():
     """bf16, batch-invariant Triton kernels, the cycle captured as CUDA graphs: the tree engine's output is AR's
     bit for bit (each tree row sums its keys in AR's order), on capture and on replay."""
-    from dspark_core.spec.ar import ARDecoder
-    from dspark_core.spec.static_engine import StaticSpeculativeDecoder
-    from dspark_core.spec.target_runner import TargetRunner
+    from dspark_core.decoding.ar import ARDecoder
+    from dspark_core.decoding.static_engine import StaticSpeculativeDecoder
+    from dspark_core.decoding.target_runner import TargetRunner
 
     model, draft = _tiny("qwen3", layers=4, vocab=64)
     model, draft = model.to(torch.bfloat16), draft.to(torch.bfloat16)

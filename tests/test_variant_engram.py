@@ -249,9 +249,9 @@ def test_bad_engram_params_are_named():
 def test_online_greedy_identical_to_ar_with_partial_acceptance(kind, one_thread):
     """A 16-token vocabulary makes a random draft right often enough for partial acceptances; the engine
     passes the committed ids through the anchor, which the variant's lookups read."""
-    from dspark_core.spec.ar import ARDecoder
-    from dspark_core.spec.engine import SpeculativeDecoder
-    from dspark_core.spec.target_runner import TargetRunner
+    from dspark_core.decoding.ar import ARDecoder
+    from dspark_core.decoding.engine import SpeculativeDecoder
+    from dspark_core.decoding.target_runner import TargetRunner
 
     model = tiny_model("qwen3", vocab_size=16, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(0)

@@ -241,9 +241,9 @@ def test_bad_memory_params_are_named():
 # -- online: the reference engine ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("online", ["chained", "first_stage"])
 def test_online_greedy_identical_to_ar_and_memory_is_the_kept_suffix(online, one_thread):
-    from dspark_core.spec.ar import ARDecoder
-    from dspark_core.spec.engine import SpeculativeDecoder
-    from dspark_core.spec.target_runner import TargetRunner
+    from dspark_core.decoding.ar import ARDecoder
+    from dspark_core.decoding.engine import SpeculativeDecoder
+    from dspark_core.decoding.target_runner import TargetRunner
 
     model = tiny_model("qwen3", vocab_size=16, eos_token_id=None, pad_token_id=None)
     draft = _draft(model, online=online, num_draft_layers=1)
@@ -301,7 +301,7 @@ def test_bench_online_reports_both_memory_sources(tmp_path, monkeypatch, one_thr
 
     import yaml
 
-    from dspark_core.bench_online import run_bench_online_stage
+    from dspark_core.decoding.bench_online import run_bench_online_stage
     from dspark_core.draft.model import save_draft
     from dspark_core.target import load_target
     from dspark_core.testing import save_tiny_target

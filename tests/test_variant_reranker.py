@@ -21,11 +21,11 @@ from dspark_core.draft.synthetic import items_from_target
 from dspark_core.draft.task import DSparkTask
 from dspark_core.draft.variants import build_draft, task_class
 from dspark_core.draft.variants.reranker import RerankerTask, keep_dspark_on_ties, top_candidates
-from dspark_core.eval_offline import EvalOfflineConfig, evaluate_offline
+from dspark_core.draft.eval_offline import EvalOfflineConfig, evaluate_offline
 from dspark_core.metrics import overlap
 from dspark_core.testing import tiny_model
 
-from _spec_utils import chisquare_pvalue
+from _decoding_utils import chisquare_pvalue
 
 AUX = (0, 2, 4)
 S = 4
@@ -429,10 +429,10 @@ def _online_draft(model, top_k=4):
 
 
 def test_online_greedy_identical_to_ar_with_partial_acceptance(one_thread):
-    from dspark_core.spec.ar import ARDecoder
-    from dspark_core.spec.engine import SpeculativeDecoder
-    from dspark_core.spec.static_draft import static_draft_problem
-    from dspark_core.spec.target_runner import TargetRunner
+    from dspark_core.decoding.ar import ARDecoder
+    from dspark_core.decoding.engine import SpeculativeDecoder
+    from dspark_core.decoding.static_draft import static_draft_problem
+    from dspark_core.decoding.target_runner import TargetRunner
 
     model = tiny_model("qwen3", vocab_size=16, eos_token_id=None, pad_token_id=None)
     draft = _online_draft(model)
@@ -453,9 +453,9 @@ def _sampled_tokens(model, draft, prompt, draws, misreport=False):
     """``draws`` x the first 3 output tokens under temperature 1 (token 1 from prefill, 2 and 3 from a cycle) and the
     largest support of a proposal's q. ``misreport``: verification gets the full-vocabulary DSpark softmax as q
     (the seed's greedy-only interface used for sampling), not the reranked distribution the tokens come from."""
-    from dspark_core.spec.engine import SpeculativeDecoder
-    from dspark_core.spec.sampling import SamplingParams
-    from dspark_core.spec.target_runner import TargetRunner
+    from dspark_core.decoding.engine import SpeculativeDecoder
+    from dspark_core.decoding.sampling import SamplingParams
+    from dspark_core.decoding.target_runner import TargetRunner
 
     runner = TargetRunner(model, max_len=32, aux_layer_ids=draft.aux_layer_ids)
     supports, before = [], []

@@ -23,9 +23,9 @@ S = 4
 
 @pytest.mark.parametrize("kind", DRAFT_KINDS)
 def test_kind_trains_and_decodes_on_cuda(kind, tmp_path):
-    from dspark_core.spec.ar import ARDecoder
-    from dspark_core.spec.engine import SpeculativeDecoder
-    from dspark_core.spec.target_runner import TargetRunner
+    from dspark_core.decoding.ar import ARDecoder
+    from dspark_core.decoding.engine import SpeculativeDecoder
+    from dspark_core.decoding.target_runner import TargetRunner
     from dspark_core.train.trainer import TrainConfig, train
 
     target = tiny_model("qwen3", vocab_size=16, eos_token_id=None, pad_token_id=None)

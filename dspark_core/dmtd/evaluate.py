@@ -20,7 +20,7 @@ import torch
 
 from dspark_core.dmtd.inference import CachedDecoder
 from dspark_core.dmtd.model import StackModel
-from dspark_core.spec.sampling import SamplingParams
+from dspark_core.decoding.sampling import SamplingParams
 
 GSM8K_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")

@@ -41,7 +41,7 @@ import torch
 from dspark_core.dmtd.layers import attend_dense, head_dims, layer_out, layer_qkv, rope
 from dspark_core.dmtd.masks import CAUSAL, Slots, dense_mask
 from dspark_core.dmtd.model import DMTDModel, StackModel, causal_hidden
-from dspark_core.spec.sampling import SamplingParams, select_tokens
+from dspark_core.decoding.sampling import SamplingParams, select_tokens
 
 GRAPH_MODES = ("none", "cuda_graph", "compile")
 

@@ -12,12 +12,28 @@ pointer. ``extend_context`` appends positions ``length .. length+n-1``; ``trunca
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from dspark_core.draft.model import DSparkDraft
+class BlockDraft(Protocol):
+    """What this module needs of a draft (``DSparkDraft`` implements it; this module never imports the model, the
+    model imports this module): its layers and heads, and one block forward against a ``ContextCache``."""
+
+    layers: Any
+    fc: Any
+    rope: Any
+    block_size: int
+    compute_dtype: torch.dtype
+
+    def context_features(self, aux_hidden: torch.Tensor) -> torch.Tensor: ...
+    def forward_block(self, cache: "ContextCache", anchor_token: torch.Tensor, **kwargs: Any) -> Any: ...
+    def slot_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def markov_features(self, *args: Any, **kwargs: Any) -> Any: ...
+    def markov_bias(self, *args: Any, **kwargs: Any) -> Any: ...
+    def confidence_logits(self, *args: Any, **kwargs: Any) -> Any: ...
+    def score_candidates(self, *args: Any, **kwargs: Any) -> Any: ...
+
 
 SampleFn = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor]"]
 
@@ -63,7 +79,7 @@ class ContextCache:
         return self.k[layer, :, :, :n].to(dtype), self.v[layer, :, :, :n].to(dtype)
 
 
-def new_context_cache(draft: "DSparkDraft", batch: int, max_len: int, device: Any = None,
+def new_context_cache(draft: BlockDraft, batch: int, max_len: int, device: Any = None,
                       dtype: torch.dtype | None = None) -> ContextCache:
     if batch < 1 or max_len < 1:
         raise ValueError(f"new_context_cache: batch and max_len must be >= 1; got batch={batch}, max_len={max_len}")
@@ -76,7 +92,7 @@ def new_context_cache(draft: "DSparkDraft", batch: int, max_len: int, device: An
 
 
 @torch.no_grad()
-def extend_context(draft: "DSparkDraft", cache: ContextCache, aux_hidden: torch.Tensor) -> None:
+def extend_context(draft: BlockDraft, cache: ContextCache, aux_hidden: torch.Tensor) -> None:
     """Append the aux hidden of positions ``cache.length .. +n`` (aux_hidden [B, n, K, Ht])."""
     batch, n = aux_hidden.shape[:2]
     if batch != cache.batch:
@@ -108,7 +124,7 @@ def _confident_prefix(confidence: torch.Tensor, threshold: float) -> int:
 
 
 @torch.no_grad()
-def propose(draft: "DSparkDraft", cache: ContextCache, anchor_token: torch.Tensor, sample_fn: SampleFn,
+def propose(draft: BlockDraft, cache: ContextCache, anchor_token: torch.Tensor, sample_fn: SampleFn,
             confidence_threshold: float = 0.0, extras: Mapping[str, Any] | None = None) -> DraftProposal:
     """One block at anchor position ``cache.length``; tokens chosen slot by slot by ``sample_fn``.
 

@@ -99,7 +99,7 @@ def run_eval_offline_stage(params: Path, variant: str) -> dict:
 
     from dspark_core.cache.dataset import CacheDataset
     from dspark_core.draft.model import load_draft
-    from dspark_core.eval_offline import EvalOfflineConfig, evaluate_offline
+    from dspark_core.draft.eval_offline import EvalOfflineConfig, evaluate_offline
     from dspark_core.target import load_target, read_fingerprint
 
     cfg = EvalOfflineConfig.load(params, "eval_offline")

@@ -141,7 +141,7 @@ def _move_slots(KC, VC, path, e, S, p_old, LH, M_ALLOC, D: tl.constexpr, LH_BLOC
 def _accept_tree(best, OUT, P, ANCHOR, PARENT, DEPTH, ANC, PATH, KC, VC, DKC, DVC, S, R, LH, M_ALLOC, DLH, DM_ALLOC,
                  R_P: tl.constexpr, S_P: tl.constexpr, D: tl.constexpr, DD: tl.constexpr, LH_BLOCK: tl.constexpr,
                  DLH_BLOCK: tl.constexpr):
-    """Greedy tree acceptance (``dspark_core.spec.tree.tree_accept_reference``) from the row argmaxes best [R_P].
+    """Greedy tree acceptance (``dspark_core.decoding.tree.tree_accept_reference``) from the row argmaxes best [R_P].
 
     out = [a, cap, path tokens t_1..t_S, bonus, node tokens (R - 1)]: writes a, the path tokens and the bonus;
     PATH [3, S+1] = the path's rows, their cache slots (p + row) and the slots they move to (p + depth);
@@ -243,7 +243,7 @@ class GreedyAccept:
         self.ws_max = torch.empty(rows * self.tiles, dtype=torch.float32, device=self.device)  # [R, T]
         self.ws_idx = torch.empty(rows * self.tiles, dtype=torch.int32, device=self.device)  # [R, T]
         self.lock = torch.zeros(1, dtype=torch.int32, device=self.device)  # arrivals; 0 between launches
-        self.tree = tree  # TreeLayout (dspark_core.spec.tree) or None: the chain
+        self.tree = tree  # TreeLayout (dspark_core.decoding.tree) or None: the chain
         if tree is not None:
             if tree.rows != rows:
                 raise ValueError(f"the tree has {tree.rows} verify rows; GreedyAccept was given rows={rows}")
@@ -327,9 +327,9 @@ def greedy_accept_reference(logits: torch.Tensor, out: torch.Tensor, p: torch.Te
 
 def greedy_accept_tree_reference(logits: torch.Tensor, out: torch.Tensor, p: torch.Tensor, anchor: torch.Tensor,
                                  tables, path: torch.Tensor) -> None:
-    """The tree mode of ``GreedyAccept`` as torch ops (``dspark_core.spec.tree.tree_accept_reference``), in place:
+    """The tree mode of ``GreedyAccept`` as torch ops (``dspark_core.decoding.tree.tree_accept_reference``), in place:
     out int64 [S+3+N] = [a, cap, path tokens, bonus, node tokens]; path int64 [3, S+1] (rows, from, to slots)."""
-    from dspark_core.spec.tree import tree_accept_reference
+    from dspark_core.decoding.tree import tree_accept_reference
 
     s = tables.ancestors.shape[1] - 1
     nodes = out[3 + s :]  # [N]

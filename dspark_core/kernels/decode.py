@@ -1,5 +1,5 @@
 """Triton kernels of the target's decode / verify step (batch 1, n <= 16 new tokens), used by
-``dspark_core.spec.target_runner.TargetRunner(kernels=True)``.
+``dspark_core.decoding.target_runner.TargetRunner(kernels=True)``.
 
 Decoding reads every weight once per step, so the step is a chain of memory-bound matrix-vector
 products; what costs time besides the bytes is the number of kernels (each a few microseconds even
@@ -416,7 +416,7 @@ def fused_linear_reference(x, w, bias=None, *, norm_weight=None, eps=0.0, gated=
     """The same computation in plain torch (HF's module order and roundings)."""
     import torch.nn.functional as F
 
-    from dspark_core.spec.target_runner import rms_norm
+    from dspark_core.decoding.target_runner import rms_norm
 
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
@@ -478,7 +478,7 @@ def qk_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: t
                        v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float,
                        slot_offset: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [n, (Hq + 2 Hkv) D] -> q [n, Hq, D] (normed, rotated); writes k / v at ``pos [n]`` of the layer's
-    caches [1, Hkv, M, D] (at ``pos + slot_offset`` when given: a draft tree's rows, ``dspark_core.spec.tree``).
+    caches [1, Hkv, M, D] (at ``pos + slot_offset`` when given: a draft tree's rows, ``dspark_core.decoding.tree``).
     ``cos`` / ``sin`` [M, D] are the full tables (rows picked by ``pos`` on the device)."""
     n = qkv.shape[0]
     d = cos.shape[1]
@@ -504,7 +504,7 @@ def _attn_split(Q, KC, VC, POS, OFF, BACK, OP, MP, LP, M_ALLOC, split_len, scale
     """Program (kv head h, split s, token t): the G query heads of token t over keys
     [s * split_len, +split_len) that t may see (<= its position). One token per program: batch-invariant.
     TREE: the keys are logical positions; those >= POS[t] - BACK[t] are read OFF[t] slots further (a draft
-    tree's branch rows, ``dspark_core.spec.tree``), so the sums run in the same order as without a tree."""
+    tree's branch rows, ``dspark_core.decoding.tree``), so the sums run in the same order as without a tree."""
     if PDL_ON:
         gdc_wait()  # the previous kernel's outputs are complete and visible after this
     h = tl.program_id(0)

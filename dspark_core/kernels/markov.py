@@ -1,4 +1,4 @@
-"""Triton kernel of the draft's greedy Markov slot (``dspark_core.spec.static_draft``, CUDA graphs).
+"""Triton kernel of the draft's greedy Markov slot (``dspark_core.decoding.static_draft``, CUDA graphs).
 
 Slot i of a DSpark proposal picks ``t_i = argmax(base_i + W2 W1[t_{i-1}])``: the LM-head logits of the slot
 plus the Markov bias of the previous token. The slots are sequential (each reads the token the previous one
@@ -111,7 +111,7 @@ def _markov_slot(BASE, W1, W2, PREV, PV, PI, LOCK, OUT, V, R: tl.constexpr, BLOC
 def _markov_rows(BASE, W1, W2, TOK, TABLE, PV, PI, LOCK, V, R: tl.constexpr, BLOCK_V: tl.constexpr,
                  BLOCK_R: tl.constexpr, NP_P: tl.constexpr, PDL_ON: tl.constexpr):
     """Program (p, row): ``_markov_slot`` for several (prev, out, out2) rows of one slot at once (a draft tree's
-    main chain and its branches at one depth, ``dspark_core.spec.tree``): TABLE[row] = indices into the token
+    main chain and its branches at one depth, ``dspark_core.decoding.tree``): TABLE[row] = indices into the token
     buffer TOK of the previous token, the output and the second-best output (-1: none). Each row has its own
     partials (PV / PI + row * 2 * NP_P) and arrival counter (LOCK + row)."""
     if PDL_ON:

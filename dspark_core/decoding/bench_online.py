@@ -39,12 +39,12 @@ import torch
 
 from dspark_core.config import Section, non_negative, positive, require
 from dspark_core.io import atomic_path, write_json
-from dspark_core.spec.ar import ARDecoder
-from dspark_core.spec.common import synced_clock
-from dspark_core.spec.engine import SpeculativeDecoder
-from dspark_core.spec.sampling import SamplingParams
-from dspark_core.spec.target_runner import TargetRunner
-from dspark_core.spec.types import GenerationResult
+from dspark_core.decoding.ar import ARDecoder
+from dspark_core.decoding.common import synced_clock
+from dspark_core.decoding.engine import SpeculativeDecoder
+from dspark_core.decoding.sampling import SamplingParams
+from dspark_core.decoding.target_runner import TargetRunner
+from dspark_core.decoding.types import GenerationResult
 
 DATASET_SOURCES = {"gsm8k": ("gsm8k_symbolic",), "chat": ("sharegpt",)}
 JSONL_PREFIX = "jsonl:"
@@ -350,7 +350,7 @@ def resolve_device(cfg: BenchOnlineConfig) -> tuple[torch.device, torch.dtype, b
 def _resolve_kernels(cfg: BenchOnlineConfig, model: torch.nn.Module, device: torch.device) -> bool:
     """``bench_online.kernels``: None = the Triton decode step on CUDA where it applies; True insists (with the
     reason when it cannot); False never."""
-    from dspark_core.spec.target_runner import kernels_problem
+    from dspark_core.decoding.target_runner import kernels_problem
 
     if cfg.kernels is False:
         return False
@@ -367,7 +367,7 @@ def _resolve_kernels(cfg: BenchOnlineConfig, model: torch.nn.Module, device: tor
 def static_engine_problem(sampling: SamplingParams, draft: Any) -> str | None:
     """Why the static CUDA-graph engine cannot run this draft / sampling (None when it can): the benchmark
     records it, so a variant that falls back to the reference engine says why."""
-    from dspark_core.spec.static_draft import static_draft_problem
+    from dspark_core.decoding.static_draft import static_draft_problem
 
     if not sampling.greedy:
         return f"temperature {sampling.temperature} (the static engine is greedy)"
@@ -395,7 +395,7 @@ def resolve_engine(name: str, sampling: SamplingParams, draft: Any, device: torc
     """``bench_online.engine``: "static" (the device-side cycle, greedy, baseline draft hooks), "reference"
     (``SpeculativeDecoder``: any sampling, any variant), or "auto": static for greedy decoding on CUDA where it
     applies, else reference. Asking for "static" where it cannot run is a ValueError with the reason."""
-    from dspark_core.spec.static_draft import static_draft_problem
+    from dspark_core.decoding.static_draft import static_draft_problem
 
     if name == "reference":
         return name
@@ -412,7 +412,7 @@ def resolve_engine(name: str, sampling: SamplingParams, draft: Any, device: torc
 def make_engine(engine: str, runner: TargetRunner, draft: Any, cfg: "BenchOnlineConfig"):
     """The speculative decoder named by ``engine`` (see :func:`resolve_engine`)."""
     if engine == "static":
-        from dspark_core.spec.static_engine import StaticSpeculativeDecoder
+        from dspark_core.decoding.static_engine import StaticSpeculativeDecoder
 
         return StaticSpeculativeDecoder(runner, draft, confidence_threshold=cfg.confidence_threshold,
                                         time_every=TIME_EVERY, tree_branches=cfg.tree_branches)

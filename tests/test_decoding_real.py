@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from _fake_draft import FakeDraft
-from _spec_utils import one_thread  # noqa: F401 (fixture)
-from dspark_core.bench_online import chat_ids, stop_ids_of
+from _decoding_utils import one_thread  # noqa: F401 (fixture)
+from dspark_core.decoding.bench_online import chat_ids, stop_ids_of
 from dspark_core.draft import DraftConfig, DSparkDraft
-from dspark_core.spec.ar import ARDecoder
-from dspark_core.spec.engine import SpeculativeDecoder
-from dspark_core.spec.target_runner import TargetRunner
-from dspark_core.spec.types import CycleInfo
+from dspark_core.decoding.ar import ARDecoder
+from dspark_core.decoding.engine import SpeculativeDecoder
+from dspark_core.decoding.target_runner import TargetRunner
+from dspark_core.decoding.types import CycleInfo
 from dspark_core.target import FINGERPRINT_FILE, TargetConfig, load_target, run_target
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]

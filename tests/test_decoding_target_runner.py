@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark_core.spec.target_runner import TargetRunner
+from dspark_core.decoding.target_runner import TargetRunner
 from dspark_core.testing import tiny_model
 
-from _spec_utils import one_thread  # noqa: F401 (fixture)
+from _decoding_utils import one_thread  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

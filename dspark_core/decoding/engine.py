@@ -27,10 +27,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from dspark_core.spec.common import Clock, check_budget, make_generator, prefill_first_token, prompt_tensor
-from dspark_core.spec.sampling import SamplingParams, logits_to_probs, make_sample_fn, verify_greedy, verify_rejection
-from dspark_core.spec.target_runner import TargetRunner
-from dspark_core.spec.types import CycleInfo, Draft, GenerationResult, Proposal, VerificationResult, cut_at_stop
+from dspark_core.decoding.common import Clock, check_budget, make_generator, prefill_first_token, prompt_tensor
+from dspark_core.decoding.sampling import SamplingParams, logits_to_probs, make_sample_fn, verify_greedy, verify_rejection
+from dspark_core.decoding.target_runner import TargetRunner
+from dspark_core.decoding.types import CycleInfo, Draft, GenerationResult, Proposal, VerificationResult, cut_at_stop
 
 
 class SpeculativeDecoder:

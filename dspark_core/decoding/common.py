@@ -10,8 +10,8 @@ from typing import Sequence
 
 import torch
 
-from dspark_core.spec.sampling import SamplingParams, select_tokens
-from dspark_core.spec.target_runner import TargetRunner
+from dspark_core.decoding.sampling import SamplingParams, select_tokens
+from dspark_core.decoding.target_runner import TargetRunner
 
 
 def prompt_tensor(prompt_ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Greedy speculative decoding with the whole cycle on the device: one CUDA graph pair per cycle.
 
-The same algorithm as :class:`dspark_core.spec.engine.SpeculativeDecoder` (the reference: any draft, any
+The same algorithm as :class:`dspark_core.decoding.engine.SpeculativeDecoder` (the reference: any draft, any
 sampling, host-side bookkeeping), restricted to greedy decoding of a baseline ``DSparkDraft`` so that every
 step of a cycle has a static shape and reads its lengths from device tensors:
 
@@ -17,7 +17,7 @@ not idle while the host works. The target always
 verifies S+1 tokens; a confidence cut (``confidence_threshold`` > 0) caps the accepted prefix at the cut,
 which commits the same tokens the reference commits after proposing only the confident slots.
 
-``tree_branches`` ((start, length), ...; ``dspark_core.spec.tree``) adds side branches to the proposal: the
+``tree_branches`` ((start, length), ...; ``dspark_core.decoding.tree``) adds side branches to the proposal: the
 draft's second-best token at depth ``start`` and its greedy continuation, verified in the same forward (up to
 16 rows cost about one with the ``mma`` kernels); every row's draft context is written like the target's K/V
 (RoPE at its logical position, in its row's slot), and the accept step moves the winning branch's K/V -- target
@@ -39,12 +39,12 @@ from typing import Sequence
 
 import torch
 
-from dspark_core.spec.common import Clock, check_budget, prompt_tensor
-from dspark_core.spec.sampling import SamplingParams
-from dspark_core.spec.static_draft import StaticDraft, draft_kernels_problem
-from dspark_core.spec.target_runner import TargetRunner
-from dspark_core.spec.tree import TreeLayout, parse_branches
-from dspark_core.spec.types import GenerationResult, cut_at_stop
+from dspark_core.decoding.common import Clock, check_budget, prompt_tensor
+from dspark_core.decoding.sampling import SamplingParams
+from dspark_core.decoding.static_draft import StaticDraft, draft_kernels_problem
+from dspark_core.decoding.target_runner import TargetRunner
+from dspark_core.decoding.tree import TreeLayout, parse_branches
+from dspark_core.decoding.types import GenerationResult, cut_at_stop
 
 
 class StaticSpeculativeDecoder:

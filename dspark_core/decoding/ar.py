@@ -23,10 +23,10 @@ from typing import Sequence
 
 import torch
 
-from dspark_core.spec.common import Clock, check_budget, make_generator, prefill_first_token, prompt_tensor
-from dspark_core.spec.sampling import SamplingParams, select_tokens
-from dspark_core.spec.target_runner import TargetRunner
-from dspark_core.spec.types import GenerationResult, cut_at_stop
+from dspark_core.decoding.common import Clock, check_budget, make_generator, prefill_first_token, prompt_tensor
+from dspark_core.decoding.sampling import SamplingParams, select_tokens
+from dspark_core.decoding.target_runner import TargetRunner
+from dspark_core.decoding.types import GenerationResult, cut_at_stop
 
 
 class ARDecoder:

@@ -1,4 +1,4 @@
-"""Helpers shared by the tests of dspark_core.spec: a one-thread fixture and a chi-square goodness of fit."""
+"""Helpers shared by the tests of dspark_core.decoding: a one-thread fixture and a chi-square goodness of fit."""
 
 from __future__ import annotations
 

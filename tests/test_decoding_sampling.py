@@ -1,4 +1,4 @@
-"""Sampling processing and exact speculative verification (dspark_core.spec.sampling).
+"""Sampling processing and exact speculative verification (dspark_core.decoding.sampling).
 
 The chi-square tests run a small decoding process on a V = 8 vocabulary where the target's
 distribution at output position j is a fixed P[j] and the draft proposes from a fixed Q[j]: the token
@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_core.spec.sampling import (
+from dspark_core.decoding.sampling import (
     SamplingParams,
     logits_to_probs,
     make_sample_fn,
     verify_greedy,
     verify_rejection,
 )
-from dspark_core.spec.types import VerificationResult
+from dspark_core.decoding.types import VerificationResult
 
-from _spec_utils import chisquare_pvalue
+from _decoding_utils import chisquare_pvalue
 
 V = 8
 POSITIONS = 4  # output positions whose distribution is checked

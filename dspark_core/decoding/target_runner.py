@@ -170,7 +170,7 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bias:
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    pos: torch.Tensor, tree: tuple[torch.Tensor, torch.Tensor], scaling: float) -> torch.Tensor:
-    """``cached_attention`` for the rows of a draft tree (``dspark_core.spec.tree``): k / v are written at
+    """``cached_attention`` for the rows of a draft tree (``dspark_core.decoding.tree``): k / v are written at
     ``pos + offset``; each row attends, one at a time, to the cache gathered into logical order (keys at
     logical positions >= pos - back read ``offset`` slots further), under its causal mask -- the same
     computation as a one-token step at its position."""
@@ -444,7 +444,7 @@ class TargetRunner:
         """The sync-free forward of ``ids [B, n]`` at positions ``pos [n]`` (a device tensor).
 
         ``head``: "all" (logits for every position), "last" (only the last) or "none". ``tree = (offset [n],
-        back [n])``: the rows are a draft tree's (``dspark_core.spec.tree``): row t at logical position pos[t],
+        back [n])``: the rows are a draft tree's (``dspark_core.decoding.tree``): row t at logical position pos[t],
         written to slot pos[t] + offset[t], attending to its ancestors only (batch 1)."""
         kernels = self.kernels if kernels is None else kernels  # graph capture: the runner's choice
         if kernels and ids.shape[1] <= self._kernel_max_tokens():

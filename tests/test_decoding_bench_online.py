@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from _spec_utils import one_thread  # noqa: F401 (fixture)
+from _decoding_utils import one_thread  # noqa: F401 (fixture)
 import yaml
 
-from dspark_core.bench_online import (BenchOnlineConfig, DatasetRun, load_prompt_sets, read_jsonl_prompts,
+from dspark_core.decoding.bench_online import (BenchOnlineConfig, DatasetRun, load_prompt_sets, read_jsonl_prompts,
                                       run_bench_online_stage, summarize)
 from dspark_core.config import ParamsError
 from dspark_core.draft import DraftConfig, DSparkDraft, save_draft
-from dspark_core.spec.types import GenerationResult
+from dspark_core.decoding.types import GenerationResult
 from dspark_core.target import load_target
 from dspark_core.testing import save_tiny_target
 
@@ -98,7 +98,7 @@ def test_jsonl_prompts_keep_unicode_line_separators(tmp_path):
 
 
 def test_kernels_setting_is_resolved_with_reasons():
-    from dspark_core.bench_online import _resolve_kernels
+    from dspark_core.decoding.bench_online import _resolve_kernels
     from dspark_core.testing import tiny_model
 
     model = tiny_model("qwen3")

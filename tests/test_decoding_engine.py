@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from _fake_draft import FakeDraft
-from _spec_utils import chisquare_pvalue, one_thread  # noqa: F401 (fixture)
+from _decoding_utils import chisquare_pvalue, one_thread  # noqa: F401 (fixture)
 from dspark_core.draft import DraftConfig, DSparkDraft
-from dspark_core.spec.ar import ARDecoder
-from dspark_core.spec.engine import SpeculativeDecoder
-from dspark_core.spec.sampling import SamplingParams, logits_to_probs
-from dspark_core.spec.target_runner import TargetRunner
-from dspark_core.spec.types import CycleInfo, cut_at_stop
+from dspark_core.decoding.ar import ARDecoder
+from dspark_core.decoding.engine import SpeculativeDecoder
+from dspark_core.decoding.sampling import SamplingParams, logits_to_probs
+from dspark_core.decoding.target_runner import TargetRunner
+from dspark_core.decoding.types import CycleInfo, cut_at_stop
 from dspark_core.testing import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -3,7 +3,7 @@
 ``draft.propose`` / ``draft.extend_context`` (``dspark_core.draft.inference``) are the reference: clear,
 any hook, any sampling, but eager, with host-side lengths and ~100 small launches per block. This module
 computes the same thing for the baseline architecture with every length and position in device tensors,
-so a whole speculative cycle can be captured as one CUDA graph (``dspark_core.spec.static_engine``):
+so a whole speculative cycle can be captured as one CUDA graph (``dspark_core.decoding.static_engine``):
 
 - the context K/V live in a static cache ``[nl, 1, nkv, M, d]``; the block attends to *all* M cached
   positions under a mask ``key < p`` (p, the anchor position, is a device tensor) plus its own S keys, which
@@ -31,8 +31,8 @@ import torch
 
 from dspark_core.draft.attention import AttentionMask
 from dspark_core.draft.model import DSparkDraft
-from dspark_core.spec.target_runner import fuse_layer
-from dspark_core.spec.tree import top2_reference
+from dspark_core.decoding.target_runner import fuse_layer
+from dspark_core.decoding.tree import top2_reference
 
 HOOKS = ("block_inputs", "markov_features", "extra_kv", "score_candidates")
 
@@ -183,7 +183,7 @@ class StaticDraft:
 
     @torch.no_grad()
     def propose_tree(self, anchor: torch.Tensor, p: torch.Tensor, layout, tok: torch.Tensor) -> None:
-        """Greedy draft tree (``dspark_core.spec.tree.TreeLayout``) at anchor [1] / p [1] into the token buffer
+        """Greedy draft tree (``dspark_core.decoding.tree.TreeLayout``) at anchor [1] / p [1] into the token buffer
         tok [R] = [anchor, node 1 .. node N] (tok[0] must hold the anchor): the main chain as ``propose``, each
         branch's first token the second best of its depth's slot (same previous token as the main chain's),
         then its greedy Markov continuation. With the Triton draft, one launch per depth for all its rows."""

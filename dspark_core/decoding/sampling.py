@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_core.spec.types import SampleFn, VerificationResult
+from dspark_core.decoding.types import SampleFn, VerificationResult
 
 
 @dataclass(frozen=True)
