@@ -73,9 +73,9 @@ def part_gemv(dev) -> list[dict]:
             if kind == "resid":
                 kw["residual"] = torch.randn(n, n_out, device=dev, dtype=bf)
             wbytes = w.numel() * 2
-            t_cublas = bench(lambda: F.linear(x, w))
+            t_cublas = bench(lambda x=x, w=w: F.linear(x, w))
             fused_linear(x, w, **kw)  # tunes
-            t_triton = bench(lambda: fused_linear(x, w, **kw))
+            t_triton = bench(lambda x=x, w=w, kw=kw: fused_linear(x, w, **kw))
             rows.append({"n": n, "matrix": name, "shape": [n_rows, k], "fusion": kind, "cublas_ms": t_cublas,
                          "triton_ms": t_triton, "cublas_tb_s": wbytes / t_cublas / 1e9,
                          "triton_tb_s": wbytes / t_triton / 1e9})

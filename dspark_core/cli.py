@@ -3,6 +3,7 @@
     dspark profile list | apply NAME | args NAME
     dspark cache verify data/cache/eval.zarr --target data/target -n 4
     dspark cache info data/cache/train.zarr
+    dspark stages list | run TARGET...    # dvc.yaml's commands without DVC (a machine where DVC is not installed)
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 profile_app = typer.Typer(no_args_is_help=True, help="Seed profiles (the seeds' large-model settings).")
 cache_app = typer.Typer(no_args_is_help=True, help="Hidden-state cache tools.")
 app.add_typer(profile_app, name="profile")
+stages_app = typer.Typer(no_args_is_help=True, help="dvc.yaml's stage commands without DVC.")
 app.add_typer(cache_app, name="cache")
+app.add_typer(stages_app, name="stages")
 
 
 @profile_app.command("list")
@@ -68,6 +71,30 @@ def cache_info(store: Path) -> None:
     if not store.exists():
         raise typer.BadParameter(f"{store}: no such cache store")
     typer.echo(json.dumps(dict(zarr.open_group(str(store), mode="r").attrs), indent=2, default=str))
+
+
+@stages_app.command("list")
+def stages_list(targets: list[str] = typer.Argument(None, help="stages (and what they depend on); none: all"),
+                params: Path = typer.Option(Path("params.yaml"))) -> None:
+    """Print the commands `dvc repro TARGET...` would run (all of them: no cache here), in order."""
+    from dspark_core.pipeline import load_stages, plan, run
+
+    run(plan(load_stages("dvc.yaml", params), targets or []), params, dry=True)
+
+
+@stages_app.command("run")
+def stages_run(targets: list[str] = typer.Argument(None, help="stages (and what they depend on); none: all"),
+               params: Path = typer.Option(Path("params.yaml")),
+               only: bool = typer.Option(False, "--only", help="the targets alone, not their ancestors")) -> None:
+    """Run dvc.yaml's commands for TARGET... and their ancestors, in DAG order (like `dvc repro`, no cache)."""
+    from dspark_core.pipeline import load_stages, plan, run
+
+    stages = load_stages("dvc.yaml", params)
+    order = [s for s in stages if s.name in targets] if only else plan(stages, targets or [])
+    if only and len(order) != len(set(targets)):
+        plan(stages, targets)  # raises on the unknown names
+    for name, seconds in run(order, params):
+        typer.echo(f"{name}\t{seconds}")
 
 
 if __name__ == "__main__":

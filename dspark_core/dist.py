@@ -38,6 +38,21 @@ def init_distributed() -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def relaunch_under_torchrun(nproc_per_node: int, argv: list[str]) -> None:
+    """A stage whose params ask for ``nproc_per_node`` > 1 processes, started as one plain process (``dvc repro``
+    runs ``python stages/X.py``), replaces itself with ``torchrun --nproc_per_node N <the same script and
+    args>``. Under torchrun already (``LOCAL_RANK`` set), or for one process, it returns and the stage runs here.
+    So the process count is a param DVC records, and dvc.yaml's command stays the same on one CPU or 8 GPUs."""
+    if nproc_per_node <= 1 or "LOCAL_RANK" in os.environ:
+        return
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc_per_node}",
+           *argv]
+    print("relaunch: " + " ".join(cmd[1:]), flush=True)
+    os.execv(sys.executable, cmd)  # does not return
+
+
 def shutdown_distributed() -> None:
     """Leave the process group (end of a torchrun stage); nothing to do in a single process."""
     if dist.is_available() and dist.is_initialized():

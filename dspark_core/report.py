@@ -4,7 +4,12 @@ Reads the metrics JSON the other stages wrote (``reports/eval_offline/<v>.json``
 ``reports/dmtd/<v>.json``) for the variants listed in params.yaml and writes:
 - ``reports/summary.md``: a table per family (DSpark variants, DMTD variants);
 - ``reports/plots/dspark_accept_rate.png``: offline accept_rate@i per DSpark variant;
-- ``reports/plots/dmtd_quality_speed.png``: DMTD perplexity vs decode speedup per variant.
+- ``reports/plots/dmtd_quality_speed.png``: DMTD perplexity vs decode speedup per variant;
+- ``reports/metrics/``: the headline figures people compare, flat, one small JSON per variant
+  (``draft/<v>.json``: tau_prob, accept_rate@i, mal, tokens_per_s, speedup (+ the reranker's gains);
+  ``dmtd/<v>.json``: perplexity, token_acc, accuracy, tokens_per_s, speedup; ``data.json``: regenerate and
+  cache throughput, bytes_per_token). dvc.yaml declares only this folder as metrics, so ``dvc metrics show`` /
+  ``diff`` stay terminal-sized; the stages' full JSON stay plain outputs beside them.
 """
 
 from __future__ import annotations
@@ -119,6 +124,49 @@ def _save(fig, path: Path) -> None:
     plt.close(fig)
 
 
+DRAFT_HEADLINE = ("tau_prob", "mal", "tokens_per_s", "speedup")
+DMTD_HEADLINE = {"perplexity": "perplexity", "token_acc": "token_acc", "accuracy": "gsm8k_accuracy",
+                 "tokens_per_s": "tokens_per_s", "speedup": "speedup"}
+
+
+def _num(x: Any) -> Any:
+    return round(x, 6) if isinstance(x, float) else x
+
+
+def headline_metrics(dspark: list[dict[str, Any]], dmtd: list[dict[str, Any]], root: Path = REPORTS
+                     ) -> dict[str, dict[str, Any]]:
+    """{relative path under reports/metrics: flat metrics}; a figure a stage did not make is left out."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in dspark:
+        m = {k: r[k] for k in DRAFT_HEADLINE}
+        m.update({f"accept_rate@{i}": x for i, x in enumerate(r["_rates"])})
+        m.update({k: r[k] for k in RERANK_KEYS})
+        out[f"draft/{r['variant']}.json"] = {k: _num(v) for k, v in m.items() if v is not None}
+    for r in dmtd:
+        d = _load(root / "dmtd" / f"{r['variant']}.json") or {}
+        out[f"dmtd/{r['variant']}.json"] = {k: _num(d[src]) for k, src in DMTD_HEADLINE.items()
+                                            if d.get(src) is not None}
+    regen, cache = _load(root / "regenerate_stats.json") or {}, _load(root / "cache_stats.json") or {}
+    splits = [s for s in (regen.get("splits") or {}).values() if s.get("generate_seconds")]
+    seconds = sum(s["generate_seconds"] for s in splits)
+    data = {"regenerate_tokens_per_s": sum(s.get("new_tokens_now", 0) for s in splits) / seconds if seconds else None,
+            "cache_tokens_per_s": cache.get("tokens_per_s"), "bytes_per_token": cache.get("bytes_per_token")}
+    out["data.json"] = {k: _num(v) for k, v in data.items() if v is not None}
+    return out
+
+
+def write_headlines(metrics: dict[str, dict[str, Any]], out_dir: Path) -> None:
+    """Rewrite ``out_dir`` with exactly these files (a variant removed from params leaves no stale file)."""
+    from dspark_core.io import write_json
+
+    keep = {out_dir / rel for rel in metrics}
+    for old in out_dir.rglob("*.json") if out_dir.is_dir() else []:
+        if old not in keep:
+            old.unlink()
+    for rel, m in metrics.items():
+        write_json(out_dir / rel, m)
+
+
 def run_report(params: str | Path, root: Path = REPORTS) -> None:
     import yaml
 
@@ -127,4 +175,5 @@ def run_report(params: str | Path, root: Path = REPORTS) -> None:
     dmtd_variants = list((doc.get("dmtd") or {}).get("variants") or [])
     dspark, dmtd = dspark_rows(variants, root), dmtd_rows(dmtd_variants, root)
     write_summary(dspark, dmtd, root / "summary.md")
+    write_headlines(headline_metrics(dspark, dmtd, root), root / "metrics")
     plot(dspark, dmtd, root / "plots")

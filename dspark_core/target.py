@@ -96,6 +96,8 @@ class TargetConfig(Section):
 # fingerprint / loading (used by every later stage)
 # ----------------------------------------------------------------------------------------------
 def _read_model_config(path: Path) -> dict:
+    if not path.is_dir():
+        raise ValueError(f"{path}: target directory not found (run the target stage: `dvc repro target`)")
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: not a Hugging Face model directory (no config.json)")
     return read_json(path / "config.json")

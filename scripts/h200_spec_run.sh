@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # One command on a lent H200: train a DSpark draft for the packaged SmolLM2-135M-Instruct target and benchmark
 # greedy speculative decoding against the engine's own AR decoding (identical output checked), without DVC.
+# Where DVC is installed, the same run is `dspark profile apply h200_smollm2 && dvc repro` (README). This script
+# runs exactly dvc.yaml's stage commands (`dspark stages run --only STAGE`, dspark_core/pipeline.py) in a work
+# dir that links the repo's stages/ and dspark_core/, with params = params.yaml + the profile + run overrides;
+# time budgets and process counts are params (regenerate.time_budget_s, train.time_budget_s,
+# train.nproc_per_node, cache.nproc_per_node), as under DVC.
 #
 #   bash scripts/h200_spec_run.sh OUT_DIR [GGUF_FILE]          # GGUF_FILE default: $HOME/smollm2.gguf
 #
@@ -9,13 +14,12 @@
 #                 GGUF_FILE is missing, sha256 checked); params = params.yaml + profiles/h200_smollm2.yaml
 #                 (`dspark profile apply`) + run overrides (GGUF path, absolute prompt paths, tiny scale)
 #   1 target      stages/target.py: GGUF -> bf16 HF dir (target.source gguf_file)
-#   2 prepare     stages/prepare.py: train = scripts/h200_data/train_prompts.jsonl (GSM-Symbolic variants of 70
-#                 GSM8K-test templates + ShareGPT), eval = eval_gsm8k.jsonl (original questions of the 30 other
-#                 templates; no variant of them is trained on: see scripts/make_h200_prompts.py)
-#   3 regenerate  stages/regenerate.py --time-budget-s: hf backend, cuda, bf16, batched; a random subset of
+#   2 prepare     stages/prepare.py: the profile's mix over four domains from the snapshot scripts/h200_data
+#                 (make_h200_prompts.py), 30 held-out eval prompts a domain (no benchmark test split trained on)
+#   3 regenerate  stages/regenerate.py (regenerate.time_budget_s): hf backend, cuda, bf16, batched; a random subset of
 #                 the train prompts when the budget runs out
 #   4 cache       stages/cache.py: aux + last hidden states of the train split (cuda, bf16)
-#   5 train       stages/train.py --time-budget-s: the draft (cuda, bf16 autocast) -> data/train/baseline/final
+#   5 train       stages/train.py (train.time_budget_s): the draft (cuda, bf16 autocast) -> data/train/baseline/final
 #   6 eval_offline stages/eval_offline.py: teacher-forced tau_prob / accept_rate@i on the held-out eval split (the
 #                 30 benchmark problems, regenerated and cached before train: seconds), next to train's own
 #   7 bench       benchmarks/bench_decode.py --compile --shapes smollm2-135m --target --draft --prompts
@@ -238,11 +242,12 @@ if [ -z "$FROM" ] || [ "$FROM" = target ]; then
 fi
 
 cd "$WORK"
+for f in stages dspark_core dvc.yaml profiles scripts; do ln -sfn "$REPO/$f" "$f"; done  # dvc.yaml's commands run here
 # params: always rebuilt, the same for the same arguments (a resumed stage sees the params it was made with)
 cp "$REPO/params.yaml" params.yaml
 "$PY" -m dspark_core.cli profile apply h200_smollm2 --params params.yaml
 mkdir -p run_profile
-"$PY" - "$REPO" "$GGUF" "$TINY" "$NPROC" "$REGEN_SAMPLED" "$TRAIN_STEPS" <<'EOF'
+"$PY" - "$REPO" "$GGUF" "$TINY" "$NPROC" "$REGEN_SAMPLED" "$TRAIN_STEPS" "$REGEN_BUDGET_S" <<'EOF'
 """Run overrides as a second profile: the GGUF path, prompt paths made absolute, the tiny CPU scale, no
 DataLoader workers when /dev/shm (where they hand batches over) is small."""
 import shutil
@@ -254,17 +259,13 @@ import yaml
 from dspark_core.profiles import apply_profile
 
 repo, gguf, tiny = Path(sys.argv[1]), str(Path(sys.argv[2]).resolve()), sys.argv[3] == "1"
-nproc, sampled, steps = int(sys.argv[4]), sys.argv[5] == "1", sys.argv[6]
+nproc, sampled, steps, regen_budget = int(sys.argv[4]), sys.argv[5] == "1", sys.argv[6], float(sys.argv[7])
 params = yaml.safe_load(Path("params.yaml").read_text())
-def absolute(src):
-    if src.startswith("jsonl:") and not Path(src[6:]).is_absolute():
-        return "jsonl:" + str(repo / src[6:])
-    return src
-over = {"target": {"path": gguf},
-        "prepare": {k: [absolute(s) for s in params["prepare"][k]] for k in ("train_sources", "eval_sources")}}
+over = {"target": {"path": gguf}, "prepare": {"snapshot_dir": str(repo / "scripts/h200_data")},
+        "regenerate": {"time_budget_s": regen_budget}}
 if tiny:
-    over["prepare"].update(n_train=24, n_eval=4)
-    over["regenerate"] = {"device": "cpu", "dtype": "float32", "max_new_tokens": 40, "batch_size": 8}
+    over["prepare"].update(n_train=24, n_eval_per_domain=1)
+    over["regenerate"] |= {"device": "cpu", "dtype": "float32", "max_new_tokens": 40, "batch_size": 8}
     over["cache"] = {"device": "cpu", "dtype": "float32", "batch_tokens": 4096, "max_length": 512}
     over["draft"] = {"num_anchors": 16}
     over["train"] = {"total_steps": 8, "max_steps": 8, "micro_batch_size": 4, "global_batch_size": 4,
@@ -273,7 +274,8 @@ if steps:  # the same number of steps for every variant
     over.setdefault("train", {}).update(total_steps=int(steps), max_steps=int(steps))
 if nproc > 1:  # DDP: each rank keeps its micro-batch, the global batch grows with the ranks
     micro = over.get("train", {}).get("micro_batch_size", params["train"]["micro_batch_size"])
-    over.setdefault("train", {})["global_batch_size"] = micro * nproc
+    over.setdefault("train", {}).update(global_batch_size=micro * nproc, nproc_per_node=nproc)
+    over.setdefault("cache", {})["nproc_per_node"] = nproc
 if sampled:  # cache reads the greedy + sampled answers (merged by the regenerate step)
     over.setdefault("cache", {})["regen_dir"] = "data/regen_all"
 try:
@@ -292,57 +294,69 @@ echo "setup $(since "$t")" >> "$TIMES"
 echo "=== [$(since "$T0") s] step setup done in $(since "$t") s"
 
 # ---------------------------------------------------------------------------------------------- 1-5 stages
-step target "$PY" "$REPO/stages/target.py" --params params.yaml
-step prepare "$PY" "$REPO/stages/prepare.py" --params params.yaml
-LAUNCH=("$PY")
-[ "$NPROC" -le 1 ] || LAUNCH=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC")
+stage() {  # stage NAME [--params FILE]: dvc.yaml's command for NAME, as `dvc repro` runs it
+  local name=$1; shift
+  "$PY" -m dspark_core.cli stages run --only "$name" "$@"
+}
+set_param() {  # set_param SECTION.KEY VALUE: into params.yaml through the profile code (a typo is an error)
+  "$PY" -c 'import sys, yaml
+from pathlib import Path
+from dspark_core.profiles import apply_profile
+tree = yaml.safe_load(sys.argv[2])
+for part in reversed(sys.argv[1].split(".")):
+    tree = {part: tree}
+Path("run_profile/set.yaml").write_text(yaml.safe_dump(tree))
+apply_profile("set", Path("params.yaml"), profiles_dir=Path("run_profile"))' "$1" "$2"
+}
+step target stage target
+step prepare stage prepare
 regenerate_all() {  # greedy answers (params.yaml) and, with DSPARK_REGEN_SAMPLED=1, sampled ones on cuda:1 at once
   if [ "$REGEN_SAMPLED" != 1 ]; then
-    "$PY" "$REPO/stages/regenerate.py" --params params.yaml --time-budget-s "$REGEN_BUDGET_S"
+    stage regenerate
     return
   fi
   "$PY" "$REPO/scripts/h200_regen_merge.py" params
-  "$PY" "$REPO/stages/regenerate.py" --params params_sampled.yaml --time-budget-s "$REGEN_BUDGET_S" \
-    > regenerate_sampled.log 2>&1 &
+  stage regenerate --params params_sampled.yaml > regenerate_sampled.log 2>&1 &
   local pid=$!
-  "$PY" "$REPO/stages/regenerate.py" --params params.yaml --time-budget-s "$REGEN_BUDGET_S"
+  stage regenerate
   wait "$pid" || { tail -n 30 regenerate_sampled.log; return 1; }
   tail -n 5 regenerate_sampled.log
   "$PY" "$REPO/scripts/h200_regen_merge.py" merge
 }
 step regenerate regenerate_all
-step cache "${LAUNCH[@]}" "$REPO/stages/cache.py" --params params.yaml
+step cache stage cache
 # what is left of DSPARK_TOTAL_S after the bench's reserve, at most TRAIN_BUDGET_S, at least 30 s (or that)
 TRAIN_S=$(awk -v b="$TRAIN_BUDGET_S" -v tot="$TOTAL_S" -v res="$BENCH_RESERVE_S" -v el="$(since "$T0")" \
   'BEGIN { x = tot - res - el; if (x > b) x = b; lo = (b < 30) ? b : 30; if (x < lo) x = lo; printf "%d", x }')
 [ "$TRAIN_S" = "${TRAIN_BUDGET_S%.*}" ] || echo "--- train budget cut to $TRAIN_S s (run at $(since "$T0") s of $TOTAL_S)"
 train_all() {  # every variant in turn, each with an equal share of the train budget
   local v share=$(( TRAIN_S / ${#VARIANTS[@]} ))
+  set_param train.time_budget_s "$share"
   for v in "${VARIANTS[@]}"; do
     echo "--- train@$v (budget $share s)"
-    "${LAUNCH[@]}" "$REPO/stages/train.py" --params params.yaml --variant "$v" --time-budget-s "$share"
+    if [ "$v" = reranker_frozen ]; then stage "train_warm@$v"; else stage "train@$v"; fi
   done
 }
 eval_all() {
   local v
-  for v in "${VARIANTS[@]}"; do "$PY" "$REPO/stages/eval_offline.py" --params params.yaml --variant "$v"; done
+  for v in "${VARIANTS[@]}"; do stage "eval_offline@$v"; done
 }
-bench_online_all() {  # the held-out GSM8K prompts, the reference engine for every variant, greedy, no peers
+bench_online_all() {  # the held-out prompts of every domain, the reference engine for every variant, greedy, no peers
   [ "$BENCH_ONLINE" = 1 ] || { echo "(DSPARK_BENCH_ONLINE=0: skipped)"; return 0; }
-  "$PY" - "$PROMPTS_DIR/eval_gsm8k.jsonl" "$SPEC_NEW_TOKENS" "$TINY" <<'EOF'
+  "$PY" - "$SPEC_NEW_TOKENS" "$TINY" <<'EOF'
 import sys
 from pathlib import Path
 
 import yaml
 
 p = yaml.safe_load(Path("params.yaml").read_text())
-tiny = sys.argv[3] == "1"
-p["bench_online"].update(datasets=[f"jsonl:{sys.argv[1]}"], max_prompts=2 if tiny else 30, peers=[],
-                         max_new_tokens=24 if tiny else int(sys.argv[2]), engine="reference", max_len=2048)
+tiny = sys.argv[2] == "1"
+p["bench_online"].update(max_prompts=1 if tiny else 30, peers=[], max_new_tokens=24 if tiny else int(sys.argv[1]),
+                         engine="reference", max_len=2048)
 Path("params_bench.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
 EOF
   local v
-  for v in "${VARIANTS[@]}"; do "$PY" "$REPO/stages/bench_online.py" --params params_bench.yaml --variant "$v"; done
+  for v in "${VARIANTS[@]}"; do stage "bench_online@$v" --params params_bench.yaml; done
 }
 step train train_all
 step eval_offline eval_all

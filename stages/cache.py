@@ -1,10 +1,12 @@
 """DVC stage `cache`: one target forward per sample -> data/cache/{split}.zarr (+ reports/cache_stats.json)."""
+
+import sys
 from pathlib import Path
 
 import typer
 
 from dspark_core.cache import CacheConfig, run_cache
-from dspark_core.dist import shutdown_distributed
+from dspark_core.dist import relaunch_under_torchrun, shutdown_distributed
 
 
 def main(params: Path = typer.Option(Path("params.yaml"), help="params file"),
@@ -14,8 +16,10 @@ def main(params: Path = typer.Option(Path("params.yaml"), help="params file"),
          ) -> None:
     # Under DVC a params change reruns this stage on its persisted output: rebuild what no longer matches,
     # resume what does (a killed run).
+    cfg = CacheConfig.load(params, "cache")
+    relaunch_under_torchrun(cfg.nproc_per_node, sys.argv)  # cache.nproc_per_node > 1: one store shard a rank
     try:
-        run_cache(CacheConfig.load(params, "cache"), force=force, rebuild_stale=not keep_stale)
+        run_cache(cfg, force=force, rebuild_stale=not keep_stale)
     finally:
         shutdown_distributed()  # torchrun: leave the process group
 

@@ -1,14 +1,21 @@
-"""DVC stage `prepare`: collect prompts into disjoint train / eval parquet files."""
+"""DVC stage `prepare`: collect prompts into a weighted training mix and per-domain held-out eval sets (disjoint,
+checked), written as train / eval parquet files."""
 import json
+from collections import Counter
 from pathlib import Path
 
 import typer
 
-from dspark_core.data.prompts import PrepareConfig, run_prepare
+from dspark_core.data.prompts import PrepareConfig, read_prompts, run_prepare
 
 
 def main(params: Path = typer.Option(Path("params.yaml"), help="params file")) -> None:
-    typer.echo(json.dumps(run_prepare(PrepareConfig.load(params, "prepare")), indent=1))
+    cfg = PrepareConfig.load(params, "prepare")
+    sizes = run_prepare(cfg)
+    by_domain = {split: dict(sorted(Counter(f"{p.domain}/{p.source}" for p in
+                                            read_prompts(Path(cfg.out_dir) / f"{split}.parquet")).items()))
+                 for split in sizes}
+    typer.echo(json.dumps({**sizes, "by_domain": by_domain}, indent=1))
 
 
 if __name__ == "__main__":

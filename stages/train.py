@@ -1,25 +1,26 @@
 """DVC stage `train@<variant>`: train the DSpark draft of one variant on the train cache.
 
-    python stages/train.py --variant baseline
-    torchrun --nproc_per_node 8 stages/train.py --variant baseline     # several processes / GPUs
+    python stages/train.py --variant baseline      # what dvc.yaml runs
+    # train.nproc_per_node: 8 (params.yaml, or `dvc exp run -S train.nproc_per_node=8`): the same command
+    # re-launches itself as `torchrun --nproc_per_node 8 stages/train.py --variant baseline`
+    # train.time_budget_s: stop (checkpoint + export) after the step that passes that many seconds
 """
 
+import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
-from dspark_core.dist import shutdown_distributed
-from dspark_core.draft.stage import run_train_stage
+from dspark_core.dist import relaunch_under_torchrun, shutdown_distributed
+from dspark_core.draft.stage import run_train_stage, variant_configs
 
 
 def main(variant: str = typer.Option("baseline", help="a key of `variants` in params.yaml"),
-         params: Path = typer.Option(Path("params.yaml"), help="params file"),
-         time_budget_s: Optional[float] = typer.Option(
-             None, "--time-budget-s", help="stop (checkpoint + export) after the step that passes this many seconds"),
-         ) -> None:
+         params: Path = typer.Option(Path("params.yaml"), help="params file")) -> None:
+    # train.nproc_per_node > 1: this process becomes `torchrun --nproc_per_node N stages/train.py ...`
+    relaunch_under_torchrun(variant_configs(params, variant)[2].nproc_per_node, sys.argv)
     try:
-        run_train_stage(params, variant, time_budget_s=time_budget_s)
+        run_train_stage(params, variant)
     finally:
         shutdown_distributed()  # torchrun: leave the process group
 

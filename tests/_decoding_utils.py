@@ -34,3 +34,80 @@ def chisquare_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
         observed = np.append(observed[~small], observed[small].sum())
         expected = np.append(expected[~small], expected[small].sum())
     return float(chisquare(observed, expected).pvalue)
+
+
+@torch.no_grad()
+def greedy_continuations(model: torch.nn.Module, prompts, max_new_tokens: int) -> list[list[int]]:
+    """The target's own greedy continuation of each prompt (plain HF forwards, no KV cache: tiny models)."""
+    device = next(model.parameters()).device
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([list(prompt)], device=device)  # [1, L]
+        for _ in range(max_new_tokens):
+            ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
+        out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+def fit_draft_to_target(draft, model: torch.nn.Module, prompts, continuations, steps: int, lr: float = 1e-2,
+                        num_anchors: int = 16, seed: int = 0):
+    """Train ``draft`` (a DSparkDraft, in place; returned in eval mode) ``steps`` AdamW steps of its own loss
+    (``DSparkTask``: distillation from the target's distributions + confidence) on the target's own outputs:
+    ``prompts[i] + continuations[i]``, loss on the continuation. A few steps make a draft that agrees with the
+    target part of the time -- the greedy engine then accepts some proposals and rolls back others -- where a
+    random draft is (almost) never right. Runs on the model's device; the draft must be there too."""
+    import dataclasses
+
+    from dspark_core.draft.config import LossConfig
+    from dspark_core.draft.synthetic import target_features
+    from dspark_core.draft.task import DSparkTask, DSparkTrainModel
+
+    device = next(model.parameters()).device
+    items = []
+    for prompt, cont in zip(prompts, continuations, strict=True):
+        ids = torch.tensor([list(prompt) + list(cont)], device=device)  # [1, L]
+        aux, last = target_features(model, ids, draft.aux_layer_ids)  # [1, L, K, Ht], [1, L, Ht]
+        items.append({"input_ids": ids[0].cpu(), "loss_mask": torch.arange(ids.shape[1]) >= len(prompt),
+                      "aux_hidden": aux[0].cpu(), "last_hidden": last[0].cpu()})
+    cfg = dataclasses.replace(draft.cfg, num_anchors=num_anchors)  # more blocks per step (training only)
+    task = DSparkTask(cfg, LossConfig(), target_config=model.config,
+                      embed_weight=model.get_input_embeddings().weight.detach(),
+                      lm_head_weight=model.get_output_embeddings().weight.detach(),
+                      aux_layer_ids=draft.aux_layer_ids, train_data=items, collator=_pad_items)
+    train_model = DSparkTrainModel(draft, LossConfig()).train()
+    opt = torch.optim.AdamW([p for p in train_model.parameters() if p.requires_grad], lr=lr)
+    for step in range(steps):
+        gens = [torch.Generator().manual_seed(seed * 100_003 + step * len(items) + i) for i in range(len(items))]
+        batch = task.collate(items, gens)
+        sums = task.forward_sums(train_model, batch)
+        dens = task.denominators(batch)
+        loss = sum(spec.weight * sums[name] / dens[spec.denominator] for name, spec in task.terms.items())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return draft.eval()
+
+
+def _pad_items(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad cache-format items into a batch, as ``CacheCollator(0)`` does (which imports the cache store,
+    whose zarr the GPU machine may lack)."""
+    lengths = torch.tensor([len(it["input_ids"]) for it in items])  # [B]
+    width = int(lengths.max())
+    out = {"input_ids": torch.zeros(len(items), width, dtype=torch.long),  # [B, L]
+           "loss_mask": torch.zeros(len(items), width, dtype=torch.bool),  # [B, L]
+           "attention_mask": torch.arange(width)[None] < lengths[:, None],  # [B, L]
+           "aux_hidden": items[0]["aux_hidden"].new_zeros(len(items), width, *items[0]["aux_hidden"].shape[1:]),
+           "last_hidden": items[0]["last_hidden"].new_zeros(len(items), width, *items[0]["last_hidden"].shape[1:]),
+           "lengths": lengths}
+    for i, it in enumerate(items):
+        for key in ("input_ids", "loss_mask", "aux_hidden", "last_hidden"):
+            out[key][i, : len(it[key])] = it[key]
+    return out
+
+
+def assert_partial_acceptance(res, block_size: int) -> None:
+    """Greedy speculative run ``res`` (a GenerationResult) exercised both paths: 1 < MAL < block_size + 1 (some
+    draft tokens accepted, not every block), and some cycle rejected a proposed token (a rollback)."""
+    mal = res.mean_accepted_length
+    assert 1.0 < mal < block_size + 1, f"MAL {mal:.3f} not in (1, {block_size + 1}): {res.accepted_per_cycle}"
+    assert any(a < n for a, n in zip(res.accepted_per_cycle, res.proposal_lengths)), "no cycle rejected a token"

@@ -1,4 +1,5 @@
-"""bench_online library end to end on a tiny saved target and a random DSpark draft (CPU)."""
+"""bench_online library end to end on a tiny saved target and a DSpark draft trained a few steps on the target's
+own answers to the benchmark prompts, so it is partly right (CPU)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import json
 import pytest
 import torch
 
+from _decoding_utils import fit_draft_to_target
 from _decoding_utils import one_thread  # noqa: F401 (fixture)
 import yaml
 
-from dspark_core.decoding.bench_online import (BenchOnlineConfig, DatasetRun, load_prompt_sets, read_jsonl_prompts,
-                                      run_bench_online_stage, summarize)
+from dspark_core.decoding.ar import ARDecoder
+from dspark_core.decoding.bench_online import (BenchOnlineConfig, DatasetRun, decode_dataset, load_prompt_sets,
+                                      read_jsonl_prompts, run_bench_online_stage, stop_ids_of, summarize)
+from dspark_core.decoding.target_runner import TargetRunner
 from dspark_core.config import ParamsError
 from dspark_core.draft import DraftConfig, DSparkDraft, save_draft
 from dspark_core.decoding.types import GenerationResult
@@ -19,6 +23,7 @@ from dspark_core.target import load_target
 from dspark_core.testing import save_tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+FIT_STEPS = 20  # training steps of the draft on the target's answers: partly right (1 < MAL < 5)
 
 
 @pytest.fixture(scope="module")
@@ -26,17 +31,22 @@ def workdir(tmp_path_factory):
     """A project dir laid out as the DAG leaves it: data/target, data/train/baseline/final, prompts, params."""
     root = tmp_path_factory.mktemp("bench")
     target_dir = save_tiny_target(root / "data" / "target", "qwen3")
-    model, _ = load_target(target_dir)
+    model, tok = load_target(target_dir)
+    conversations = [["What is 2 + 3?", "And times 4?"], ["Name a colour."]]
+    (root / "prompts.jsonl").write_text("\n".join(json.dumps({"turns": t}) for t in conversations) + "\n")
+    section = dict(datasets=["jsonl:prompts.jsonl"], max_prompts=2, max_new_tokens=12, max_turns=2, max_len=256,
+                   assistant_layers=2, peers=["hf_generate", "assisted", "prompt_lookup"], out_dir="reports/bo")
+    (root / "params.yaml").write_text(yaml.safe_dump({"bench_online": section}))
     torch.manual_seed(0)
     cfg = DraftConfig(num_draft_layers=1, block_size=4, mask_token_id=259, num_anchors=4, markov_rank=8)
     draft = DSparkDraft(cfg, model.config, model.get_input_embeddings().weight,
                         model.get_output_embeddings().weight, aux_layer_ids=(1, 3))
+    # The target's own greedy answers to the benchmark's turns (AR in the stage's place, for both decoders), the
+    # draft trained a few steps on them: partly right, so the stage's "identical" covers accepted and rejected tokens
+    ar = ARDecoder(TargetRunner(model, max_len=256, aux_layer_ids=draft.aux_layer_ids))
+    run = decode_dataset(conversations, tok, ar, ar, BenchOnlineConfig.from_dict(section), stop_ids_of(model, tok))
+    fit_draft_to_target(draft, model, run.prompts, [r.tokens for r in run.ar], steps=FIT_STEPS)
     save_draft(root / "data" / "train" / "baseline" / "final", draft)
-    (root / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in [
-        {"turns": ["What is 2 + 3?", "And times 4?"]}, {"turns": ["Name a colour."]}]) + "\n")
-    section = dict(datasets=["jsonl:prompts.jsonl"], max_prompts=2, max_new_tokens=12, max_turns=2, max_len=256,
-                   assistant_layers=2, peers=["hf_generate", "assisted", "prompt_lookup"], out_dir="reports/bo")
-    (root / "params.yaml").write_text(yaml.safe_dump({"bench_online": section}))
     return root
 
 
@@ -46,6 +56,7 @@ def test_run_bench_online_stage(workdir, monkeypatch):
     m = metrics["jsonl:prompts.jsonl"]
     assert m["num_generations"] == 3  # two turns + one turn
     assert m["identical"] is True
+    assert 1.0 < m["mal"] < 5.0, m  # block 4: some draft tokens accepted, some blocks rejected (rolled back)
     assert 1.0 <= m["mal"] <= 5.0 and m["tokens_per_s"] > 0 and m["ar_tokens_per_s"] > 0 and m["speedup"] > 0
     assert sum(m["proposal_length_hist"].values()) == m["cycles"]
     assert set(m["peers"]) == {"hf_generate", "assisted", "prompt_lookup"}

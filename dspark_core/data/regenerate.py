@@ -85,9 +85,12 @@ class RegenerateConfig(Section):
     prompts_dir: str = "data/prompts"
     out_dir: str = "data/regen"
     stats_path: str = "reports/regenerate_stats.json"
+    time_budget_s: float | None = None   # start no batch after this many seconds: a random subset is answered
 
     def validate(self) -> None:
         one_of("backend", self.backend, BACKENDS)
+        if self.time_budget_s is not None:
+            positive("time_budget_s", self.time_budget_s)
         non_negative("temperature", self.temperature)
         require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1]; got {self.top_p!r}")
         non_negative("top_k", self.top_k)
@@ -337,6 +340,7 @@ def run_regenerate(cfg: RegenerateConfig, time_budget_s: float | None = None) ->
     ``time_budget_s``: start no batch after that many seconds from now (see the module docstring)."""
     from transformers import AutoTokenizer
 
+    time_budget_s = cfg.time_budget_s if time_budget_s is None else time_budget_s
     if time_budget_s is not None and not time_budget_s > 0:
         raise ValueError(f"regenerate: time budget must be > 0 seconds; got {time_budget_s!r}")
     deadline = None if time_budget_s is None else time.perf_counter() + time_budget_s

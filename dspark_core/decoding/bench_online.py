@@ -21,15 +21,17 @@ plain AR (``ARDecoder``) and speculative with the trained draft (``bench_online.
   prompt-lookup decoding (``prompt_lookup_num_tokens``) on the same prompts: tokens/s, and whether the
   greedy text equals our AR output.
 
-Writes the metrics JSON (atomic) and PNG plots (Agg backend). Datasets: ``gsm8k`` / ``chat`` select the
-prompts of the prepare stage by source (``DATASET_SOURCES``), a source name selects itself, and
-``jsonl:<path>`` reads any JSONL file of records with a ``turns`` list.
+Writes the metrics JSON (atomic) and PNG plots (Agg backend). Datasets: a domain (``math_word``,
+``competition_math``, ``code``, ``chat``; ``gsm8k`` is an alias of ``math_word``) selects the prepare stage's
+eval prompts of that domain (its ``domain`` column; older files without it: by source, ``DATASET_SOURCES``), a
+source name selects itself, and ``jsonl:<path>`` reads any JSONL file of records with a ``turns`` list.
 
 Shape legend: S block size, V vocab.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,13 +42,18 @@ import torch
 from dspark_core.config import Section, non_negative, positive, require
 from dspark_core.io import atomic_path, write_json
 from dspark_core.decoding.ar import ARDecoder
-from dspark_core.decoding.common import synced_clock
+from dspark_core.decoding.common import BudgetError, synced_clock
 from dspark_core.decoding.engine import SpeculativeDecoder
 from dspark_core.decoding.sampling import SamplingParams
 from dspark_core.decoding.target_runner import TargetRunner
 from dspark_core.decoding.types import GenerationResult
 
-DATASET_SOURCES = {"gsm8k": ("gsm8k_symbolic",), "chat": ("sharegpt",)}
+DOMAINS = ("math_word", "competition_math", "code", "chat")   # prepare's domains (dspark_core/data/sources.py)
+DATASET_ALIASES = {"gsm8k": "math_word"}
+# prompts files written before prepare's `domain` column: the sources of each domain
+DATASET_SOURCES = {"math_word": ("gsm8k_symbolic", "gsm8k_test", "gsm_symbolic_variants"),
+                   "competition_math": ("aime2025", "project_euler"), "code": ("humaneval", "codeio"),
+                   "chat": ("sharegpt",)}
 JSONL_PREFIX = "jsonl:"
 PEERS = ("hf_generate", "assisted", "prompt_lookup")
 ENGINES = ("auto", "reference", "static")
@@ -74,7 +81,7 @@ class BenchOnlineConfig(Section):
     compile: bool = False                 # torch.compile the decoder layer (GPU)
     kernels: bool | None = None           # the Triton decode step (GPU); None: on for cuda where it applies
     engine: str = "auto"                  # reference | static | auto (static for greedy on cuda where it applies)
-    tree_branches: tuple[tuple[int, ...], ...] = ()  # static engine: draft-tree branches [start, length] (spec/tree.py)
+    tree_branches: tuple[tuple[int, ...], ...] = ()  # draft-tree branches [start, length] (decoding/tree.py)
     num_threads: int | None = None        # CPU threads for torch (None: torch's default)
     peers: tuple[str, ...] = ("hf_generate", "assisted", "prompt_lookup")
     peers_variants: tuple[str, ...] = ("baseline",)  # variants whose bench runs the peers (draft-independent)
@@ -120,13 +127,24 @@ def load_prompt_sets(prompts_path: str | Path, datasets: Sequence[str], max_prom
             convs = [r["turns"] for r in read_jsonl_prompts(Path(name[len(JSONL_PREFIX):]))]
         else:
             rows = rows if rows is not None else _read_prompt_table(Path(prompts_path))
-            sources = DATASET_SOURCES.get(name, (name,))
-            convs = [list(r["turns"]) for r in rows if r["source"] in sources]
+            domain = DATASET_ALIASES.get(name, name)
+            if domain in DOMAINS:
+                convs = [list(r["turns"]) for r in rows if _row_domain(r) == domain]
+            else:
+                convs = [list(r["turns"]) for r in rows if r["source"] == name]
         if not convs:
+            aliases = ", ".join(f"{a} (= {d})" for a, d in DATASET_ALIASES.items())
             raise ValueError(f"bench_online.datasets: {name!r} selects no prompt from {prompts_path} "
-                             f"(known names: {', '.join(DATASET_SOURCES)}, a source name, or jsonl:<path>)")
+                             f"(known names: {', '.join(DOMAINS)}, {aliases}, a source name, or jsonl:<path>)")
         sets[name] = convs[:max_prompts]
     return sets
+
+
+def _row_domain(row: dict[str, Any]) -> str | None:
+    """A prompt's domain: its ``domain`` field, else the domain of its source (files written before the column)."""
+    if row.get("domain"):
+        return row["domain"]
+    return next((d for d, sources in DATASET_SOURCES.items() if row["source"] in sources), None)
 
 
 def _read_prompt_table(path: Path) -> list[dict[str, Any]]:
@@ -136,7 +154,8 @@ def _read_prompt_table(path: Path) -> list[dict[str, Any]]:
         return read_jsonl_prompts(path)
     import pyarrow.parquet as pq
 
-    rows = pq.read_table(path, columns=["source", "turns"]).to_pylist()
+    names = pq.read_schema(path).names
+    rows = pq.read_table(path, columns=[c for c in ("source", "domain", "turns") if c in names]).to_pylist()
     return rows
 
 
@@ -155,7 +174,7 @@ def read_jsonl_prompts(path: Path) -> list[dict[str, Any]]:
         turns = rec.get("turns")
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
             raise ValueError(f"{path}: line {i + 1}: 'turns' must be a non-empty list of strings")
-        out.append({"source": rec.get("source", path.stem), "turns": turns})
+        out.append({"source": rec.get("source", path.stem), "domain": rec.get("domain"), "turns": turns})
     return out
 
 
@@ -193,17 +212,29 @@ def decode_dataset(conversations: list[list[str]], tokenizer: Any, spec: Specula
     from tqdm.auto import tqdm
 
     run = DatasetRun()
-    for turns in tqdm(conversations, desc=desc or "bench_online", leave=False):
+    for c, turns in enumerate(tqdm(conversations, desc=desc or "bench_online", leave=False)):
         messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
-        for turn in turns[: cfg.max_turns]:
+        for t, turn in enumerate(turns[: cfg.max_turns]):
             messages.append({"role": "user", "content": turn})
             prompt = chat_ids(tokenizer, messages)
             run.prompts.append(prompt)
-            run.ar.append(ar.generate(prompt, cfg.max_new_tokens, stop_ids))
-            run.spec.append(spec.generate(prompt, cfg.max_new_tokens, stop_ids))
+            with max_len_named(cfg, f"prompt {c} (turn {t}) of dataset {desc!r}"):
+                run.ar.append(ar.generate(prompt, cfg.max_new_tokens, stop_ids))
+                run.spec.append(spec.generate(prompt, cfg.max_new_tokens, stop_ids))
             answer = tokenizer.decode(run.spec[-1].tokens, skip_special_tokens=True)
             messages.append({"role": "assistant", "content": answer})
     return run
+
+
+@contextlib.contextmanager
+def max_len_named(cfg: BenchOnlineConfig, what: str):
+    """Re-raise a generation that does not fit the static caches as an error naming ``bench_online.max_len``."""
+    try:
+        yield
+    except BudgetError as e:
+        raise ValueError(f"bench_online.max_len={cfg.max_len} is too small for {what}: {e.prompt_len} prompt tokens "
+                         f"need {e.need} positions with bench_online.max_new_tokens={cfg.max_new_tokens} and the "
+                         f"lookahead; raise bench_online.max_len (or shorten the prompts)") from None
 
 
 def summarize(run: DatasetRun, block_size: int, greedy: bool) -> dict[str, Any]:
@@ -316,8 +347,10 @@ def run_bench_online_stage(params: str | Path, variant: str) -> dict[str, Any]:
     """Stage ``bench_online@<variant>``: the draft ``data/train/<variant>/final`` on ``data/target``;
     metrics -> ``<out_dir>/<variant>.json``, plots -> ``<out_dir>/<variant>/``."""
     from dspark_core.target import read_fingerprint
+    from dspark_core.variants import check_variant
 
     cfg = BenchOnlineConfig.load(params, "bench_online")
+    check_variant(params, variant)
     draft_dir = TRAIN_DIR / variant / "final"
     if not (draft_dir / "config.json").is_file():
         raise ValueError(f"{draft_dir}: no trained draft of variant {variant!r} (run `dvc repro train@{variant}`)")
@@ -416,11 +449,9 @@ def make_engine(engine: str, runner: TargetRunner, draft: Any, cfg: "BenchOnline
 
         return StaticSpeculativeDecoder(runner, draft, confidence_threshold=cfg.confidence_threshold,
                                         time_every=TIME_EVERY, tree_branches=cfg.tree_branches)
-    if cfg.tree_branches:
-        raise ValueError(f"bench_online.tree_branches {[list(b) for b in cfg.tree_branches]} needs the static engine "
-                         f"(greedy, baseline draft); this run uses the reference engine")
     return SpeculativeDecoder(runner, draft, block_size=int(draft.block_size),
-                              confidence_threshold=cfg.confidence_threshold, sampling=cfg.sampling, seed=cfg.seed)
+                              confidence_threshold=cfg.confidence_threshold, sampling=cfg.sampling, seed=cfg.seed,
+                              tree_branches=cfg.tree_branches)  # a tree: greedy or sampling (tree_sampling.py)
 
 
 def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets: dict[str, list[list[str]]],
@@ -443,7 +474,7 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
     spec = make_engine(engine, runner, draft, cfg)
     ar = ARDecoder(runner, sampling=cfg.sampling, seed=cfg.seed)
     stops = stop_ids_of(model, tokenizer)
-    _warm_up(prompt_sets, tokenizer, spec, ar, stops)
+    _warm_up(prompt_sets, tokenizer, spec, ar, stops, cfg)
     runs, timers = {}, {}
     for name, convs in prompt_sets.items():
         draft.set_variant_timing(True)  # a variant's own online work (e.g. the Engram lookup), timed per dataset
@@ -508,12 +539,14 @@ def compare_online_modes(draft: Any, spec: Any, runs: dict[str, DatasetRun], met
         metrics[name]["online_modes"] = rows
 
 
-def _warm_up(prompt_sets, tokenizer, spec: SpeculativeDecoder, ar: ARDecoder, stops) -> None:
+def _warm_up(prompt_sets, tokenizer, spec: SpeculativeDecoder, ar: ARDecoder, stops,
+             cfg: BenchOnlineConfig) -> None:
     """One short generation of each kind first, so CUDA graphs / lazy inits are not timed."""
-    first = next(iter(prompt_sets.values()))[0][0]
-    prompt = chat_ids(tokenizer, [{"role": "user", "content": first}])
-    ar.generate(prompt, 8, stops)
-    spec.generate(prompt, 16, stops)
+    name, convs = next(iter(prompt_sets.items()))
+    prompt = chat_ids(tokenizer, [{"role": "user", "content": convs[0][0]}])
+    with max_len_named(cfg, f"the warm-up on prompt 0 of dataset {name!r}"):
+        ar.generate(prompt, 8, stops)
+        spec.generate(prompt, 16, stops)
 
 
 def _merge(runs) -> DatasetRun:

@@ -24,14 +24,24 @@ def prompt_tensor(prompt_ids: Sequence[int] | torch.Tensor, device: torch.device
     return ids.to(device).unsqueeze(0)
 
 
+class BudgetError(ValueError):
+    """A generation that does not fit the target cache (``max_len``); callers that know the param re-raise it
+    naming that param and the prompt."""
+
+    def __init__(self, msg: str, *, prompt_len: int, need: int, max_len: int) -> None:
+        super().__init__(msg)
+        self.prompt_len, self.need, self.max_len = prompt_len, need, max_len
+
+
 def check_budget(target: TargetRunner, prompt_len: int, max_new_tokens: int, lookahead: int) -> None:
     """The static cache must hold the prompt, the new tokens and one verification block beyond them."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
     need = prompt_len + max_new_tokens + lookahead
     if need > target.max_len:
-        raise ValueError(f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) + {lookahead} lookahead = {need} "
-                         f"positions exceed the target cache's max_len={target.max_len}")
+        raise BudgetError(f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) + {lookahead} lookahead = "
+                          f"{need} positions exceed the target cache's max_len={target.max_len}",
+                          prompt_len=prompt_len, need=need, max_len=target.max_len)
 
 
 def prefill_first_token(target: TargetRunner, prompt: torch.Tensor, params: SamplingParams,

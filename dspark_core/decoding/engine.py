@@ -18,7 +18,16 @@ Invariant at the start of every cycle (p = position of the anchor, the last comm
 
 Stops at the first stop token (kept in the output) or at ``max_new_tokens`` (cut exactly there).
 
-Shape legend: n proposed tokens, S block size, V vocab, K aux layers, H target hidden.
+Draft trees (``tree_branches``, ``dspark_core.decoding.tree``; a ``DSparkDraft``): the proposal is a tree of N
+nodes (``tree_sampling.propose_tree``: greedy picks, or under sampling the branch tokens drawn without
+replacement of the main chain's), verified in one tree step of the target (R = N + 1 rows at positions p + depth,
+written to slots p + row); greedy tree acceptance at temperature 0 (the static engine's rule: AR's output) or
+recursive rejection sampling over siblings (``tree_sampling.tree_verify_sampling``: exact under sampling). The
+accepted path's K/V then move to slots p+1..p+a and the draft context takes the aux hidden of the anchor and
+the accepted path's rows, so the invariant above holds after every cycle.
+
+Shape legend: n proposed tokens, S block size, N tree nodes, R = N + 1 tree rows, V vocab, K aux layers,
+H target hidden.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ import torch
 from dspark_core.decoding.common import Clock, check_budget, make_generator, prefill_first_token, prompt_tensor
 from dspark_core.decoding.sampling import SamplingParams, logits_to_probs, make_sample_fn, verify_greedy, verify_rejection
 from dspark_core.decoding.target_runner import TargetRunner
+from dspark_core.decoding.tree import TreeLayout, parse_branches, tree_accept_reference
+from dspark_core.decoding.tree_sampling import propose_tree, tree_draft_problem, tree_verify_sampling
 from dspark_core.decoding.types import CycleInfo, Draft, GenerationResult, Proposal, VerificationResult, cut_at_stop
 
 
@@ -37,12 +48,14 @@ class SpeculativeDecoder:
     """Speculative decoding of one prompt at a time with a draft that follows the draft <-> engine contract.
 
     ``on_cycle(CycleInfo)`` (optional) is called after every cycle's update (tests assert the rollback
-    there). ``draft_dtype`` is the dtype of the draft's context cache (default None: the draft's choice)."""
+    there). ``draft_dtype`` is the dtype of the draft's context cache (default None: the draft's choice).
+    ``tree_branches`` ((start, length), ... or "1:2,2:1"; empty: the chain) verifies a draft tree instead of the
+    chain (see the module docstring), greedy or under sampling."""
 
     def __init__(self, target: TargetRunner, draft: Draft, *, block_size: int, confidence_threshold: float = 0.0,
                  sampling: SamplingParams | None = None, seed: int = 0,
                  on_cycle: Callable[[CycleInfo], None] | None = None,
-                 draft_dtype: torch.dtype | None = None) -> None:
+                 draft_dtype: torch.dtype | None = None, tree_branches=()) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1; got {block_size!r}")
         if not 0.0 <= confidence_threshold <= 1.0:
@@ -59,13 +72,27 @@ class SpeculativeDecoder:
         self.on_cycle = on_cycle
         self.draft_dtype = draft_dtype
         self._clock = Clock(target.device)
+        branches = parse_branches(tree_branches)
+        self.tree = TreeLayout(block_size, branches) if branches else None  # None: the chain
+        self.tables = None
+        if self.tree is not None:
+            if self.confidence_threshold > 0:
+                raise ValueError("tree_branches with a confidence_threshold: the confidence cut applies to the chain "
+                                 "only")
+            problem = tree_draft_problem(draft)
+            if problem:
+                raise ValueError(f"tree_branches: {problem}; use the chain (no tree_branches)")
+            if int(draft.block_size) != block_size:
+                raise ValueError(f"tree_branches: block_size {block_size} differs from the draft's {draft.block_size}")
+            self.tables = self.tree.tensors(target.device)
 
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
                  stop_ids: Sequence[int] = ()) -> GenerationResult:
         """Decode up to ``max_new_tokens`` after ``prompt_ids``; see the module docstring."""
         prompt = prompt_tensor(prompt_ids, self.target.device)  # [1, P]
-        check_budget(self.target, prompt.shape[1], max_new_tokens, self.block_size + 1)
+        check_budget(self.target, prompt.shape[1], max_new_tokens,
+                     self.block_size + 1 if self.tree is None else self.tree.rows)
         stops = set(int(s) for s in stop_ids)
         result = GenerationResult(tokens=[])
         t0 = self._clock()
@@ -86,6 +113,9 @@ class SpeculativeDecoder:
         result.decode_s = self._clock() - t1
         result.tokens, hit_stop = cut_at_stop(tokens, sorted(stops), max_new_tokens)
         result.stop_reason = "stop" if hit_stop else "length"
+        # the cache holds the returned tokens but the last (the next anchor): a cycle that accepted past the cut or
+        # a stop token leaves no trace
+        self.target.truncate(prompt.shape[1] + len(result.tokens) - 1)
         return result
 
     # -- one cycle ------------------------------------------------------------------------------
@@ -102,6 +132,8 @@ class SpeculativeDecoder:
 
     def _cycle(self, cache, anchor: torch.Tensor, result: GenerationResult,
                extras: dict[str, torch.Tensor] | None = None) -> tuple[int, ...]:
+        if self.tree is not None:
+            return self._tree_cycle(cache, anchor, result, extras)
         p = self.target.length  # anchor position
         t0 = self._clock()
         if extras is None:
@@ -117,7 +149,13 @@ class SpeculativeDecoder:
         self.target.truncate(p + a + 1)
         t2 = self._clock()
         self.draft.extend_context(cache, aux[:, : a + 1])  # anchor + accepted positions only
-        t3 = self._clock()
+        self._record(result, cache, p, n, a, verdict.committed, (t0, t1, t2, self._clock()))
+        return verdict.committed
+
+    def _record(self, result: GenerationResult, cache, p: int, n: int, a: int, committed: tuple[int, ...],
+                times: tuple[float, float, float, float]) -> None:
+        """Count one cycle (anchor at p, n proposed, a accepted); draft time = propose + extend."""
+        t0, t1, t2, t3 = times
         result.cycles += 1
         result.accepted_per_cycle.append(a)
         result.proposal_lengths.append(n)
@@ -125,9 +163,39 @@ class SpeculativeDecoder:
         result.verify_s.append(t2 - t1)
         if self.on_cycle is not None:
             self.on_cycle(CycleInfo(cycle=result.cycles, anchor_position=p, num_proposed=n, num_accepted=a,
-                                    committed=verdict.committed, target_length=self.target.length,
+                                    committed=committed, target_length=self.target.length,
                                     draft_context_length=cache.length, next_anchor_position=p + a + 1))
-        return verdict.committed
+
+    def _tree_cycle(self, cache, anchor: torch.Tensor, result: GenerationResult,
+                    extras: dict[str, torch.Tensor] | None) -> tuple[int, ...]:
+        """One cycle with a draft tree (see the module docstring)."""
+        p, s, t = self.target.length, self.block_size, self.tables  # anchor position
+        t0 = self._clock()
+        proposal = propose_tree(self.draft, cache, anchor, self.tree, self.sampling, self.generator, extras)
+        t1 = self._clock()
+        ids = proposal.tokens.to(self.target.device).view(1, -1)  # [1, R]
+        logits, aux = self.target._step(ids, p + t.depth, tree=(t.offset, t.back))  # [1, R, V], [1, R, K, H]
+        nodes = ids[0, 1:]  # [N]
+        if self.sampling.greedy:
+            a, _, path, bonus = tree_accept_reference(logits[0], nodes, t)  # [], [], [S+1], []
+        else:
+            target_probs = logits_to_probs(logits[0], self.sampling)  # [R, V]
+            node_probs = proposal.probs.to(target_probs.device)  # [N, V]
+            a, _, path, bonus = (v[0] for v in tree_verify_sampling(target_probs[None], node_probs[None],
+                                                                     nodes[None], t, self.generator))
+        # The accepted path's K/V (rows at slots p + row) to slots p .. p + S (identity beyond the accepted depth).
+        slots = torch.stack([p + path, p + torch.arange(s + 1, device=path.device)])  # [2, S+1]
+        for cache_kv in (self.target.k_cache, self.target.v_cache):  # [L, 1, Hkv, M, D]
+            cache_kv.index_copy_(3, slots[1], cache_kv.index_select(3, slots[0]))
+        host = torch.cat([a.view(1), bonus.view(1), ids[0, path]]).tolist()  # one sync: a, bonus, path tokens
+        a = host[0]
+        committed = tuple(host[3 : 3 + a]) + (host[1],)
+        self.target.length = p + a + 1
+        t2 = self._clock()
+        self.draft.extend_context(cache, aux[:, path[: a + 1]])  # the anchor's and the accepted nodes' rows
+        # proposal length = the tree's depth (as the static engine's tree: a <= S; N nodes were verified)
+        self._record(result, cache, p, s, a, committed, (t0, t1, t2, self._clock()))
+        return committed
 
     def _verify(self, logits: torch.Tensor, proposal: Proposal, n: int) -> VerificationResult:
         """logits [n+1, V] of the target at the anchor and the n proposed tokens."""

@@ -58,6 +58,12 @@ class StaticSpeculativeDecoder:
                  kernels: bool | None = None, cuda_graph: bool | None = None, time_every: int = 0,
                  tree_branches=()) -> None:
         if sampling is not None and not sampling.greedy:
+            if tree_branches:
+                raise ValueError("the static engine decodes greedily: its draft tree is verified by greedy tree "
+                                 "acceptance inside the CUDA-graph cycle; a sampling tree (recursive rejection "
+                                 "sampling over siblings, dspark_core.decoding.tree_sampling) runs in the reference "
+                                 "engine: SpeculativeDecoder(..., tree_branches=...) "
+                                 f"(temperature {sampling.temperature})")
             raise ValueError("the static engine decodes greedily; use SpeculativeDecoder for sampling "
                              f"(temperature {sampling.temperature})")
         if target.batch_size != 1:
@@ -246,10 +252,12 @@ class StaticSpeculativeDecoder:
             if stops.intersection(committed) or len(tokens) >= max_new_tokens:
                 break
         ring.drain()
-        self.target.length = n_prompt + len(tokens) - 1  # host view of the target cache (anchor not in it)
         result.decode_s = self._clock() - t1
         result.tokens, hit_stop = cut_at_stop(tokens, sorted(stops), max_new_tokens)
         result.stop_reason = "stop" if hit_stop else "length"
+        # host view of the target cache: the returned tokens but the last (the next anchor); a last cycle that
+        # accepted past the cut or a stop token leaves no trace
+        self.target.length = n_prompt + len(result.tokens) - 1
         return result
 
     def _ring_depth_ok(self) -> bool:

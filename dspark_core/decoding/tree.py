@@ -24,6 +24,10 @@ is accepted; the deepest accepted node ``w`` (depth a) gives the committed token
 logical position, in the row's slot); after acceptance the winning branch's K/V, in both caches, move from their
 rows' slots to slots p+1..p+a (``StaticSpeculativeDecoder``; on the GPU inside the accept kernel).
 
+Sampling mode (the reference engine, ``SpeculativeDecoder(tree_branches=...)``): the branch token is drawn from the
+draft's distribution without replacement of the main chain's token, and the tree is verified exactly by recursive
+rejection sampling over siblings (``dspark_core.decoding.tree_sampling``).
+
 Shape legend: S block size (main-chain depth), N nodes (S + branch lengths), R = N + 1 verify rows.
 """
 

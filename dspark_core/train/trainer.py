@@ -55,6 +55,11 @@ class TrainConfig(Section):
     precision: str = "auto"          # auto | fp32 | bf16
     data_workers: int = 0            # processes preparing the next steps' batches (0: in the training loop)
     out_dir: str = "data/train"
+    # How the run executes, not what it learns (left out of the resume identity, see identity_dict):
+    time_budget_s: float | None = None   # stop (checkpoint + export) after the step that passes this many seconds
+    nproc_per_node: int = 1              # > 1: the stage re-launches itself under torchrun with this many processes
+
+    EXECUTION_KEYS = ("time_budget_s", "nproc_per_node")
 
     def validate(self) -> None:
         positive("lr", self.lr)
@@ -74,6 +79,13 @@ class TrainConfig(Section):
         positive("log_every", self.log_every)
         one_of("precision", self.precision, ("auto", "fp32", "bf16"))
         non_negative("data_workers", self.data_workers)
+        if self.time_budget_s is not None:
+            positive("time_budget_s", self.time_budget_s)
+        positive("nproc_per_node", self.nproc_per_node)
+
+    def identity_dict(self) -> dict:
+        """``to_dict`` without the execution keys: what decides whether a checkpoint can be resumed."""
+        return {k: v for k, v in self.to_dict().items() if k not in self.EXECUTION_KEYS}
 
     @property
     def stop_step(self) -> int:
@@ -324,6 +336,7 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
     schedule is not stretched. ``TrainResult.steps`` is the step reached. ``checkpoints=False`` (benchmarks)
     neither resumes from nor writes checkpoints. ``log_step_offset``: added to the logged step (the curves of a
     run warm-started at that step use cumulative steps; the schedule and the checkpoints count from 0)."""
+    time_budget_s = cfg.time_budget_s if time_budget_s is None else time_budget_s
     if time_budget_s is not None and not time_budget_s > 0:
         raise ValueError(f"train: time budget must be > 0 seconds; got {time_budget_s!r}")
     d = init_distributed()

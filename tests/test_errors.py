@@ -1,0 +1,503 @@
+"""Catalogue of bad inputs (issue 17, item 4): each gives ONE clear error naming the param, value or path, raised
+by our own checks (never a traceback from deep inside torch / zarr / transformers), and leaves nothing
+half-written where the stage writes its outputs.
+
+Every case runs in a fresh project dir laid out as the DAG leaves it (``data/target``, ``data/regen``,
+``data/cache/{train,eval}.zarr``, a small ``params.yaml``; tiny random targets), drives a stage entry (or the
+library call it makes) and checks:
+
+- the error is a ``ValueError`` (``ParamsError`` is one) whose one-line text matches the case's regex;
+- it was raised in ``dspark_core/`` or ``stages/``;
+- no file or folder was created, changed or removed (outside the case's ``may_change`` paths, which hold the
+  crash-safe partial state a stage keeps by design), no temp file (``.name.*``) is left, and the case's
+  ``absent`` paths (the stage's outputs) do not exist.
+
+The table ``CASES`` is the catalogue: (name, setup, message regex, paths absent afterwards, ...).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+import yaml
+
+from dspark_core.cache import CacheConfig, CacheDataset, build_store, run_cache
+from dspark_core.cache.store import open_store
+from dspark_core.config import ParamsError
+from dspark_core.data.prompts import PrepareConfig, run_prepare
+from dspark_core.decoding.bench_online import run_bench_online_stage
+from dspark_core.draft import DraftConfig, DSparkDraft, save_draft
+from dspark_core.draft.model import load_draft
+from dspark_core.draft.stage import run_eval_offline_stage, run_train_stage
+from dspark_core.target import TargetConfig, load_target, read_fingerprint, run_target
+from dspark_core.testing import NAN_TOKEN, save_tiny_target, write_regen
+from dspark_core.variants import merge
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = [1, 3]  # tiny targets have 6 decoder layers: 5 is the final one
+# 6 samples, 298 tokens: two 256-token chunks; the longest (100) is over max_length 96 (truncated)
+LENGTHS = [(20, 30), (60, 40), (10, 20), (30, 35), (15, 20), (8, 14)]
+N_TOKENS = sum(min(a + b, 96) for a, b in LENGTHS)  # 298
+FP = r"[0-9a-f]{16}"
+
+PARAMS: dict[str, Any] = {
+    "target": {"source": "hf_dir", "path": "no/such/hf_dir", "out_dir": "data/target"},
+    "prepare": {"train_sources": ["jsonl:src.jsonl"], "eval_sources": ["jsonl:src.jsonl"], "n_train": 4, "n_eval": 2,
+                "out_dir": "data/prompts"},
+    "cache": {"aux_layer_ids": LAYERS, "max_length": 96, "chunk_tokens": 256, "batch_tokens": 512, "device": "cpu",
+              "splits": ["train"]},
+    "draft": {"num_draft_layers": 1, "block_size": 4, "mask_token_id": 259, "num_anchors": 4, "markov_rank": 8},
+    "loss": {},
+    "train": {"lr": 1.0e-3, "total_steps": 2, "max_steps": 2, "micro_batch_size": 2, "global_batch_size": 2,
+              "checkpoint_every": 1, "keep_checkpoints": 1, "log_every": 1, "precision": "fp32"},
+    "variants": {"baseline": {}, "small": {"draft": {"markov_rank": 4}}},
+    "eval_offline": {"batch_size": 2, "num_anchors": 4},
+    "bench_online": {"datasets": ["jsonl:prompts.jsonl"], "max_prompts": 2, "max_new_tokens": 8, "max_len": 256,
+                     "peers": [], "device": "cpu", "out_dir": "reports/bench_online"},
+}
+
+
+# -- shared inputs (built once) --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("assets")
+    a = {"target": save_tiny_target(root / "target", "qwen3"),
+         "other_target": save_tiny_target(root / "other_target", "qwen3", seed=1),
+         "shallow_target": save_tiny_target(root / "shallow_target", "qwen3", num_hidden_layers=4),
+         "regen": write_regen(root / "regen" / "train.parquet", LENGTHS)}
+    model, _ = load_target(a["target"])
+    fp = read_fingerprint(a["target"])["fingerprint"]
+    cfg = CacheConfig.from_dict(PARAMS["cache"])
+    a["store"] = root / "cache" / "train.zarr"
+    build_store(model, fp, cfg, a["regen"], a["store"])
+    torch.manual_seed(0)
+    draft = DSparkDraft(DraftConfig.from_dict(PARAMS["draft"]), model.config, model.get_input_embeddings().weight,
+                        model.get_output_embeddings().weight, aux_layer_ids=LAYERS, target_fingerprint=fp)
+    a["draft"] = save_draft(root / "draft", draft)
+    nan_target = save_tiny_target(root / "nan_target", "qwen3")  # NAN_TOKEN's embedding is NaN
+    with torch.no_grad():
+        model.model.embed_tokens.weight[NAN_TOKEN] = float("nan")
+    model.save_pretrained(nan_target)
+    a["nan_target"] = nan_target
+    a["nan_regen"] = write_regen(root / "nan_regen" / "train.parquet", LENGTHS, poison=2)
+    return a
+
+
+class Project:
+    """A project dir as the DAG leaves it after the cache stage; cases edit it before the call under test."""
+
+    def __init__(self, root: Path, assets: dict[str, Path]) -> None:
+        self.root, self.assets = root, assets
+        shutil.copytree(assets["target"], root / "data" / "target")
+        shutil.copytree(assets["regen"].parent, root / "data" / "regen")
+        for split in ("train", "eval"):
+            shutil.copytree(assets["store"], root / "data" / "cache" / f"{split}.zarr")
+        (root / "prompts.jsonl").write_text("".join(json.dumps({"turns": [t]}) + "\n"
+                                                    for t in ("What is 2 + 3?", "Name a colour.")))
+        self.params()
+
+    def params(self, **over: Any) -> None:
+        """params.yaml = PARAMS with ``over`` (section -> mapping) merged in key by key."""
+        (self.root / "params.yaml").write_text(yaml.safe_dump(merge(PARAMS, over), sort_keys=False))
+
+    def put(self, asset: str, rel: str) -> Path:
+        """Copy an asset dir to ``rel`` (replacing what is there)."""
+        dst = self.root / rel
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(self.assets[asset], dst)
+        return dst
+
+    def store(self, split: str = "train"):
+        return open_store(self.root / "data" / "cache" / f"{split}.zarr", mode="r+")
+
+
+# -- how cases call the stages ----------------------------------------------------------------------------------
+def train(variant: str = "baseline") -> Callable[[], Any]:
+    return lambda: run_train_stage(Path("params.yaml"), variant)
+
+
+def bench(variant: str = "baseline") -> Callable[[], Any]:
+    return lambda: run_bench_online_stage("params.yaml", variant)
+
+
+def eval_offline(variant: str = "baseline") -> Callable[[], Any]:
+    return lambda: run_eval_offline_stage(Path("params.yaml"), variant)
+
+
+def cache(**kw: Any) -> Callable[[], Any]:
+    return lambda: run_cache(CacheConfig.load("params.yaml", "cache"), **kw)
+
+
+def prepare() -> Callable[[], Any]:
+    return lambda: run_prepare(PrepareConfig.load("params.yaml", "prepare"))
+
+
+def cli(script: str, *args: str) -> Callable[[], Any]:
+    """``python stages/<script>.py ARGS`` in this process (typer's runner): re-raises what the command raised."""
+    import typer
+    from typer.testing import CliRunner
+
+    def run() -> None:
+        spec = importlib.util.spec_from_file_location(f"_stage_{script}", REPO / "stages" / f"{script}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        app = typer.Typer()
+        app.command()(mod.main)
+        res = CliRunner().invoke(app, list(args))
+        if res.exception is not None and not isinstance(res.exception, SystemExit):
+            raise res.exception
+        raise AssertionError(f"exit code {res.exit_code} without an exception: {res.output}")
+
+    return run
+
+
+# -- setups: edit the project, return the call that must fail ---------------------------------------------------
+def params_then(call: Callable[[], Any], **over: Any) -> Callable[[Project], Callable[[], Any]]:
+    def setup(p: Project) -> Callable[[], Any]:
+        p.params(**over)
+        return call
+    return setup
+
+
+def with_draft(call: Callable[[], Any], target: str | None = None, **over: Any):
+    """The trained baseline draft in data/train/baseline/final; optionally another target in data/target."""
+    def setup(p: Project) -> Callable[[], Any]:
+        p.put("draft", "data/train/baseline/final")
+        if target is not None:
+            p.put(target, "data/target")
+        p.params(**over)
+        return call
+    return setup
+
+
+def foreign_target_for_cache(p: Project):
+    p.put("other_target", "data/target")
+    return train()
+
+
+def other_layer_ids_in_eval_cache(p: Project):
+    p.put("draft", "data/train/baseline/final")
+    p.store("eval").attrs["aux_layer_ids"] = [0, 2]  # as if built with cache.aux_layer_ids [0, 2]
+    return eval_offline()
+
+
+def stale_store_kept(p: Project):  # `python stages/cache.py --keep-stale` after a cache.aux_layer_ids change
+    p.params(cache={"aux_layer_ids": [0, 2]})
+    return cli("cache", "--keep-stale")
+
+
+def missing_chunk(p: Project):
+    (p.root / "data/cache/train.zarr/aux_hidden/c/1/0/0").unlink()
+    return train()
+
+
+def damaged_chunk(p: Project):
+    f = p.root / "data/cache/train.zarr/last_hidden/c/0/0"
+    f.write_bytes(f.read_bytes()[:50])
+    return train()
+
+
+def manifest_says_more(p: Project):
+    g = p.store()
+    g.attrs["num_samples"] = len(LENGTHS) + 3
+    return train()
+
+
+def incomplete_store(p: Project):
+    p.store().attrs.update({"complete": False, "committed_samples": 2})
+    return train()
+
+
+def no_cache(p: Project):
+    shutil.rmtree(p.root / "data" / "cache")
+    return train()
+
+
+def _poison(p: Project, samples: list[int]) -> None:
+    g = p.store()
+    offs = g["offsets"][:]
+    for n in samples:
+        g["aux_hidden"][int(offs[n]) + 1, 0, :] = 0x7FC0  # bf16 NaN bits at the sample's token 1
+
+
+def nan_in_cache_train(p: Project):
+    _poison(p, list(range(len(LENGTHS))))
+    return train()
+
+
+def nan_in_cache_item(p: Project):
+    _poison(p, [2])
+    return lambda: CacheDataset("data/cache/train.zarr")[2]
+
+
+def nan_from_target(p: Project):
+    p.put("nan_target", "data/target")
+    shutil.copy(p.assets["nan_regen"], p.root / "data/regen/train.parquet")
+    shutil.rmtree(p.root / "data" / "cache")
+    return cache()
+
+
+def incomplete_store_refused(p: Project) -> None:
+    with pytest.raises(ValueError, match=r"data/cache/train.zarr: cache store is incomplete"):
+        CacheDataset(p.root / "data/cache/train.zarr")
+
+
+def regen_rows(lengths: list[tuple[int, int]], **over: Any):
+    def setup(p: Project):
+        write_regen(p.root / "data/regen/train.parquet", lengths)
+        p.params(**over)
+        return cache()
+    return setup
+
+
+def prepare_from(lines: list[str], **over: Any):
+    def setup(p: Project):
+        (p.root / "src.jsonl").write_text("".join(line + "\n" for line in lines))
+        p.params(prepare=over)
+        return prepare()
+    return setup
+
+
+def bench_prompts(lines: list[str], **over: Any):
+    def setup(p: Project):
+        p.put("draft", "data/train/baseline/final")
+        (p.root / "prompts.jsonl").write_text("".join(line + "\n" for line in lines))
+        p.params(bench_online=over)
+        return bench()
+    return setup
+
+
+def bench_prompt_table(p: Project):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p.put("draft", "data/train/baseline/final")
+    (p.root / "data/prompts").mkdir()
+    pq.write_table(pa.table({"id": ["a"], "source": ["sharegpt"], "turns": [["hello"]]}),
+                   p.root / "data/prompts/eval.parquet")
+    p.params(bench_online={"datasets": ["gsm8k"]})
+    return bench()
+
+
+def no_target(call: Callable[[], Any], draft: bool = False):
+    def setup(p: Project):
+        shutil.rmtree(p.root / "data" / "target")
+        if draft:
+            p.put("draft", "data/train/baseline/final")
+        return call
+    return setup
+
+
+def target_stage_missing_source(p: Project):
+    shutil.rmtree(p.root / "data" / "target")
+    return lambda: run_target(TargetConfig.load("params.yaml", "target"))
+
+
+def draft_on(target: str):
+    """load_draft of the baseline draft on another target (the library call bench_online / eval_offline make)."""
+    def setup(p: Project):
+        p.put("draft", "data/train/baseline/final")
+        p.put(target, "data/target")
+
+        def run():
+            model, _ = load_target("data/target")
+            return load_draft("data/train/baseline/final", model,
+                              expected_fingerprint=read_fingerprint("data/target")["fingerprint"])
+        return run
+    return setup
+
+
+# -- the catalogue ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    name: str
+    setup: Callable[[Project], Callable[[], Any]]
+    match: str                                      # regex the message must match (re.search)
+    absent: tuple[str, ...] = ()                    # the stage's outputs: must not exist afterwards
+    may_change: tuple[str, ...] = ()                # paths whose (crash-safe, resumable) state may differ afterwards
+    after: Callable[[Project], None] | None = None  # further checks
+
+
+TRAIN_OUT = ("data/train/baseline", "reports/train")
+BENCH_OUT = ("reports/bench_online",)
+EVAL_OUT = ("reports/eval_offline",)
+CACHE_OUT = ("reports/cache_stats.json",)
+KNOWN = r"\(have: baseline, small\)"
+
+CASES = [
+    # 1. unknown variant: names it and lists the known ones
+    Case("variant/train_cli", lambda p: cli("train", "--variant", "nope"),
+         rf"params.yaml: variants.nope is not defined {KNOWN}", TRAIN_OUT),
+    Case("variant/bench_online", with_draft(bench("nope")), rf"params.yaml: variants.nope is not defined {KNOWN}",
+         BENCH_OUT),
+    Case("variant/eval_offline", with_draft(eval_offline("nope")),
+         rf"params.yaml: variants.nope is not defined {KNOWN}", EVAL_OUT),
+    Case("variant/bad_section", params_then(train("baseline"), variants={"baseline": {"trian": {"lr": 1.0}}}),
+         r"variants.baseline.trian is not a section a variant may override \(draft, loss, train, warm_start\)",
+         TRAIN_OUT),
+    # 2. bad param types / values / keys; wrong layer ids
+    Case("params/string_for_number", params_then(train(), train={"lr": "fast"}),
+         r"params.yaml: train.lr must be a number, got 'fast'", TRAIN_OUT),
+    Case("params/string_for_integer", params_then(train(), train={"total_steps": "ten"}),
+         r"params.yaml: train.total_steps must be an integer, got 'ten'", TRAIN_OUT),
+    Case("params/negative_steps", params_then(train(), train={"max_steps": -3}),
+         r"params.yaml: train.max_steps must be in \[1, total_steps=2\]; got -3", TRAIN_OUT),
+    Case("params/negative_total_steps", params_then(train(), train={"total_steps": -1, "max_steps": None}),
+         r"params.yaml: train.total_steps must be > 0; got -1", TRAIN_OUT),
+    Case("params/unknown_key", params_then(train(), train={"lrr": 1.0e-3}),
+         r"params.yaml: train.lrr is not a known parameter \(known: .*\blr\b", TRAIN_OUT),
+    Case("params/variant_override_type",
+         params_then(train("small"), variants={"small": {"draft": {"num_anchors": "x"}}}),
+         r"params.yaml: draft.num_anchors must be an integer, got 'x'", ("data/train/small", "reports/train")),
+    Case("params/bench_zero_new_tokens", with_draft(bench(), bench_online={"max_new_tokens": 0}),
+         r"params.yaml: bench_online.max_new_tokens must be > 0; got 0", BENCH_OUT),
+    Case("params/cache_type", params_then(cache(), cache={"chunk_tokens": "big"}),
+         r"params.yaml: cache.chunk_tokens must be an integer, got 'big'", CACHE_OUT),
+    Case("layers/final_layer", params_then(cache(), cache={"aux_layer_ids": [1, 5]}),
+         r"cache.aux_layer_ids: 5 is the final decoder layer of this 6-layer target", CACHE_OUT),
+    Case("layers/out_of_range", params_then(cache(), cache={"aux_layer_ids": [1, 9]}),
+         r"cache.aux_layer_ids: layer id 9 is out of range for a 6-layer target \(allowed -1 .. 4", CACHE_OUT),
+    Case("layers/below_embedding", params_then(cache(), cache={"aux_layer_ids": [-2, 1]}),
+         r"params.yaml: cache.aux_layer_ids: layer id -2 is out of range", CACHE_OUT),
+    Case("layers/duplicate", params_then(cache(), cache={"aux_layer_ids": [1, 1]}),
+         r"params.yaml: cache.aux_layer_ids: duplicate layer id\(s\) \[1\]", CACHE_OUT),
+    # 3. foreign and truncated caches: name the store
+    Case("cache/other_model", foreign_target_for_cache,
+         rf"data/cache/train.zarr: cache from another model \(its model_fingerprint is {FP}, the target's is {FP}\)",
+         TRAIN_OUT),
+    Case("cache/other_layer_ids", other_layer_ids_in_eval_cache,
+         r"data/cache/eval.zarr: cache holds aux layers \[0, 2\], the caller expects \[1, 3\]", EVAL_OUT),
+    Case("cache/other_settings_kept", stale_store_kept,
+         r"data/cache/train.zarr: a cache built with other settings \(aux_layer_ids: stored \[1, 3\], now \[0, 2\]\)",
+         CACHE_OUT),
+    Case("cache/missing_chunk", missing_chunk,
+         r"data/cache/train.zarr: truncated cache store: 1 of 2 chunk\(s\) of aux_hidden are missing \(the first holds "
+         rf"tokens 256..{N_TOKENS - 1}\)", TRAIN_OUT),
+    Case("cache/damaged_chunk", damaged_chunk,
+         r"data/cache/train.zarr: sample \d+ \(tokens \d+..\d+\) cannot be read \(.*\); the store is damaged",
+         TRAIN_OUT),
+    Case("cache/manifest_more_samples", manifest_says_more,
+         rf"data/cache/train.zarr: the manifest says 9 samples / {N_TOKENS} tokens, but its offsets hold 6 samples / "
+         rf"{N_TOKENS} tokens; the store is truncated",
+         TRAIN_OUT),
+    Case("cache/incomplete", incomplete_store,
+         r"data/cache/train.zarr: cache store is incomplete \(2 of 6 samples written\); rerun the cache stage",
+         TRAIN_OUT),
+    Case("cache/missing", no_cache, r"data/cache/train.zarr: not a cache store \(no zarr.json\); run the cache stage",
+         TRAIN_OUT),
+    # 4. NaN hidden states: name the store and the sample
+    Case("nan/train_on_cache", nan_in_cache_train,
+         r"data/cache/train.zarr: sample \d \(source row \d\) holds NaN/inf hidden states from its token 1", TRAIN_OUT),
+    Case("nan/cache_item", nan_in_cache_item,
+         r"data/cache/train.zarr: sample 2 \(source row \d\) holds NaN/inf hidden states from its token 1"),
+    Case("nan/target_output", nan_from_target,
+         r"cache: target hidden states of sample 's002' \(source row 2\) are NaN/inf from token \d+; nothing stored",
+         CACHE_OUT, may_change=("data/cache",), after=incomplete_store_refused),
+    # 5. empty prompt sets: name the source / param
+    Case("empty/prepare_n_train", prepare_from(['{"turns": ["q"]}'], n_train=0),
+         r"params.yaml: prepare.n_train must be > 0; got 0", ("data/prompts",)),
+    Case("empty/prepare_source", prepare_from([]), r"src.jsonl: the file is empty \(no JSON records\)",
+         ("data/prompts",)),
+    Case("empty/prepare_all_too_long", prepare_from([json.dumps({"turns": ["x" * 50 + str(i)]}) for i in range(9)],
+                                                    max_prompt_chars=20),
+         r"prepare: source 'jsonl:src.jsonl' has too few usable prompts .*max_prompt_chars=20.*lower prepare.n_eval",
+         ("data/prompts",)),
+    Case("empty/bench_no_datasets", with_draft(bench(), bench_online={"datasets": []}),
+         r"params.yaml: bench_online.datasets must name at least one dataset", BENCH_OUT),
+    Case("empty/bench_empty_jsonl", bench_prompts([]),
+         r"bench_online.datasets: 'jsonl:prompts.jsonl' selects no prompt", BENCH_OUT),
+    Case("empty/bench_no_such_source", bench_prompt_table,
+         r"bench_online.datasets: 'gsm8k' selects no prompt from data/prompts/eval.parquet", BENCH_OUT),
+    Case("empty/cache_regen", regen_rows([]), r"data/regen/train.parquet: no rows", CACHE_OUT),
+    # 6. prompts longer than the max length: name the value / param
+    Case("too_long/cache_on_too_long_error", regen_rows(LENGTHS, cache={"on_too_long": "error"}),
+         r"data/regen/train.parquet: row 1 \(id 's001'\) has 100 tokens > cache.max_length=96 "
+         r"\(cache.on_too_long=error\)", CACHE_OUT),
+    Case("too_long/bench_max_len_warm_up", bench_prompts([json.dumps({"turns": ["What is 2 + 3?"]})], max_len=32),
+         r"bench_online.max_len=32 is too small for the warm-up on prompt 0 of dataset 'jsonl:prompts.jsonl': "
+         r"\d+ prompt tokens need \d+ positions", BENCH_OUT),
+    Case("too_long/bench_max_len_prompt", bench_prompts([json.dumps({"turns": ["Hi"]}),
+                                                        json.dumps({"turns": ["y" * 200]})], max_len=128),
+         r"bench_online.max_len=128 is too small for prompt 1 \(turn 0\) of dataset 'jsonl:prompts.jsonl': "
+         r"2\d\d prompt tokens", BENCH_OUT),
+    # 7. missing target dir: name the path
+    Case("target/missing_cache", no_target(cache()), r"data/target: target directory not found", CACHE_OUT),
+    Case("target/missing_train", no_target(train()), r"data/target: target directory not found", TRAIN_OUT),
+    Case("target/missing_bench", no_target(bench(), draft=True), r"data/target: target directory not found", BENCH_OUT),
+    Case("target/missing_eval", no_target(eval_offline(), draft=True), r"data/target: target directory not found",
+         EVAL_OUT),
+    Case("target/stage_source_missing", target_stage_missing_source, r"target.path: \S*no/such/hf_dir is not a "
+         r"directory", ("data/target",)),
+    # 8. a draft trained for another target: name both fingerprints and paths
+    Case("draft/other_target_bench", with_draft(bench(), target="other_target"),
+         rf"data/train/baseline/final/config.json: draft trained on target fingerprint {FP}, the given target "
+         rf"\(data/target\) has fingerprint {FP}", BENCH_OUT),
+    Case("draft/other_target_eval", with_draft(eval_offline(), target="other_target"),
+         rf"data/train/baseline/final/config.json: draft trained on target fingerprint {FP}, the given target "
+         rf"\(data/target\) has fingerprint {FP}", EVAL_OUT),
+    Case("draft/other_architecture", draft_on("shallow_target"),
+         r"data/train/baseline/final/config.json: draft trained for another target: its target.num_hidden_layers is "
+         r"6, the given target \(data/target\) has 4"),
+]
+
+
+def _tree(root: Path) -> dict[str, tuple]:
+    out = {}
+    for p in root.rglob("*"):
+        st = p.lstat()
+        out[str(p.relative_to(root))] = ("dir",) if p.is_dir() else (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _under(path: str, prefixes: tuple[str, ...]) -> bool:
+    return any(path == q or path.startswith(q + "/") for q in prefixes)
+
+
+@pytest.fixture
+def project(tmp_path, assets, monkeypatch, one_thread) -> Project:
+    p = Project(tmp_path / "proj", assets)
+    monkeypatch.chdir(p.root)
+    return p
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input_gives_one_clear_error(case: Case, project: Project):
+    call = case.setup(project)
+    before = _tree(project.root)
+    with pytest.raises(ValueError) as info:
+        call()
+    msg = str(info.value)
+    assert re.search(case.match, msg), f"message does not match {case.match!r}:\n{msg}"
+    assert "\n" not in msg, f"not a one-line message:\n{msg}"
+    origin = Path(str(info.traceback[-1].path)).resolve()
+    assert any(origin.is_relative_to(REPO / d) for d in ("dspark_core", "stages")), \
+        f"raised in {origin}, not by our own checks:\n{msg}"
+    after = _tree(project.root)
+    changed = sorted(k for k in set(before) | set(after)
+                     if before.get(k) != after.get(k) and not _under(k, case.may_change))
+    assert not changed, f"left behind / changed: {changed[:10]}"
+    temps = [k for k in after if any(part.startswith(".") for part in Path(k).parts)]
+    assert not temps, f"temp files left: {temps}"
+    for rel in case.absent:
+        assert not (project.root / rel).exists(), rel
+    if case.after is not None:
+        case.after(project)
+
+
+def test_catalogue_covers_every_item():
+    """The issue's eight kinds of bad input each have cases; names are unique."""
+    kinds = {c.name.split("/")[0] for c in CASES}
+    assert kinds == {"variant", "params", "layers", "cache", "nan", "empty", "too_long", "target", "draft"}
+    assert len({c.name for c in CASES}) == len(CASES)
+
+
+def test_params_error_is_a_value_error():
+    assert issubclass(ParamsError, ValueError)  # so every case can expect a ValueError
