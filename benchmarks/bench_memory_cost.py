@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from dspark_core.train.trainer import _combine as combine_loss  # noqa: E402
 
 KINDS = ("baseline", "draft_memory")
 
@@ -59,9 +60,7 @@ def step(task, model, opt, batch: dict) -> tuple[float, float, dict]:
     with torch.no_grad():
         (prepared,) = task.prepare_step(model, [batch])
     t1 = time.perf_counter()
-    sums = task.forward_sums(model, prepared)
-    dens = task.denominators(prepared)
-    loss = sum(spec.weight * sums[name] / dens[spec.denominator] for name, spec in task.terms.items())
+    loss = combine_loss(task, task.forward_sums(model, prepared), task.denominators(prepared))
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)

@@ -61,6 +61,7 @@ def fit_draft_to_target(draft, model: torch.nn.Module, prompts, continuations, s
     from dspark_core.draft.config import LossConfig
     from dspark_core.draft.synthetic import target_features
     from dspark_core.draft.task import DSparkTask, DSparkTrainModel
+    from dspark_core.train.trainer import _combine as combine_loss
 
     device = next(model.parameters()).device
     items = []
@@ -79,10 +80,7 @@ def fit_draft_to_target(draft, model: torch.nn.Module, prompts, continuations, s
     for step in range(steps):
         gens = [torch.Generator().manual_seed(seed * 100_003 + step * len(items) + i) for i in range(len(items))]
         batch = task.collate(items, gens)
-        sums = task.forward_sums(train_model, batch)
-        dens = task.denominators(batch)
-        loss = sum(spec.weight * sums[name] / dens[spec.denominator] for name, spec in task.terms.items())
-        loss.backward()
+        combine_loss(task, task.forward_sums(train_model, batch), task.denominators(batch)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return draft.eval()
