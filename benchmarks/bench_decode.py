@@ -9,11 +9,15 @@ speculative decoding with a trained draft.
       weights: decoding one token reads every weight once;
     - transformers' own ``generate`` (eager, dynamic cache), greedy, prefill subtracted;
     - the verify step (n = block_size + 1 tokens in one forward) vs the n = 1 step.
-    Target (issue 4): >= 70 % of the limit at Qwen3-4B shapes.
+    Target (issue 4): >= 70 % of the limit at Qwen3-4B shapes. Qwen3-8B shapes (hidden 4096, 36 layers, 32 / 8
+    heads, FFN 12288, untied head) too. With ``--kernels`` every shape runs in each ``--kernel-modes`` small-GEMM
+    family (mma, fma: same process), and each mode's row carries the fastest AR of all modes beside its own
+    (issue 18: a speedup counts against the fastest AR the project has on the machine).
 (b) ``--draft DIR --target DIR``: speculative vs AR decoding (greedy, identity checked) on prompts from
     ``--prompts`` (JSONL with ``turns``) or a few built-in GSM8K-style questions; skipped otherwise.
 
     python benchmarks/bench_decode.py --compile                         # H200 -> reports/bench/decode.json
+    python benchmarks/bench_decode.py --kernels --hf-tokens 0 --shapes qwen3-4b,qwen3-8b,smollm2-135m
     python benchmarks/bench_decode.py --compile --target data/target --draft data/train/baseline/draft
     python benchmarks/bench_decode.py --tiny --out /tmp/decode.json     # CPU smoke run on tiny shapes
 
@@ -41,6 +45,9 @@ from dspark_core.decoding.tree import parse_branches  # noqa: E402
 SHAPES = {
     "qwen3-4b": ("qwen3", dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                                head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True,
+                               rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6)),
+    "qwen3-8b": ("qwen3", dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                               head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False,
                                rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6)),
     "smollm2-135m": ("llama", dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                                    head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
@@ -76,7 +83,13 @@ def build_model(family: str, overrides: dict, device: torch.device, dtype: torch
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
+    """Bytes a decode step reads: every parameter once (tied weights counted once), but an input embedding of
+    its own (untied, e.g. Qwen3-8B) only for the token's row, so it is left out."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    if emb.data_ptr() != head.data_ptr():
+        total -= emb.numel() * emb.element_size()
+    return total
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> float:
@@ -241,6 +254,9 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the decoder layer (GPU)")
     ap.add_argument("--kernels", action="store_true",
                     help="the Triton decode step (dspark_core.kernels.decode) for chunks of <= 16 tokens (GPU)")
+    ap.add_argument("--kernel-modes", default=None,
+                    help="with --kernels: the small-GEMM families to run, comma list (first = headline and spec "
+                         "run's mode); default: $DSPARK_SMALL_GEMM (else mma), then the other")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
@@ -278,25 +294,51 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--shapes: unknown {unknown} (known: {', '.join(shapes)})")
     bandwidth = copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else (1 << 26))
+    modes = _kernel_modes(args, device)
+    if modes[0] != "torch":
+        from dspark_core.kernels.decode import set_small_gemm
     rows = {}
     for name in names:
         family, overrides = shapes[name]
-        rows[name] = bench_ar(name, family, overrides, args, device, dtype, bandwidth)
-        _print_ar(name, rows[name])
+        per_mode = {}
+        for mode in modes:
+            if mode != "torch":
+                set_small_gemm(mode)
+            per_mode[mode] = bench_ar(name, family, overrides, args, device, dtype, bandwidth)
+        rows[name] = against_fastest(per_mode)
+        for mode, row in rows[name]["modes"].items():
+            _print_ar(f"{name} {mode}", row)
+    if modes[0] != "torch":
+        set_small_gemm(modes[0])
     spec = None
     if args.draft and args.target:
-        spec = bench_spec(args, device, dtype)
-        _print_spec(spec)
+        spec_modes = {}
+        for mode in modes:  # spec + AR in each mode: the speedup against the fastest AR of all of them too
+            if mode != "torch":
+                set_small_gemm(mode)
+            spec_modes[mode] = bench_spec(args, device, dtype)
+        fastest_ar = max(r["ar_tokens_per_s"] for r in spec_modes.values())
+        for r in spec_modes.values():
+            r["fastest_ar_tokens_per_s"] = fastest_ar
+            r["speedup_vs_fastest_ar"] = r["tokens_per_s"] / fastest_ar
+        if modes[0] != "torch":
+            set_small_gemm(modes[0])
+        spec = dict(spec_modes[modes[0]], modes={m: {k: v for k, v in r.items() if k != "ar_tokens"}
+                                                  for m, r in spec_modes.items()})
+        for mode, r in spec_modes.items():
+            print(f"[{mode}]", end=" ")
+            _print_spec(r)
     else:
         print("(b) speculative decoding skipped: pass --target DIR --draft DIR")
-    head = rows.get(HEADLINE_SHAPE) or next(iter(rows.values()))
+    head_modes = (rows.get(HEADLINE_SHAPE) or next(iter(rows.values())))["modes"]
+    head = head_modes[modes[0]]
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__, "copy_bandwidth_bytes_per_s": bandwidth,
         "headline_shape": HEADLINE_SHAPE if HEADLINE_SHAPE in rows else names[0],
         "ar_tokens_per_s": head["ar_tokens_per_s"],
         "weight_read_limit_tokens_per_s": head["weight_read_limit_tokens_per_s"],
-        "fraction_of_limit": head["fraction_of_limit"],
+        "fraction_of_limit": head["fraction_of_limit"], "mode": modes[0],
         "tokens_per_s": spec["tokens_per_s"] if spec else None,
         "speedup": spec["speedup"] if spec else None,
         "ar": rows, "spec": spec,
@@ -310,6 +352,45 @@ def main() -> None:
     print(f"wrote {args.out}")
 
 
+def _kernel_modes(args, device: torch.device) -> list[str]:
+    """The small-GEMM families to run (the first is the default's and the headline's); ["torch"] without
+    --kernels."""
+    if not args.kernels:
+        return ["torch"]
+    from dspark_core.kernels import decode
+
+    spec = args.kernel_modes or ",".join([decode.SMALL_GEMM] + [m for m in ("mma", "fma") if m != decode.SMALL_GEMM])
+    modes = [m.strip() for m in spec.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("mma", "fma")]
+    if bad or not modes:
+        raise SystemExit(f"--kernel-modes: {args.kernel_modes!r}; give a comma list of mma, fma")
+    from dspark_core.kernels.decode import small_gemm_problem
+
+    problem = small_gemm_problem(device)
+    if problem and "mma" in modes:
+        print(f"--kernel-modes: mma skipped ({problem})")
+        modes = [m for m in modes if m != "mma"] or ["fma"]
+    return modes
+
+
+def against_fastest(per_mode: dict[str, dict]) -> dict:
+    """Rows of one shape in each mode, each with the fastest AR of all modes beside its own: the step time
+    and the static cycle in units of the fastest step (what a speedup is measured against)."""
+    fastest = max(per_mode, key=lambda m: per_mode[m]["ar_tokens_per_s"])
+    best = per_mode[fastest]
+    for row in per_mode.values():
+        row["fastest_ar_mode"] = fastest
+        row["fastest_ar_tokens_per_s"] = best["ar_tokens_per_s"]
+        row["fastest_step_ms"] = best["decode_step_ms"]
+        row["step_over_fastest_step"] = row["decode_step_ms"] / best["decode_step_ms"]
+        if "cycle_ms" in row:
+            row["cycle_over_step"] = row["cycle_ms"] / row["decode_step_ms"]
+            row["cycle_over_fastest_step"] = row["cycle_ms"] / best["decode_step_ms"]
+            row["mal_for_2.5x_vs_fastest"] = 2.5 * row["cycle_over_fastest_step"]
+    return {"fastest_ar_mode": fastest, "fastest_ar_tokens_per_s": best["ar_tokens_per_s"],
+            "weight_read_limit_tokens_per_s": best["weight_read_limit_tokens_per_s"], "modes": per_mode}
+
+
 def kernel_env() -> dict:
     """The kernel switches read from the environment (they change speed, and fma / mma change the bits)."""
     import os
@@ -320,18 +401,23 @@ def kernel_env() -> dict:
 
 def _print_ar(name: str, r: dict) -> None:
     hf = r.get("hf_generate_tokens_per_s")
-    print(f"{name:>14} | AR {r['ar_tokens_per_s']:9.1f} tok/s | limit {r['weight_read_limit_tokens_per_s']:9.1f} | "
+    if "fastest_ar_mode" in r:
+        print(f"{name:>21} | fastest AR of all modes: {r['fastest_ar_mode']} {r['fastest_ar_tokens_per_s']:.1f} tok/s;"
+              f" this mode's step = {r['step_over_fastest_step']:.2f} of it"
+              + (f", its cycle = {r['cycle_over_fastest_step']:.2f} fastest steps" if "cycle_ms" in r else ""))
+    print(f"{name:>21} | AR {r['ar_tokens_per_s']:9.1f} tok/s | limit {r['weight_read_limit_tokens_per_s']:9.1f} | "
           f"{100 * r['fraction_of_limit']:5.1f}% | step n=1 {r['decode_step_ms']:.3f} ms, n={r['verify_tokens']} "
           f"{r['verify_step_ms']:.3f} ms | HF generate {hf if hf is None else round(hf, 1)} tok/s")
     if "cycle_ms" in r:
-        print(f"{'':>14} | static spec cycle {r['cycle_ms']:.3f} ms (draft {r['cycle_draft_ms']:.3f}, verify + update "
+        print(f"{'':>21} | static spec cycle {r['cycle_ms']:.3f} ms (draft {r['cycle_draft_ms']:.3f}, verify + update "
               f"{r['cycle_verify_ms']:.3f}) | break-even MAL {r['break_even_mal']:.2f}, 2.5x needs MAL "
               f"{r['mal_for_2.5x']:.2f}")
 
 
 def _print_spec(s: dict) -> None:
     print(f"spec: MAL {s['mal']:.2f} | {s['tokens_per_s']:.1f} tok/s vs AR {s['ar_tokens_per_s']:.1f} | "
-          f"speedup {s['speedup']:.2f}x | identical {s['identical']} | draft {s['draft_ms']:.2f} ms, "
+          f"speedup {s['speedup']:.2f}x (vs fastest AR {s.get('speedup_vs_fastest_ar', float('nan')):.2f}x) | "
+          f"identical {s['identical']} | draft {s['draft_ms']:.2f} ms, "
           f"verify {s['verify_ms']:.2f} ms per cycle")
     for peer, row in (s.get("peers") or {}).items():
         print(f"  peer {peer:>14}: {row['tokens_per_s']:.1f} tok/s, identical {row['identical']}")

@@ -54,7 +54,8 @@ def dspark_rows(variants: Sequence[str], root: Path = REPORTS) -> list[dict[str,
                      "engram_lookup_share": on.get("engram_lookup_share_of_cycle"),
                      "mal_first_stage_memory": (on.get("online_modes") or {}).get("first_stage", {}).get("mal"),
                      **{k: off.get(k) for k in RERANK_KEYS}, "reranker_share": on.get("reranker_share_of_cycle"),
-                     "_rates": [off.get(f"accept_rate@{i}") for i in range(64) if f"accept_rate@{i}" in off]})
+                     "_rates": [off.get(f"accept_rate@{i}") for i in range(64) if f"accept_rate@{i}" in off],
+                     "_speedup_vs_fastest_ar": on.get("speedup_vs_fastest_ar")})  # GPU kernels: both modes' AR
     return rows
 
 
@@ -141,6 +142,7 @@ def headline_metrics(dspark: list[dict[str, Any]], dmtd: list[dict[str, Any]], r
         m = {k: r[k] for k in DRAFT_HEADLINE}
         m.update({f"accept_rate@{i}": x for i, x in enumerate(r["_rates"])})
         m.update({k: r[k] for k in RERANK_KEYS})
+        m["speedup_vs_fastest_ar"] = r["_speedup_vs_fastest_ar"]
         out[f"draft/{r['variant']}.json"] = {k: _num(v) for k, v in m.items() if v is not None}
     for r in dmtd:
         d = _load(root / "dmtd" / f"{r['variant']}.json") or {}

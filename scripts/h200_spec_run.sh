@@ -376,7 +376,8 @@ fi
 bench_modes() {  # one bench_decode run per entry of DSPARK_BENCH_MODES (or one in the current environment)
   # entry = MODE (DSPARK_SMALL_GEMM) or MODE:NAME (+ --tree-branches "$DSPARK_TREE_NAME"); the first entry
   # writes decode.json, the others decode_<mode>[_tree].json; later runs of a mode reuse the first run's tuned
-  # kernel tiles (DSPARK_KERNEL_CONFIGS=its JSON) so that chain and tree decode with the same sums.
+  # kernel tiles (DSPARK_KERNEL_CONFIGS=its JSON) so that chain and tree decode with the same sums. "current"
+  # with --kernels in DSPARK_BENCH_ARGS runs bench_decode's default: both modes, speedups vs the fastest AR.
   local e m tree out first=1 extra
   declare -A pinned=()
   for e in ${DSPARK_BENCH_MODES:-current}; do
@@ -392,7 +393,7 @@ bench_modes() {  # one bench_decode run per entry of DSPARK_BENCH_MODES (or one 
     fi
     echo "--- bench $e -> $(basename "$out")"
     local env=()
-    [ "$m" = current ] || env+=(DSPARK_SMALL_GEMM="$m")
+    [ "$m" = current ] || { env+=(DSPARK_SMALL_GEMM="$m"); extra+=(--kernel-modes "$m"); }
     [ -z "${pinned[$m]:-}" ] || env+=(DSPARK_KERNEL_CONFIGS="${pinned[$m]}")
     # shellcheck disable=SC2086
     env "${env[@]}" "$PY" "$REPO/benchmarks/bench_decode.py" "${BENCH[@]}" --target data/target \

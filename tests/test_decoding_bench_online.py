@@ -118,3 +118,23 @@ def test_kernels_setting_is_resolved_with_reasons():
     assert _resolve_kernels(BenchOnlineConfig(kernels=False), model, cpu) is False
     with pytest.raises(ValueError, match="bench_online.kernels: true needs a CUDA device"):
         _resolve_kernels(BenchOnlineConfig(kernels=True), model, cpu)
+
+
+def test_speedup_against_the_fastest_ar_of_all_modes():
+    """``add_fastest_ar``: per dataset and overall, the AR tokens/s of each small-GEMM mode, the fastest, and
+    the speculative tokens/s over it -- against a brute-force count of tokens and seconds."""
+    from dspark_core.decoding.bench_online import add_fastest_ar
+
+    def gen(n, s):
+        return GenerationResult(tokens=list(range(n)), cycles=n, decode_s=s)
+
+    by_mode = {"a": {"mma": [gen(11, 1.0), gen(21, 1.0)], "fma": [gen(11, 0.5), gen(21, 0.5)]},
+               "b": {"mma": [gen(41, 1.0)], "fma": [gen(41, 2.0)]}}
+    metrics = {"a": {"tokens_per_s": 60.0}, "b": {"tokens_per_s": 80.0}, "overall": {"tokens_per_s": 70.0}}
+    add_fastest_ar(metrics, by_mode)
+    assert metrics["a"]["ar_tokens_per_s_by_mode"] == {"mma": 15.0, "fma": 30.0}
+    assert metrics["a"]["fastest_ar_mode"] == "fma" and metrics["a"]["speedup_vs_fastest_ar"] == 2.0
+    assert metrics["b"]["fastest_ar_mode"] == "mma" and metrics["b"]["speedup_vs_fastest_ar"] == 2.0
+    # overall: mma 70 tokens / 3 s, fma 70 tokens / 3 s -> equal; either is the fastest at 70/3
+    assert metrics["overall"]["fastest_ar_tokens_per_s"] == pytest.approx(70 / 3)
+    assert metrics["overall"]["speedup_vs_fastest_ar"] == pytest.approx(3.0)

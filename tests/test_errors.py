@@ -359,6 +359,8 @@ CASES = [
          r"params.yaml: draft.num_anchors must be an integer, got 'x'", ("data/train/small", "reports/train")),
     Case("params/bench_zero_new_tokens", with_draft(bench(), bench_online={"max_new_tokens": 0}),
          r"params.yaml: bench_online.max_new_tokens must be > 0; got 0", BENCH_OUT),
+    Case("params/bench_small_gemm", with_draft(bench(), bench_online={"small_gemm": "tensor"}),
+         r"params.yaml: bench_online.small_gemm must be mma, fma or null; got 'tensor'", BENCH_OUT),
     Case("params/cache_type", params_then(cache(), cache={"chunk_tokens": "big"}),
          r"params.yaml: cache.chunk_tokens must be an integer, got 'big'", CACHE_OUT),
     Case("layers/final_layer", params_then(cache(), cache={"aux_layer_ids": [1, 5]}),

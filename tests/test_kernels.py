@@ -202,11 +202,13 @@ def test_chunked_distill_triton_matches_torch(monkeypatch, with_markov):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("splits", [2, 3, 8])
+@pytest.mark.parametrize("swap", [0, 1])
+@pytest.mark.parametrize("splits", [1, 2, 3, 8])
 @pytest.mark.parametrize("variant", ["norm_bias", "gated_norm", "residual"])
-def test_split_k_matches_reference_and_is_batch_invariant(splits, variant, monkeypatch):
-    """The tensor-core kernel with split-K (partials reduced in split order by the last program of a tile):
-    right values, and rows of a 5-token call bit for bit those of 1-token calls; the counters end at zero."""
+def test_split_k_matches_reference_and_is_batch_invariant(splits, variant, swap, monkeypatch):
+    """The tensor-core kernel with split-K (partials reduced in split order by the last program of a tile),
+    plain or swap-AB (the weight tile as the MMA's M side): right values, and rows of a 5-token call bit for bit
+    those of 1-token calls; the counters end at zero."""
     from dspark_core.kernels import decode
     from dspark_core.kernels.decode import _launch, fused_linear_reference
 
@@ -219,7 +221,7 @@ def test_split_k_matches_reference_and_is_batch_invariant(splits, variant, monke
     norm = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE, dtype) if variant != "residual" else None
     bias = (torch.randn(w.shape[0], generator=g) * 0.1).to(DEVICE, dtype) if variant == "norm_bias" else None
     res = torch.randn(5, n_out, generator=g).to(DEVICE, dtype) if variant == "residual" else None
-    cfg = (16, 32, splits, 4)
+    cfg = (16, 32, splits, 4, 3, swap)
 
     def run(rows):
         y = torch.empty(len(rows), n_out, device=DEVICE, dtype=dtype)
@@ -296,3 +298,82 @@ def test_pinned_kernel_configs(tmp_path, monkeypatch):
     bad.write_text(json.dumps({"device": table["device"], "configs": {key: [16, 32]}}))
     with pytest.raises(ValueError, match="bad.json.*bad entry"):
         decode.load_kernel_configs(bad, DEVICE)
+
+
+def test_config_store_pins_a_targets_tiles_per_device(tmp_path, monkeypatch):
+    """``use_config_store``: the first run of a target adds every shape it tunes to the store file of (device,
+    target fingerprint); a later run pins them (the launched tile is the stored one, not a fresh pick), so it
+    sums in the same order; a store of another target is refused naming the file."""
+    from dspark_core.kernels import decode
+
+    monkeypatch.setattr(decode, "SMALL_GEMM", "mma")
+    monkeypatch.setattr(decode, "_TUNED", {})
+    monkeypatch.setattr(decode, "_STORED", {})
+    monkeypatch.setattr(decode, "_PINNED", {})
+    monkeypatch.setattr(decode, "_PINNED_LOADED", [False])
+    monkeypatch.setattr(decode, "_STORE", {"path": None, "fingerprint": None})
+    monkeypatch.delenv(decode.KERNEL_CONFIGS_ENV, raising=False)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 96, generator=g).to(DEVICE, dtype)
+    w = torch.randn(48, 96, generator=g).to(DEVICE, dtype)
+    key = f"mma:1:48:96:0:{str(dtype).replace('torch.', '')}"
+    fp = "f" * 64
+    path = decode.kernel_store_path(tmp_path, DEVICE, fp)
+    assert path.parent.parent == tmp_path and path.name == "f" * 16 + ".json"
+    assert decode.use_config_store(path, DEVICE, fp) == {}
+    decode.fused_linear(x, w)
+    stored = json.loads(path.read_text())
+    assert stored["fingerprint"] == fp and stored["device"] == decode._device_name(torch.device(DEVICE))
+    assert key in stored["configs"]
+    # a later run (fresh process state) with a different stored tile launches that tile
+    stored["configs"][key] = [16, 32, 3, 4, 5]
+    path.write_text(json.dumps(stored))
+    decode._TUNED.clear()
+    assert decode.use_config_store(path, DEVICE, fp) == {key: (16, 32, 3, 4, 5)}
+    launched = []
+    real = decode._launch
+    monkeypatch.setattr(decode, "_launch", lambda *a: launched.append(a[-1]) or real(*a))
+    y = decode.fused_linear(x, w)
+    torch.testing.assert_close(y, decode.fused_linear_reference(x, w), **_tol(dtype))
+    assert launched == [(16, 32, 3, 4, 5)]
+    decode.close_config_store()
+    with pytest.raises(ValueError, match=rf"{path.name}: kernel configurations of target 'f+', this target is 'abc'"):
+        decode.use_config_store(path, DEVICE, "abc")
+
+
+def test_small_gemm_mode_switch_and_reasons(monkeypatch):
+    """mma is the default family; ``set_small_gemm`` switches and refuses unknown names; ``small_gemm_problem``
+    says why mma does not apply (a CPU device outside the interpreter)."""
+    from dspark_core.kernels import decode
+
+    monkeypatch.setattr(decode, "SMALL_GEMM", decode.SMALL_GEMM)
+    if "DSPARK_SMALL_GEMM" not in os.environ:
+        assert decode.SMALL_GEMM == "mma"
+    decode.set_small_gemm("fma")
+    assert decode.SMALL_GEMM == "fma" and not decode._uses_mma(1)
+    with pytest.raises(ValueError, match="small_gemm must be one of.*'tpu'"):
+        decode.set_small_gemm("tpu")
+    monkeypatch.setattr(decode, "INTERPRET", False)
+    assert "cpu is not a CUDA device" in decode.small_gemm_problem("cpu")
+
+
+def test_ar_in_other_modes_decodes_the_same_prompts(monkeypatch):
+    """bench_online's fastest-AR pass: the same prompts decoded by AR in the other small-GEMM mode (greedy, a
+    fresh runner on the same model), the current mode restored afterwards; float32 gives the same tokens."""
+    from dspark_core.decoding.ar import ARDecoder
+    from dspark_core.decoding.bench_online import BenchOnlineConfig, DatasetRun, ar_in_other_modes
+    from dspark_core.decoding.target_runner import TargetRunner
+    from dspark_core.kernels import decode
+    from dspark_core.testing import tiny_model
+
+    monkeypatch.setattr(decode, "SMALL_GEMM", "mma")
+    model = tiny_model("qwen3").to(DEVICE, torch.float32)
+    runner = TargetRunner(model, max_len=32, aux_layer_ids=(1,), cuda_graph=False, kernels=True)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    ar = [ARDecoder(runner).generate(p, 3, ()) for p in prompts]
+    cfg = BenchOnlineConfig(max_new_tokens=3, max_len=32, peers=())
+    out = ar_in_other_modes(model, cfg, {"d": DatasetRun(prompts=prompts, ar=ar)}, (), (1,), 7, False)
+    assert decode.SMALL_GEMM == "mma" and set(out["d"]) == {"mma", "fma"}
+    assert out["d"]["mma"] is ar
+    assert [g.tokens for g in out["d"]["fma"]] == [g.tokens for g in ar]

@@ -80,6 +80,9 @@ class BenchOnlineConfig(Section):
     cuda_graph: bool | None = None        # None: on for cuda
     compile: bool = False                 # torch.compile the decoder layer (GPU)
     kernels: bool | None = None           # the Triton decode step (GPU); None: on for cuda where it applies
+    small_gemm: str | None = None         # mma | fma (kernels.decode); None: $DSPARK_SMALL_GEMM, else mma
+    kernel_config_store: str | None = "~/.cache/dspark/kernel_configs"  # tuned tiles per device + target
+    ar_all_modes: bool = True             # with kernels: AR again in the other small-GEMM mode (fastest AR)
     engine: str = "auto"                  # reference | static | auto (static for greedy on cuda where it applies)
     tree_branches: tuple[tuple[int, ...], ...] = ()  # draft-tree branches [start, length] (decoding/tree.py)
     num_threads: int | None = None        # CPU threads for torch (None: torch's default)
@@ -111,6 +114,8 @@ class BenchOnlineConfig(Section):
             require(len(b) == 2 and min(b) >= 1, f"tree_branches: {list(b)} is not a [start >= 1, length >= 1] pair")
         if self.num_threads is not None:
             positive("num_threads", self.num_threads)
+        if self.small_gemm is not None:
+            require(self.small_gemm in ("mma", "fma"), f"small_gemm must be mma, fma or null; got {self.small_gemm!r}")
 
     @property
     def sampling(self) -> SamplingParams:
@@ -468,6 +473,7 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
     draft = load_draft(draft_dir, model, expected_fingerprint=expected_fingerprint)
     block = int(draft.block_size)
     kernels = _resolve_kernels(cfg, model, device)
+    kernel_setup = setup_kernels(cfg, target_dir, device) if kernels else {}
     runner = TargetRunner(model, max_len=cfg.max_len, aux_layer_ids=draft.aux_layer_ids, compile=cfg.compile,
                           cuda_graph=graphs, graph_max_tokens=block + 1, kernels=kernels)
     engine = resolve_engine(cfg.engine, cfg.sampling, draft, device)
@@ -487,6 +493,9 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
     _add_variant_timers(metrics, runs, timers)
     if cfg.compare_online_modes:
         compare_online_modes(draft, spec, runs, metrics, cfg, stops, block)
+    if kernels and cfg.ar_all_modes:
+        by_mode = ar_in_other_modes(model, cfg, runs, stops, runner.aux_layer_ids, block, graphs)
+        add_fastest_ar(metrics, by_mode)
     if cfg.peers and greedy:
         assistant = _assistant(cfg, model) if "assisted" in cfg.peers else None
         for name, run in runs.items():
@@ -494,18 +503,88 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
                 model, run.prompts, [r.tokens for r in run.ar], cfg.max_new_tokens, stops, cfg.peers, assistant,
                 cfg.prompt_lookup_num_tokens, tokenizer.pad_token_id)
     metrics["setup"] = {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "cuda_graph": graphs,
-                        "kernels": kernels, "engine": engine,
+                        "kernels": kernels, **kernel_setup, "engine": engine,
                         "static_engine_problem": static_engine_problem(cfg.sampling, draft),
                         "draft_kind": draft.cfg.kind, "online_mode": getattr(draft, "online_mode", None),
                         "num_threads": torch.get_num_threads(),
                         "compile": cfg.compile, "block_size": block, "aux_layer_ids": list(draft.aux_layer_ids),
                         "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
                         "confidence_threshold": cfg.confidence_threshold, "max_new_tokens": cfg.max_new_tokens}
+    if kernels:
+        from dspark_core.kernels.decode import close_config_store, kernel_configs
+
+        metrics["setup"]["kernel_configs"] = kernel_configs(device)["configs"]
+        close_config_store()
     if out_json is not None:
         write_json(out_json, metrics)
     if plots_dir is not None:
         plot_metrics(metrics, Path(plots_dir), block)
     return metrics
+
+
+def setup_kernels(cfg: BenchOnlineConfig, target_dir: str | Path, device: torch.device) -> dict[str, Any]:
+    """The small-GEMM mode (``bench_online.small_gemm``; mma where it applies) and the config store: the tiles
+    tuned for this target on this device, pinned from the store file when an earlier run made it, and
+    added to it otherwise -- so every run sums in the same order (the bits of mma-mode outputs)."""
+    from dspark_core.kernels import decode
+    from dspark_core.target import read_fingerprint
+
+    if cfg.small_gemm is not None:
+        decode.set_small_gemm(cfg.small_gemm)
+    out: dict[str, Any] = {"small_gemm": decode.resolve_small_gemm(device), "kernel_config_file": None}
+    if cfg.kernel_config_store:
+        fingerprint = read_fingerprint(target_dir)["fingerprint"]
+        path = decode.kernel_store_path(cfg.kernel_config_store, device, fingerprint)
+        pins = decode.use_config_store(path, device, fingerprint)
+        out.update(kernel_config_file=str(path), kernel_configs_pinned=len(pins))
+    return out
+
+
+def ar_in_other_modes(model: torch.nn.Module, cfg: BenchOnlineConfig, runs: dict[str, DatasetRun],
+                      stops: Sequence[int], aux_layer_ids: Sequence[int], block: int,
+                      graphs: bool) -> dict[str, dict[str, list[GenerationResult]]]:
+    """AR decoding of the same prompts in each other small-GEMM mode that applies (kernels on): the generations
+    per dataset and mode, the current mode's from ``runs``. Every speedup is then also reported against the fastest
+    AR of all modes (issue 18): a mode that makes the verify cheap may make the AR step slow."""
+    from dspark_core.kernels import decode
+
+    main = decode.SMALL_GEMM
+    device = next(model.parameters()).device
+    by_mode = {name: {main: run.ar} for name, run in runs.items()}
+    for mode in decode.SMALL_GEMM_MODES:
+        if mode == main or (mode == "mma" and decode.small_gemm_problem(device)):
+            continue
+        decode.set_small_gemm(mode)
+        try:
+            runner = TargetRunner(model, max_len=cfg.max_len, aux_layer_ids=aux_layer_ids, compile=cfg.compile,
+                                  cuda_graph=graphs, graph_max_tokens=block + 1, kernels=True)
+            ar = ARDecoder(runner, sampling=cfg.sampling, seed=cfg.seed)
+            first = next(iter(runs.values())).prompts[0]
+            ar.generate(first, min(16, cfg.max_new_tokens), stops)  # warm-up: tuning + graph capture
+            for name, run in runs.items():
+                by_mode[name][mode] = [ar.generate(p, cfg.max_new_tokens, stops) for p in run.prompts]
+            del ar, runner
+        finally:
+            decode.set_small_gemm(main)
+    return by_mode
+
+
+def add_fastest_ar(metrics: dict[str, Any], by_mode: dict[str, dict[str, list[GenerationResult]]]) -> None:
+    """``ar_tokens_per_s_by_mode``, ``fastest_ar_mode``, ``fastest_ar_tokens_per_s`` and
+    ``speedup_vs_fastest_ar`` per dataset and overall (all datasets' generations, like ``tokens_per_s``)."""
+    def put(row: dict[str, Any], results: dict[str, list[GenerationResult]]) -> None:
+        rates = {m: _throughput(r) for m, r in results.items()}
+        known = {m: v for m, v in rates.items() if v}
+        if not known:
+            return
+        fastest = max(known, key=known.get)
+        row.update(ar_tokens_per_s_by_mode=rates, fastest_ar_mode=fastest, fastest_ar_tokens_per_s=known[fastest],
+                   speedup_vs_fastest_ar=row["tokens_per_s"] / known[fastest] if row.get("tokens_per_s") else None)
+
+    for name, results in by_mode.items():
+        put(metrics[name], results)
+    modes = {m for results in by_mode.values() for m in results}
+    put(metrics["overall"], {m: [g for results in by_mode.values() for g in results.get(m, [])] for m in modes})
 
 
 def compare_online_modes(draft: Any, spec: Any, runs: dict[str, DatasetRun], metrics: dict[str, Any],

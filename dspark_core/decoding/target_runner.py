@@ -39,8 +39,10 @@ weight-read limit 520 tokens/s at the measured 4.2 TB/s copy bandwidth):
 | ``kernels=True`` + CUDA graphs + PDL (``DSPARK_SMALL_GEMM=fma``) | 2.52 ms | 392.3 | 75 % | 10.8 ms |
 | ``kernels=True`` + CUDA graphs + PDL, ``DSPARK_SMALL_GEMM=mma`` | 4.36 ms | 225.7 | 43 % | 4.44 ms |
 
+| same, ``mma`` with session 9's deeper-pipeline tiles (``reports/bench/decode_modes_h200``) | 4.03 ms | 245.9 | 47 % | 4.11 ms |
+
 Both kernel modes are batch-invariant (verify logits bit for bit those of AR steps); ``fma`` is the fast AR
-step, ``mma`` the cheap verify (see ``dspark_core.kernels.decode``).
+step, ``mma`` (the default where bf16 tensor cores exist) the cheap verify (see ``dspark_core.kernels.decode``).
 
 Shape legend: B batch, n tokens in this call, M cache positions (max_len rounded up to 16), L decoder
 layers, Hq / Hkv query / KV heads, D head dim, G = Hq / Hkv, H hidden, F FFN width, K aux layers, V vocab.
@@ -312,6 +314,9 @@ class TargetRunner:
         self.kernels = bool(kernels)
         if self.kernels:
             _check_kernels(model, batch_size)
+            from dspark_core.kernels.decode import resolve_small_gemm
+
+            resolve_small_gemm(next(model.parameters()).device)  # mma where it applies, else fma (says why)
             self._fused = self._fuse_weights(model)  # before _init_weights: it re-points the HF weights
         self._init_weights(model)
         self._init_cache()

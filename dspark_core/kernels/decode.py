@@ -122,7 +122,8 @@ def _gemv(X, NW, W, BIAS, R, Y, M, N, K, eps, NORM: tl.constexpr, GATED: tl.cons
 @triton.jit(do_not_specialize=["M"])
 def _gemm_small(X, NW, W, BIAS, R, Y, WS, LOCK, M, N, K, K_SPLIT, eps, NORM: tl.constexpr, GATED: tl.constexpr,
                 HAS_BIAS: tl.constexpr, RESID: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, PDL_ON: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, SWAP: tl.constexpr,
+                PDL_ON: tl.constexpr):
     """Up to BLOCK_M tokens (x [M, K]): columns [pid * BLOCK_N, +BLOCK_N) of y over the K range
     [split * K_SPLIT, +K_SPLIT), tensor-core dots (IEEE float32 dots for float32 inputs: no TF32). NORM in one
     pass as in ``_gemv``.
@@ -133,7 +134,10 @@ def _gemm_small(X, NW, W, BIAS, R, Y, WS, LOCK, M, N, K, K_SPLIT, eps, NORM: tl.
     SPLITS > 1 (split-K, for parallelism when N is narrow): each program writes its float32 partials to the
     workspace WS, and the last program of a column tile to arrive (a counter in LOCK) adds the SPLITS partials
     in split order -- a fixed order, so the result is deterministic -- applies the epilogue and resets the
-    counter. No second kernel launch."""
+    counter. No second kernel launch.
+    SWAP (swap-AB): the product is computed transposed, ``W_tile [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]``,
+    so the weight tile is the MMA's M side (64+ rows: Hopper's warpgroup MMA) and the 16 token rows its N side;
+    each output column still depends on its own token only (batch-invariant the same way)."""
     if PDL_ON:
         gdc_wait()  # the previous kernel's outputs are complete and visible after this
     pid = tl.program_id(0)
@@ -145,6 +149,8 @@ def _gemm_small(X, NW, W, BIAS, R, Y, WS, LOCK, M, N, K, K_SPLIT, eps, NORM: tl.
     nmask = cn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc2_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     ss = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     w_rows = W + cn.to(tl.int64)[:, None] * K
     k_lo = split * K_SPLIT
@@ -159,18 +165,22 @@ def _gemm_small(X, NW, W, BIAS, R, Y, WS, LOCK, M, N, K, K_SPLIT, eps, NORM: tl.
             xv = (xf * tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]).to(xv.dtype)
         m2 = nmask[:, None] & cmask[None, :]
         w = tl.load(w_rows + cols[None, :], mask=m2, other=0.0)
-        if IEEE:
-            acc = tl.dot(xv, tl.trans(w), acc, input_precision="ieee")
+        if SWAP:
+            acc_t = _mma(w, tl.trans(xv), acc_t, IEEE)
         else:
-            acc = tl.dot(xv, tl.trans(w), acc)
+            acc = _mma(xv, tl.trans(w), acc, IEEE)
         if GATED:
             w2 = tl.load(w_rows + N * K + cols[None, :], mask=m2, other=0.0)
-            if IEEE:
-                acc2 = tl.dot(xv, tl.trans(w2), acc2, input_precision="ieee")
+            if SWAP:
+                acc2_t = _mma(w2, tl.trans(xv), acc2_t, IEEE)
             else:
-                acc2 = tl.dot(xv, tl.trans(w2), acc2)
+                acc2 = _mma(xv, tl.trans(w2), acc2, IEEE)
     if PDL_ON:
         gdc_launch_dependents()  # let the next kernel launch while this one finishes
+    if SWAP:
+        acc = tl.trans(acc_t)
+        if GATED:
+            acc2 = tl.trans(acc2_t)
     sq = tl.sum(ss, 1)  # [BLOCK_M] this split's sum of squares
     if SPLITS > 1:
         # workspace per column tile: [SPLITS, 2 (acc, acc2), BLOCK_M, BLOCK_N] + [SPLITS, BLOCK_M] squares
@@ -199,6 +209,14 @@ def _gemm_small(X, NW, W, BIAS, R, Y, WS, LOCK, M, N, K, K_SPLIT, eps, NORM: tl.
     else:
         _gemm_epilogue(acc, acc2, sq, BIAS, R, Y, N, K, eps, rm, mmask, cn, nmask, dt, NORM, GATED, HAS_BIAS, RESID,
                        BLOCK_M)
+
+
+@triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b on tensor cores; IEEE float32 dots (no TF32) for float32 inputs."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -231,10 +249,21 @@ def _gemm_epilogue(acc, acc2, sq, BIAS, R, Y, N, K, eps, rm, mmask, cn, nmask, d
 # (BLOCK_N, BLOCK_K, num_warps) candidates of the FMA GEMV; the first is the default before tuning
 _GEMV_CONFIGS = [(4, 512, 4), (2, 1024, 4), (1, 2048, 4), (1, 4096, 4), (2, 4096, 8), (2, 2048, 4), (4, 2048, 8),
                  (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 512, 8)]
-# (BLOCK_N, BLOCK_K, SPLITS, num_warps) candidates of the tensor-core path (SPLITS > 1: split-K)
+# (BLOCK_N, BLOCK_K, SPLITS, num_warps[, num_stages[, swap]]) candidates of the tensor-core path (SPLITS > 1:
+# split-K; num_stages: Triton's software pipeline depth, 3 when left out; swap 1: swap-AB, see _gemm_small). A step of n <= 16 tokens is memory-bound, so
+# what decides its speed is the bytes each SM has in flight: tile x stages x programs per SM. The 5-tuples
+# (session 9) add deeper pipelines and wider tiles to the session-3 set.
 _MMA_CONFIGS = [(32, 128, 1, 4), (16, 256, 1, 4), (64, 128, 1, 4), (16, 128, 2, 4), (16, 256, 2, 4),
                 (32, 128, 2, 4), (16, 128, 4, 4), (16, 256, 4, 4), (32, 128, 4, 4), (16, 64, 8, 4), (16, 128, 8, 4),
-                (32, 64, 8, 4), (16, 512, 2, 8), (16, 1024, 1, 8)]
+                (32, 64, 8, 4), (16, 512, 2, 8), (16, 1024, 1, 8),
+                (32, 128, 1, 4, 5), (64, 128, 1, 4, 4), (64, 128, 2, 4, 4), (32, 256, 1, 4, 4), (32, 256, 2, 4, 4),
+                (16, 256, 2, 4, 5), (16, 256, 4, 4, 5), (16, 512, 1, 4, 4), (16, 512, 2, 4, 4), (32, 128, 2, 4, 6),
+                (64, 64, 2, 4, 6), (128, 64, 1, 8, 4), (128, 128, 1, 8, 3), (64, 256, 1, 8, 3),
+                # session 9, not yet timed on a GPU: wider tiles (the 128 x 128 one won the largest GEMMs), and
+                # swap-AB (6th entry 1: the weight tile as the MMA's M side, Hopper's warpgroup MMA)
+                (128, 128, 1, 8, 4), (256, 64, 1, 8, 3), (64, 128, 1, 4, 4, 1), (128, 64, 1, 4, 4, 1),
+                (128, 128, 1, 8, 3, 1), (128, 128, 1, 4, 4, 1), (64, 256, 1, 4, 3, 1), (64, 128, 2, 4, 4, 1),
+                (128, 64, 2, 4, 5, 1), (256, 64, 1, 8, 3, 1)]
 _TUNED: dict[tuple, tuple] = {}
 TUNE = os.environ.get("DSPARK_TUNE_KERNELS", "1") != "0"
 # The tuner times each candidate once per process, and near-equal candidates can swap between runs. With
@@ -243,19 +272,55 @@ TUNE = os.environ.get("DSPARK_TUNE_KERNELS", "1") != "0"
 # DSPARK_KERNEL_CONFIGS=FILE (written by ``save_kernel_configs``; benchmarks/bench_decode.py stores the table
 # in its JSON under "kernel_configs", which is accepted too) fixes every shape it lists; others are tuned.
 KERNEL_CONFIGS_ENV = "DSPARK_KERNEL_CONFIGS"
-_PINNED: dict[str, tuple] = {}
+_PINNED: dict[str, tuple] = {}  # from DSPARK_KERNEL_CONFIGS (wins)
+_STORED: dict[str, tuple] = {}  # from the config store (``use_config_store``)
 # Batch invariance (default): a step of n tokens computes each token exactly as a step of one token would,
-# so greedy speculative decoding reproduces AR decoding bit for bit in bf16 too. Two ways (DSPARK_SMALL_GEMM):
-#   fma (default): every token through the FMA GEMV, one program per (token, weight tile): the n = 1 step is
-#        fastest this way, but n tokens read each tile from L2 n times (verify of 8 ~4x the n = 1 step);
-#   mma: every step, n = 1 included, through the tensor-core kernel with 16 token rows (padding rows cost
-#        nothing: the step is memory-bound) and split-K: a verify of n <= 16 costs about one n = 1 step.
+# so greedy speculative decoding reproduces AR decoding bit for bit in bf16 too. Two ways (DSPARK_SMALL_GEMM,
+# or ``set_small_gemm``; bench_online.small_gemm in params.yaml):
+#   mma (default where it applies): every step, n = 1 included, through the tensor-core kernel with 16 token
+#        rows (padding rows cost nothing: the step is memory-bound) and split-K: a verify of n <= 16 costs
+#        about one n = 1 step. Needs bf16 tensor cores (sm_80+; ``small_gemm_problem`` says why not);
+#   fma: every token through the FMA GEMV, one program per (token, weight tile): the fastest n = 1 step of
+#        session 3, but n tokens read each tile from L2 n times (a verify of 8 ~4x the n = 1 step).
 # DSPARK_BATCH_INVARIANT=0: the FMA GEMV for n = 1 and tensor-core tiles for n > 1 (a near-tie can then flip a
 # greedy token between verify and AR).
 BATCH_INVARIANT = os.environ.get("DSPARK_BATCH_INVARIANT", "1") != "0"
-SMALL_GEMM = os.environ.get("DSPARK_SMALL_GEMM", "fma")
-if SMALL_GEMM not in ("fma", "mma"):
-    raise ValueError(f"DSPARK_SMALL_GEMM must be fma or mma; got {SMALL_GEMM!r}")
+SMALL_GEMM_MODES = ("mma", "fma")
+SMALL_GEMM = os.environ.get("DSPARK_SMALL_GEMM", "mma")
+if SMALL_GEMM not in SMALL_GEMM_MODES:
+    raise ValueError(f"DSPARK_SMALL_GEMM must be mma or fma; got {SMALL_GEMM!r}")
+
+
+def set_small_gemm(mode: str) -> None:
+    """Switch the small-GEMM family for the kernels launched from now on (captured CUDA graphs keep theirs).
+    Both are exact and batch-invariant, but they sum in different orders: AR and speculative decoding compared
+    bit for bit must run in the same mode."""
+    global SMALL_GEMM
+    if mode not in SMALL_GEMM_MODES:
+        raise ValueError(f"small_gemm must be one of {SMALL_GEMM_MODES}; got {mode!r}")
+    SMALL_GEMM = mode
+
+
+def small_gemm_problem(device: torch.device | str) -> str | None:
+    """Why the ``mma`` family does not apply on ``device`` (None when it does)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None if INTERPRET else f"{device} is not a CUDA device"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"bf16 tensor-core dots need sm_80 or newer; {torch.cuda.get_device_name(device)} is sm_{major}{minor}"
+    return None
+
+
+def resolve_small_gemm(device: torch.device | str) -> str:
+    """The mode to run on ``device``: the chosen one, or ``fma`` (printing why) where ``mma`` does not apply."""
+    problem = small_gemm_problem(device) if SMALL_GEMM == "mma" else None
+    if problem:
+        print(f"kernels: small_gemm mma does not apply ({problem}); using fma")
+        set_small_gemm("fma")
+    return SMALL_GEMM
+
+
 MMA_ROWS = 16  # token rows of the tensor-core tile (>= MAX_TOKENS)
 _SPLIT_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -285,14 +350,17 @@ def _launch(x, w, bias, norm_weight, eps, residual, y, n_out, gated, cfg):
         _gemv[(m * triton.cdiv(n_out, bn),)](x, nw, w, b, r, y, m, n_out, k, eps, **flags, BLOCK_N=bn, BLOCK_K=bk,
                                              PDL_ON=PDL, num_warps=warps, **_LAUNCH)
         return
-    bn, bk, splits, warps = cfg
+    bn, bk, splits, warps, *rest = cfg
+    stages = rest[0] if rest else 3  # Triton's default
+    swap = bool(rest[1]) if len(rest) > 1 else False
     k_split = triton.cdiv(triton.cdiv(k, splits), bk) * bk
     splits = triton.cdiv(k, k_split)
     tiles = triton.cdiv(n_out, bn)
     ws, lock = _split_buffers(x.device, tiles, splits, bn) if splits > 1 else (y, y)
     _gemm_small[(tiles, splits)](x, nw, w, b, r, y, ws, lock, m, n_out, k, k_split, eps, **flags,
                                  IEEE=x.dtype == torch.float32, BLOCK_M=MMA_ROWS, BLOCK_N=bn, BLOCK_K=bk,
-                                 SPLITS=splits, PDL_ON=PDL, num_warps=warps, **_LAUNCH)
+                                 SPLITS=splits, SWAP=swap, PDL_ON=PDL, num_warps=warps, num_stages=stages,
+                                 **_LAUNCH)
 
 
 def _config(x, w, bias, norm_weight, eps, residual, y, n_out, gated):
@@ -309,11 +377,12 @@ def _config(x, w, bias, norm_weight, eps, residual, y, n_out, gated):
     if key in _TUNED:
         return _TUNED[key]
     _load_pinned_once(x.device)
-    if _config_key(key) in _PINNED:
-        _TUNED[key] = _PINNED[_config_key(key)]
-        return _TUNED[key]
+    pinned = _PINNED.get(_config_key(key)) or _STORED.get(_config_key(key))
+    if pinned is not None:
+        _TUNED[key] = pinned
+        return pinned
     if INTERPRET:  # the CPU interpreter runs programs one by one: the fewest, widest tiles
-        return max(configs, key=lambda c: c[0])
+        return _remember(key, max(configs, key=lambda c: c[0]))
     if not TUNE or not x.is_cuda or torch.cuda.is_current_stream_capturing():
         return configs[0]
     best, best_ms = configs[0], float("inf")
@@ -325,8 +394,15 @@ def _config(x, w, bias, norm_weight, eps, residual, y, n_out, gated):
             continue
         if ms < best_ms:
             best, best_ms = cfg, ms
-    _TUNED[key] = best
-    return best
+    return _remember(key, best)
+
+
+def _remember(key: tuple, cfg: tuple) -> tuple:
+    """Record a newly chosen configuration (and add it to the config store, if one is in use)."""
+    _TUNED[key] = cfg
+    if _STORE["path"] is not None:
+        _save_store(torch.device(key[-1]))
+    return cfg
 
 
 def _config_key(key: tuple) -> str:
@@ -370,17 +446,18 @@ def load_kernel_configs(path: str | os.PathLike, device: torch.device | str = "c
     if data.get("device") != here:
         raise ValueError(f"{KERNEL_CONFIGS_ENV}={path}: configurations tuned on {data.get('device')!r}, "
                          f"this device is {here!r}")
-    sizes = {"mma": 4, "fma": 3}
+    sizes = {"mma": (4, 5, 6), "fma": (3,)}
     out = {}
     for key, cfg in data["configs"].items():
         kind = key.split(":")[0]
-        if kind not in sizes or not isinstance(cfg, list) or len(cfg) != sizes[kind]:
+        if kind not in sizes or not isinstance(cfg, list) or len(cfg) not in sizes[kind]:
             raise ValueError(f"{KERNEL_CONFIGS_ENV}={path}: bad entry {key!r}: {cfg!r}")
         out[key] = tuple(int(c) for c in cfg)
     return out
 
 
 _PINNED_LOADED: list[bool] = [False]
+_STORE: dict = {"path": None, "fingerprint": None}
 
 
 def _load_pinned_once(device: torch.device) -> None:
@@ -390,6 +467,57 @@ def _load_pinned_once(device: torch.device) -> None:
     path = os.environ.get(KERNEL_CONFIGS_ENV)
     if path:
         _PINNED.update(load_kernel_configs(path, device))
+
+
+# -- the config store: a model's tuned tiles, kept per device and target fingerprint -------------------------------
+def kernel_store_path(root: str | os.PathLike, device: torch.device | str, fingerprint: str):
+    """``root/<device name>/<fingerprint[:16]>.json``: where the tiles tuned for a target on a device live."""
+    import re
+    from pathlib import Path
+
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", _device_name(torch.device(device))).strip("_")
+    return Path(root).expanduser() / slug / f"{fingerprint[:16]}.json"
+
+
+def use_config_store(path: str | os.PathLike, device: torch.device | str, fingerprint: str) -> dict[str, tuple]:
+    """Pin every configuration stored in ``path`` (an earlier run of this target on this device) and add each
+    shape tuned from now on to it, so that every later run picks the same tiles -- in ``mma`` mode the same
+    sums, bit for bit -- without ``DSPARK_KERNEL_CONFIGS``. A configuration already chosen in this process for
+    a stored shape is dropped (the store wins). ``DSPARK_KERNEL_CONFIGS``, when set, still wins over both.
+    Returns the pinned table; ValueError naming the file when it is not one, or is another device's / target's."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    device = torch.device(device)
+    pins: dict[str, tuple] = {}
+    if path.is_file():
+        pins = load_kernel_configs(path, device)
+        stored = json.loads(path.read_text()).get("fingerprint")
+        if stored != fingerprint:
+            raise ValueError(f"{path}: kernel configurations of target {stored!r}, this target is {fingerprint!r}")
+    for key in [k for k in _TUNED if _config_key(k) in pins]:
+        del _TUNED[key]
+    _STORED.clear()
+    _STORED.update(pins)
+    _STORE.update(path=path, fingerprint=fingerprint)
+    return pins
+
+
+def _save_store(device: torch.device) -> None:
+    from dspark_core.io import write_json
+
+    path = _STORE["path"]
+    table = {k: list(v) for k, v in _STORED.items()}
+    table.update(kernel_configs(device)["configs"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, {"device": _device_name(device), "fingerprint": _STORE["fingerprint"],
+                      "configs": dict(sorted(table.items()))})
+
+
+def close_config_store() -> None:
+    """Stop adding to the store (the pins stay)."""
+    _STORE.update(path=None, fingerprint=None)
 
 
 def fused_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
