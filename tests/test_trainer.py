@@ -163,6 +163,64 @@ def test_run_training_without_dvclive(tmp_path, monkeypatch, capsys):
     assert rows[0] == "step\tloss" and [int(r.split("\t")[0]) for r in rows[1:]] == [2, 4, 6, 8]
 
 
+def test_code_change_starts_training_over(tmp_path, monkeypatch, capsys):
+    """The resume identity includes a hash of dspark_core's sources: the same code and config resume (a
+    finished run trains nothing); changed code starts over, saying so -- it must not restore a checkpoint that
+    other code made (DVC reruns a finished training stage when its code changed)."""
+    import sys
+
+    from dspark_core.train import run
+
+    monkeypatch.setitem(sys.modules, "dvclive", None)
+    cfg = _cfg(tmp_path / "out")
+    assert len(run.run_training(ToyTask(), cfg, {"x": 1}, tmp_path / "report").history) == 8
+    assert run.run_training(ToyTask(), cfg, {"x": 1}, tmp_path / "report").history == []
+    real = run.code_fingerprint()
+    assert len(real) == 64 and run.code_fingerprint() == real  # deterministic
+    monkeypatch.setattr(run, "code_fingerprint", lambda: "0" * 64)
+    capsys.readouterr()
+    again = run.run_training(ToyTask(), cfg, {"x": 1}, tmp_path / "report")
+    assert len(again.history) == 8
+    assert "out: code changed since the last run; starting over" in capsys.readouterr().out
+
+
+def test_resumed_run_continues_its_curves_once(tmp_path, monkeypatch):
+    """A run killed after logging steps 7-8 but before checkpointing step 8 resumes at step 6: the curves (a
+    DVC-persisted folder) keep steps 1-6, and the resumed steps are logged once; its weights are the full run's."""
+    import json
+    import shutil
+    import sys
+
+    from dspark_core.train.run import run_training
+
+    monkeypatch.setitem(sys.modules, "dvclive", None)
+    cfg = _cfg(tmp_path / "out", log_every=1)
+    full = run_training(ToyTask(), cfg, {"x": 1}, tmp_path / "report")
+    ck = tmp_path / "out" / "checkpoints"
+    shutil.rmtree(ck / "step_00000008")
+    (ck / "latest.json").write_text(json.dumps({"step": 6, "dir": "step_00000006"}))
+    resumed = run_training(ToyTask(), cfg, {"x": 1}, tmp_path / "report")
+    assert len(resumed.history) == 2
+    rows = (tmp_path / "report" / "plots" / "metrics" / "train" / "loss.tsv").read_text().splitlines()
+    assert [int(r.split("\t")[0]) for r in rows[1:]] == list(range(1, 9))
+    assert float(rows[-1].split("\t")[1]) == full.history[-1]["loss"]
+    for (k, va), vb in zip(_params(full.model).items(), _params(resumed.model).values()):
+        assert torch.equal(va, vb), k
+
+
+def test_trim_curves_reads_dvclives_columns(tmp_path):
+    from dspark_core.train.run import trim_curves
+
+    path = tmp_path / "train" / "loss.tsv"
+    path.parent.mkdir(parents=True)
+    path.write_text("timestamp\tstep\tloss\n1\t2\t0.5\n2\t4\t0.4\n3\t6\t0.3\n")
+    (tmp_path / "other.tsv").write_text("no\tstep column\n1\t2\n")
+    trim_curves(tmp_path, 4)
+    assert path.read_text() == "timestamp\tstep\tloss\n1\t2\t0.5\n2\t4\t0.4\n"
+    assert (tmp_path / "other.tsv").read_text() == "no\tstep column\n1\t2\n"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["loss.tsv", "other.tsv", "train"]
+
+
 def test_schedule_and_data_order():
     cfg = TrainConfig.from_dict(dict(total_steps=100, warmup_ratio=0.1, min_lr_ratio=0.1))
     assert lr_factor(0, cfg) == pytest.approx(0.1)

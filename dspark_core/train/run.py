@@ -7,8 +7,10 @@ the report dir, plus ``params.json`` (no DVC experiment, no dvc.yaml / report fi
 Shared by ``stages/train.py`` (DSpark variants) and ``stages/dmtd_train.py`` (DMTD variants).
 
 The stage's output folder is DVC-``persist``ed so a killed run resumes from its last checkpoint. A run
-whose configuration (params + input fingerprints) differs from the one that wrote the checkpoints must
-not resume from them: ``run_config.json`` records it, and a mismatch starts over (with a message). A run that
+whose configuration (params + input fingerprints + the code: a hash of ``dspark_core``'s sources) differs from
+the one that wrote the checkpoints must not resume from them: ``run_config.json`` records it, and a mismatch
+starts over, naming what changed. (DVC reruns a finished stage only when a param, an input or its code changed;
+without the code hash a code change would restore the finished checkpoint and train nothing.) A run that
 fails before its first checkpoint (bad data, a bad setting found in the first step) removes the output folder
 and a report folder it created: nothing half-written is left where the stage's outputs go.
 """
@@ -23,14 +25,28 @@ from dspark_core.io import read_json, sha256_json, write_json
 from dspark_core.train.trainer import TrainConfig, TrainResult, train
 
 
+def code_fingerprint() -> str:
+    """sha256 over the path and contents of every ``.py`` file of the ``dspark_core`` package."""
+    import hashlib
+
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def _prepare_out_dir(out_dir: Path, run_config: dict[str, Any]) -> bool:
     """Return True when checkpoints of this very configuration exist (resume)."""
     rc = out_dir / "run_config.json"
     want = sha256_json(run_config)
-    if rc.is_file() and read_json(rc).get("hash") == want:
+    old = read_json(rc) if rc.is_file() else {}
+    if old.get("hash") == want:
         return (out_dir / "checkpoints" / "latest.json").is_file()
     if out_dir.exists() and any(out_dir.iterdir()):
-        print(f"{out_dir}: configuration changed since the last run; starting over")
+        before = old.get("config") or {}
+        changed = sorted(k for k in set(before) | set(run_config) if before.get(k) != run_config.get(k))
+        print(f"{out_dir}: {', '.join(changed) or 'configuration'} changed since the last run; starting over")
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(rc, {"hash": want, "config": run_config})
@@ -95,6 +111,7 @@ def run_training(task: Any, cfg: TrainConfig, run_config: dict[str, Any], report
     from dspark_core.train.trainer import init_distributed
 
     out_dir, report_dir = Path(cfg.out_dir), Path(report_dir)
+    run_config = {**run_config, "code": code_fingerprint()}
     d = init_distributed()
     made = [_new_root(out_dir) or out_dir, _new_root(report_dir)]  # what a failed fresh run removes again
     resume = _prepare_out_dir(out_dir, run_config) if d.is_main else True
@@ -109,6 +126,31 @@ def run_training(task: Any, cfg: TrainConfig, run_config: dict[str, Any], report
                 if path is not None:
                     shutil.rmtree(path, ignore_errors=True)
         raise
+
+
+def _checkpoint_step(out_dir: Path) -> int:
+    latest = out_dir / "checkpoints" / "latest.json"
+    return int(read_json(latest)["step"]) if latest.is_file() else 0
+
+
+def trim_curves(plots_dir: Path, last_step: int) -> None:
+    """Drop the rows after ``last_step`` from every curve (TSV with a ``step`` column, dvclive's or
+    :class:`JsonLive`'s) under ``plots_dir``: a run killed after logging steps it had not checkpointed
+    resumes at the checkpoint and logs them again. The report folder is DVC-``persist``ed, so a resumed run's
+    curves continue the killed run's."""
+    import csv
+
+    for path in sorted(plots_dir.rglob("*.tsv")) if plots_dir.is_dir() else []:
+        rows = list(csv.reader(path.read_text().splitlines(), delimiter="\t"))
+        if not rows or "step" not in rows[0]:
+            continue
+        col = rows[0].index("step")
+        keep = [rows[0]] + [r for r in rows[1:] if len(r) > col and int(float(r[col])) <= last_step]
+        if len(keep) < len(rows):
+            from dspark_core.io import atomic_path
+
+            with atomic_path(path, ".tmp") as tmp:
+                tmp.write_text("".join("\t".join(r) + "\n" for r in keep))
 
 
 def _new_root(path: Path) -> Path | None:
@@ -131,6 +173,8 @@ def _run(task: Any, cfg: TrainConfig, run_config: dict[str, Any], out_dir: Path,
         dist.barrier()
     live = None
     if d.is_main:
+        if resume:  # curves past the checkpoint are logged again by the resumed steps
+            trim_curves(report_dir / "plots" / "metrics", _checkpoint_step(out_dir) + log_step_offset)
         live = _live_class()(dir=str(report_dir), resume=resume, save_dvc_exp=False, dvcyaml=None, report=None)
         live.log_params({"run_config_hash": sha256_json(run_config)})
     result = train(task, cfg, live=live, time_budget_s=time_budget_s, log_step_offset=log_step_offset)
