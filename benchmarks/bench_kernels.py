@@ -10,15 +10,21 @@
 - ``flex``: the DSpark training attention (512 anchors x block 7 queries, 32 / 8 heads, head dim 128,
   context L) forward + backward through flex_attention under several kernel options.
 - ``decode_profile``: the top CUDA kernels of Triton decode steps (no CUDA graph, so names are visible).
+- ``tiles``: every small-GEMM candidate (``decode._MMA_CONFIGS``, ``decode._GEMV_CONFIGS``) on each decode
+  matrix at n = 1, 20 launches captured in a CUDA graph (no host launch cost), as a fraction of the measured
+  copy bandwidth; the best three per (matrix, mode) printed. ``--tile-shape qwen3-8b`` for Qwen3-8B's matrices.
+  Issue 18's question: which tiles bring the ``mma`` step near ``fma``'s bandwidth.
 
     python benchmarks/bench_kernels.py                       # all parts -> reports/bench/kernels.json
     python benchmarks/bench_kernels.py --parts gemv loss
+    python benchmarks/bench_kernels.py --parts tiles --out reports/bench/tiles.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -87,6 +93,86 @@ def part_gemv(dev) -> list[dict]:
 
     print("tuned configs:", {str(k[1:4]): v for k, v in _TUNED.items()})
     return rows
+
+
+TILE_SHAPES = {"qwen3-4b": dict(h=2560, ffn=9728, hq=32, hkv=8, d=128, vocab=151936),
+               "qwen3-8b": dict(h=4096, ffn=12288, hq=32, hkv=8, d=128, vocab=151936),
+               "smollm2-135m": dict(h=576, ffn=1536, hq=9, hkv=3, d=64, vocab=49152),
+               "tiny": dict(h=64, ffn=96, hq=4, hkv=2, d=16, vocab=128)}  # CPU interpreter smoke run
+
+
+def decode_matrices(h: int, ffn: int, hq: int, hkv: int, d: int, vocab: int) -> dict[str, tuple[int, int, str]]:
+    """name: (rows of W, K, fusion) of one decoder layer + the head, as TargetRunner(kernels=True) runs them."""
+    return {"qkv": ((hq + 2 * hkv) * d, h, "norm"), "o": (h, hq * d, "resid"), "gate_up": (2 * ffn, h, "gated"),
+            "down": (h, ffn, "resid"), "lm_head": (vocab, h, "norm")}
+
+
+def part_tiles(dev, shape: str = "qwen3-4b", launches: int = 20, replays: int = 5) -> list[dict]:
+    from dspark_core.kernels import decode
+
+    gpu = dev.type == "cuda"
+    dt = torch.bfloat16 if gpu else torch.float32
+    bw = _copy_bandwidth(dev)
+    rows = []
+    for name, (n_rows, k, kind) in decode_matrices(**TILE_SHAPES[shape]).items():
+        gated = kind == "gated"
+        n_out = n_rows // 2 if gated else n_rows
+        w = torch.randn(n_rows, k, device=dev, dtype=dt) * 0.02
+        x = torch.randn(1, k, device=dev, dtype=dt)
+        nw = torch.ones(k, device=dev, dtype=dt) if kind in ("norm", "gated") else None
+        res = torch.randn(1, n_out, device=dev, dtype=dt) if kind == "resid" else None
+        y = torch.empty(1, n_out, device=dev, dtype=dt)
+        for mode, configs in (("mma", decode._MMA_CONFIGS), ("fma", decode._GEMV_CONFIGS)):
+            decode.set_small_gemm(mode)
+            for cfg in configs:
+                def launch(cfg=cfg):
+                    decode._launch(x, w, None, nw, 1e-6, res, y, n_out, gated, cfg)
+                try:
+                    ms = _graph_ms(launch, launches, replays) if gpu else _eager_ms(launch)
+                except Exception as e:  # noqa: BLE001 - a tile that does not compile (resources) is reported
+                    rows.append({"shape": shape, "matrix": name, "mode": mode, "cfg": list(cfg), "error": repr(e)[:200]})
+                    continue
+                rows.append({"shape": shape, "matrix": name, "mode": mode, "cfg": list(cfg), "us": 1e3 * ms,
+                             "tb_s": w.numel() * w.element_size() / ms / 1e9,
+                             "of_copy_bandwidth": w.numel() * w.element_size() / (ms / 1e3) / bw})
+        for mode in ("mma", "fma"):
+            ok = sorted((r for r in rows if r["matrix"] == name and r["mode"] == mode and "us" in r),
+                        key=lambda r: r["us"])
+            best = ", ".join(f"{tuple(r['cfg'])} {r['us']:.1f} us {100 * r['of_copy_bandwidth']:.0f}%" for r in ok[:3])
+            print(f"tiles {shape} {name:8s} {n_rows:>6}x{k:<5} {mode}: {best}", flush=True)
+        del w
+    decode.set_small_gemm("mma")
+    return rows
+
+
+def _graph_ms(fn, launches: int, replays: int) -> float:
+    """ms per launch of ``fn``: ``launches`` calls captured in one CUDA graph, replayed ``replays`` times."""
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    graph.replay()
+    return bench(graph.replay, iters=replays, warmup=1) / launches
+
+
+def _eager_ms(fn, iters: int = 2) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return 1e3 * (time.perf_counter() - t0) / iters
+
+
+def _copy_bandwidth(dev, nbytes: int = 1 << 30) -> float:
+    """Bytes read + written per second by a device copy (the memory-bound ceiling)."""
+    if dev.type != "cuda":
+        return 1e9  # the interpreter: no meaningful ceiling
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src), iters=10, warmup=3)
+    return 2 * nbytes / (ms / 1e3)
 
 
 def part_loss(dev) -> list[dict]:
@@ -208,13 +294,17 @@ def part_decode_profile(dev) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", nargs="+", default=["gemv", "loss", "flex", "decode_profile"])
+    ap.add_argument("--tile-shape", choices=list(TILE_SHAPES), default="qwen3-4b", help="matrices of the tiles part")
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench" / "kernels.json"))
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_kernels.py needs a CUDA device")
-    dev = torch.device("cuda")
-    report = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__}
-    parts = {"gemv": part_gemv, "loss": part_loss, "flex": part_flex, "decode_profile": part_decode_profile}
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if not torch.cuda.is_available() and not (interpret and args.parts == ["tiles"]):
+        raise SystemExit("bench_kernels.py needs a CUDA device (the tiles part also runs under TRITON_INTERPRET=1)")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    report = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)",
+              "torch": torch.__version__}
+    parts = {"gemv": part_gemv, "loss": part_loss, "flex": part_flex, "decode_profile": part_decode_profile,
+             "tiles": lambda d: part_tiles(d, args.tile_shape)}
     for name in args.parts:
         t0 = time.perf_counter()
         try:

@@ -6,7 +6,8 @@ Reads the metrics JSON the other stages wrote (``reports/eval_offline/<v>.json``
 - ``reports/plots/dspark_accept_rate.png``: offline accept_rate@i per DSpark variant;
 - ``reports/plots/dmtd_quality_speed.png``: DMTD perplexity vs decode speedup per variant;
 - ``reports/metrics/``: the headline figures people compare, flat, one small JSON per variant
-  (``draft/<v>.json``: tau_prob, accept_rate@i, mal, tokens_per_s, speedup (+ the reranker's gains);
+  (``draft/<v>.json``: tau_prob, accept_rate@i, mal, tokens_per_s, speedup (+ the reranker's gains; with GPU
+  kernels speedup_vs_fastest_ar; with ``bench_online.also_temperatures`` mal@t<T> and speedup@t<T>);
   ``dmtd/<v>.json``: perplexity, token_acc, accuracy, tokens_per_s, speedup; ``data.json``: regenerate and
   cache throughput, bytes_per_token). dvc.yaml declares only this folder as metrics, so ``dvc metrics show`` /
   ``diff`` stay terminal-sized; the stages' full JSON stay plain outputs beside them.
@@ -55,7 +56,8 @@ def dspark_rows(variants: Sequence[str], root: Path = REPORTS) -> list[dict[str,
                      "mal_first_stage_memory": (on.get("online_modes") or {}).get("first_stage", {}).get("mal"),
                      **{k: off.get(k) for k in RERANK_KEYS}, "reranker_share": on.get("reranker_share_of_cycle"),
                      "_rates": [off.get(f"accept_rate@{i}") for i in range(64) if f"accept_rate@{i}" in off],
-                     "_speedup_vs_fastest_ar": on.get("speedup_vs_fastest_ar")})  # GPU kernels: both modes' AR
+                     "_speedup_vs_fastest_ar": on.get("speedup_vs_fastest_ar"),  # GPU kernels: both modes' AR
+                     "_at_temperature": on.get("at_temperature") or {}})  # bench_online.also_temperatures
     return rows
 
 
@@ -143,6 +145,8 @@ def headline_metrics(dspark: list[dict[str, Any]], dmtd: list[dict[str, Any]], r
         m.update({f"accept_rate@{i}": x for i, x in enumerate(r["_rates"])})
         m.update({k: r[k] for k in RERANK_KEYS})
         m["speedup_vs_fastest_ar"] = r["_speedup_vs_fastest_ar"]
+        for temp, row in r["_at_temperature"].items():
+            m.update({f"mal@t{temp}": row.get("mal"), f"speedup@t{temp}": row.get("speedup")})
         out[f"draft/{r['variant']}.json"] = {k: _num(v) for k, v in m.items() if v is not None}
     for r in dmtd:
         d = _load(root / "dmtd" / f"{r['variant']}.json") or {}

@@ -69,6 +69,26 @@ def test_run_bench_online_stage(workdir, monkeypatch):
         run_bench_online_stage("params.yaml", "other")
 
 
+def test_also_temperatures_adds_a_sampling_pass(workdir, monkeypatch):
+    """``also_temperatures: [0.7]`` beside the greedy run: the same prompts again, AR and speculative, sampling
+    (the reference engine with rejection sampling), per dataset and overall; the greedy figures unchanged."""
+    from dspark_core.decoding.bench_online import run_bench_online
+
+    monkeypatch.chdir(workdir)
+    cfg = BenchOnlineConfig.from_dict(dict(datasets=["jsonl:prompts.jsonl"], max_prompts=2, max_new_tokens=12,
+                                           max_turns=2, max_len=256, peers=[], also_temperatures=[0.7]))
+    sets = load_prompt_sets("", cfg.datasets, cfg.max_prompts)
+    metrics = run_bench_online("data/target", "data/train/baseline/final", sets, cfg)
+    greedy = metrics["jsonl:prompts.jsonl"]
+    hot = greedy["at_temperature"]["0.7"]
+    assert hot["engine"] == "reference" and 1.0 <= hot["mal"] <= 5.0
+    assert hot["tokens_per_s"] > 0 and hot["ar_tokens_per_s"] > 0 and hot["speedup"] > 0
+    assert metrics["overall"]["at_temperature"]["0.7"]["mal"] == hot["mal"]  # one dataset
+    assert greedy["identical"] is True and 1.0 < greedy["mal"] < 5.0
+    with pytest.raises(ParamsError, match=r"also_temperatures: 0(\.0)? is not a temperature > 0"):
+        BenchOnlineConfig.from_dict(dict(also_temperatures=[0]))
+
+
 def test_summarize_rates():
     """accept_rate@i among cycles that proposed slot i; cond_ among those that also reached it."""
     res = GenerationResult(tokens=list(range(9)), cycles=4, accepted_per_cycle=[0, 2, 3, 1],

@@ -37,6 +37,13 @@ def test_report_tables_and_plots(tmp_path):
         "tau_prob": 2.5, "accept_rate@0": 0.7, "accept_rate@1": 0.5, "mal": 2.75, "tokens_per_s": 30.0, "speedup": 3.0}
     assert json.loads((head / "draft" / "other.json").read_text()) == {}
     assert json.loads((head / "draft" / "rr.json").read_text())["rerank_tau_gain"] == 0.25
+    # a GPU run: the speedup over the fastest AR of both kernel modes and a sampling pass join the headline
+    (tmp_path / "bench_online" / "rr.json").write_text(json.dumps(
+        {"overall": {"mal": 2.0, "speedup": 1.5, "speedup_vs_fastest_ar": 1.25,
+                     "at_temperature": {"0.7": {"mal": 1.75, "speedup": 1.125, "tokens_per_s": 9.0}}}}))
+    run_report(params, root=tmp_path)
+    rr = json.loads((head / "draft" / "rr.json").read_text())
+    assert (rr["speedup_vs_fastest_ar"], rr["mal@t0.7"], rr["speedup@t0.7"]) == (1.25, 1.75, 1.125)
     assert json.loads((head / "dmtd" / "bidir_refresh.json").read_text()) == {
         "perplexity": 2.5, "accuracy": 0.5, "tokens_per_s": 40.0, "speedup": 2.0}
     assert json.loads((head / "data.json").read_text()) == {}  # no regenerate / cache stats here

@@ -17,6 +17,10 @@ plain AR (``ARDecoder``) and speculative with the trained draft (``bench_online.
 - ``identical``: greedy speculative output token-for-token equal to AR on every prompt (None when sampling);
 - ``online_modes`` (drafts with ``online_modes()``, i.e. Draft Memory, when ``compare_online_modes``): the same
   prompts decoded again in each other mode (chained vs first-stage memory): mal, identical, tokens_per_s, cycle_ms;
+- ``at_temperature`` (``bench_online.also_temperatures``, e.g. [0.7] beside a greedy run): the same prompts
+  decoded again, AR and speculative, sampling at each of these temperatures (the engine that samples:
+  ``SpeculativeDecoder``, rejection sampling): mal, accept_rate@0, tokens_per_s, ar_tokens_per_s, speedup,
+  engine -- per dataset and overall;
 - ``peers`` (optional): Hugging Face ``generate`` greedy, assisted generation (``assistant_model``) and
   prompt-lookup decoding (``prompt_lookup_num_tokens``) on the same prompts: tokens/s, and whether the
   greedy text equals our AR output.
@@ -69,6 +73,7 @@ class BenchOnlineConfig(Section):
     max_new_tokens: int = 96
     max_turns: int = 1                    # turns of each conversation fed (later turns see our own answers)
     temperature: float = 0.0              # 0 = greedy (identity with AR checked)
+    also_temperatures: tuple[float, ...] = ()  # decode again sampling at each (e.g. 0.7): metrics["at_temperature"]
     top_p: float = 1.0
     top_k: int = 0
     confidence_threshold: float = 0.0     # cut a proposal at the first slot below it (0 = off)
@@ -102,6 +107,9 @@ class BenchOnlineConfig(Section):
         positive("max_turns", self.max_turns)
         positive("max_len", self.max_len)
         SamplingParams(self.temperature, self.top_p, self.top_k)  # raises ValueError on bad values
+        for t in self.also_temperatures:
+            require(isinstance(t, (int, float)) and t > 0,
+                    f"also_temperatures: {t!r} is not a temperature > 0 (the main run is the greedy one)")
         require(0.0 <= self.confidence_threshold <= 1.0,
                 f"confidence_threshold must be in [0, 1]; got {self.confidence_threshold}")
         non_negative("seed", self.seed)
@@ -493,6 +501,9 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
     _add_variant_timers(metrics, runs, timers)
     if cfg.compare_online_modes:
         compare_online_modes(draft, spec, runs, metrics, cfg, stops, block)
+    for temp in cfg.also_temperatures:
+        at_temperature(metrics, runner, draft, cfg.replace(temperature=float(temp)), prompt_sets, tokenizer, stops,
+                       block, device)
     if kernels and cfg.ar_all_modes:
         by_mode = ar_in_other_modes(model, cfg, runs, stops, runner.aux_layer_ids, block, graphs)
         add_fastest_ar(metrics, by_mode)
@@ -520,6 +531,25 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
     if plots_dir is not None:
         plot_metrics(metrics, Path(plots_dir), block)
     return metrics
+
+
+TEMPERATURE_KEYS = ("mal", "accept_rate@0", "tokens_per_s", "ar_tokens_per_s", "speedup", "cycle_ms")
+
+
+def at_temperature(metrics: dict[str, Any], runner: TargetRunner, draft: Any, cfg: BenchOnlineConfig,
+                   prompt_sets: dict[str, list[list[str]]], tokenizer: Any, stops: Sequence[int], block: int,
+                   device: torch.device) -> None:
+    """Decode every dataset again, AR and speculative, sampling at ``cfg.temperature`` (same runner, the engine
+    ``auto`` picks for sampling); ``metrics[name]["at_temperature"][str(T)]`` = ``TEMPERATURE_KEYS`` + engine."""
+    engine = resolve_engine(cfg.engine if cfg.engine != "static" else "auto", cfg.sampling, draft, device)
+    spec = make_engine(engine, runner, draft, cfg)
+    ar = ARDecoder(runner, sampling=cfg.sampling, seed=cfg.seed)
+    runs = {name: decode_dataset(convs, tokenizer, spec, ar, cfg, stops, desc=f"{name} T={cfg.temperature:g}")
+            for name, convs in prompt_sets.items()}
+    for name, run in [*runs.items(), ("overall", _merge(runs.values()))]:
+        row = summarize(run, block, greedy=False)
+        metrics[name].setdefault("at_temperature", {})[f"{cfg.temperature:g}"] = {
+            **{k: row.get(k) for k in TEMPERATURE_KEYS}, "engine": engine}
 
 
 def setup_kernels(cfg: BenchOnlineConfig, target_dir: str | Path, device: torch.device) -> dict[str, Any]:
