@@ -17,6 +17,8 @@ from dspark_core.decoding.sampling import (
     SamplingParams,
     logits_to_probs,
     make_sample_fn,
+    race_sample,
+    rejection_step,
     verify_greedy,
     verify_rejection,
 )
@@ -67,6 +69,19 @@ def _simulate(verify, draws: int, seed: int) -> np.ndarray:
     return out
 
 
+def device_step(target_probs, draft_probs, draft_tokens, generator) -> VerificationResult:
+    """``rejection_step`` (the static engine's on-device verify) in ``verify_rejection``'s place; every other
+    cycle proposes one slot fewer (the confidence cut's ``num_proposed``): rows past it must not count."""
+    n = draft_tokens.shape[0]
+    device_step.calls = getattr(device_step, "calls", 0) + 1
+    cut = n - (device_step.calls % 2)
+    u = torch.rand(n, generator=generator)
+    race = torch.rand(target_probs.shape[-1], generator=generator)
+    a, nxt = rejection_step(target_probs, draft_probs, draft_tokens, torch.tensor(cut), u, race)
+    a = int(a)
+    return VerificationResult(cut, a, int(nxt), tuple(draft_tokens[:a].tolist()) + (int(nxt),))
+
+
 @pytest.fixture(scope="module")
 def correct_samples() -> np.ndarray:
     return _simulate(verify_rejection, DRAWS, seed=7)
@@ -82,6 +97,36 @@ def test_rejection_sampling_matches_target_at_every_position(correct_samples):
         assert chisquare_pvalue(correct_samples[:, j], P[j].numpy()) > ALPHA, f"position {j}"
     joint = correct_samples[:, 0] * V + correct_samples[:, 1]  # positions 0 and 1 are independent under P
     assert chisquare_pvalue(joint, np.outer(P[0].numpy(), P[1].numpy()).ravel()) > ALPHA
+
+
+def test_device_rejection_step_matches_target_at_every_position():
+    """The static engine's rejection step (exponential-race draws, a confidence cut on every other cycle)."""
+    samples = _simulate(device_step, DRAWS, seed=11)
+    for j in range(POSITIONS):
+        assert chisquare_pvalue(samples[:, j], P[j].double().numpy()) > ALPHA, j
+
+
+def test_cut_with_the_cut_slots_q_is_rejected():
+    """Power: rejecting the slots past the cut but keeping their q in the residual (p - q at the cut instead of p)
+    biases the output, and the same statistic sees it."""
+    def cut_by_rejection(target_probs, draft_probs, draft_tokens, generator):
+        n = draft_tokens.shape[0]
+        u = torch.rand(n, generator=generator)
+        u[n - 1] = 1e9  # the last slot "past the cut": always rejected, but its q stays in the residual
+        race = torch.rand(target_probs.shape[-1], generator=generator)
+        a, nxt = rejection_step(target_probs, draft_probs, draft_tokens, torch.tensor(n), u, race)
+        a = int(a)
+        return VerificationResult(n, a, int(nxt), tuple(draft_tokens[:a].tolist()) + (int(nxt),))
+
+    samples = _simulate(cut_by_rejection, DRAWS, seed=11)
+    assert min(chisquare_pvalue(samples[:, j], P[j].double().numpy()) for j in range(POSITIONS)) < POWER_ALPHA
+
+
+def test_race_sample_draws_from_probs():
+    g = torch.Generator().manual_seed(3)
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2])
+    draws = race_sample(probs.expand(20000, 4), torch.rand(20000, 4, generator=g))
+    assert chisquare_pvalue(draws.numpy(), probs.double().numpy()) > ALPHA  # cell 1 never drawn (asserted)
 
 
 def test_wrong_residual_is_rejected(wrong_samples):

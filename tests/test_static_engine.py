@@ -95,6 +95,37 @@ def test_static_matches_ar_and_reference_engine(family, cut):
         assert 0 < sum(res.accepted_per_cycle) and min(res.accepted_per_cycle) < BLOCK  # partial acceptances
 
 
+@pytest.mark.parametrize("cut", [False, True])
+def test_static_sampling_matches_the_targets_distribution(cut):
+    """Sampling (T 0.8, top-p 0.95) along a chain, on the device: tokens 1-3 of the static engine's outputs are
+    distributed as the target's own sampled AR outputs (two-sample chi-square, 800 generations each); some
+    cycles accept draft tokens, some reject. With the confidence cut too (rows past it must not count)."""
+    from scipy.stats import chi2_contingency
+
+    model, draft = _setup("qwen3", fit=([PROMPT], MAX_NEW))
+    runner = TargetRunner(model, max_len=96, aux_layer_ids=draft.aux_layer_ids)
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    threshold = _median_confidence(draft, runner, PROMPT, MAX_NEW) if cut else 0.0
+    static = StaticSpeculativeDecoder(runner, draft, sampling=params, seed=1, confidence_threshold=threshold)
+    ar = ARDecoder(runner, sampling=params, seed=2)
+    n, new = 800, 4
+    spec_runs = [static.generate(PROMPT, new) for _ in range(n)]
+    ar_tokens = [ar.generate(PROMPT, new).tokens for _ in range(n)]
+    accepted = [a for r in spec_runs for a in r.accepted_per_cycle]
+    assert 0 < sum(accepted) and min(accepted) == 0  # acceptances and rejections
+    if cut:
+        assert min(r for run in spec_runs for r in run.proposal_lengths) < BLOCK
+    for j in range(1, new):
+        table = torch.zeros(2, runner.vocab_size, dtype=torch.long)
+        for row, outs in enumerate(([r.tokens for r in spec_runs], ar_tokens)):
+            for t in outs:
+                table[row, t[j]] += 1
+        keep = table.sum(0) >= 10  # pool the rare cells
+        pooled = torch.cat([table[:, keep], table[:, ~keep].sum(1, keepdim=True)], dim=1)
+        pooled = pooled[:, pooled.sum(0) > 0]
+        assert chi2_contingency(pooled.numpy())[1] > 1e-3, (j, pooled)
+
+
 def test_static_stops_and_repeated_use():
     """Stop tokens end the output where AR's ends; a second prompt on the same engine starts clean."""
     model, draft = _setup("qwen3", fit=([PROMPT, [7, 7, 2]], MAX_NEW))
@@ -228,8 +259,8 @@ def _markov_weights(vocab: int, rank: int, dtype: torch.dtype, gen: torch.Genera
 def test_static_refuses_what_it_cannot_do():
     model, draft = _setup("qwen3")
     runner = TargetRunner(model, max_len=96, aux_layer_ids=draft.aux_layer_ids)
-    with pytest.raises(ValueError, match="greedily"):
-        StaticSpeculativeDecoder(runner, draft, sampling=SamplingParams(temperature=0.8))
+    with pytest.raises(ValueError, match="verifies draft trees greedily.*temperature 0.8"):
+        StaticSpeculativeDecoder(runner, draft, sampling=SamplingParams(temperature=0.8), tree_branches=((1, 1),))
     other = TargetRunner(model, max_len=96, aux_layer_ids=(0, 1))
     with pytest.raises(ValueError, match="aux_layer_ids"):
         StaticSpeculativeDecoder(other, draft)
@@ -264,7 +295,8 @@ def test_static_cuda_graph_matches_ar(kernels):
 
 
 def test_bench_online_engine_param():
-    """``bench_online.engine``: auto = reference on CPU, static on request (greedy only), bad names refused."""
+    """``bench_online.engine``: auto = reference on CPU (and for sampling), static on request (sampling along a
+    chain too, not with a tree), bad names refused."""
     from dspark_core.decoding.bench_online import BenchOnlineConfig, make_engine, resolve_engine
 
     model, draft = _setup("qwen3")
@@ -273,10 +305,13 @@ def test_bench_online_engine_param():
     assert resolve_engine("auto", greedy, draft, cpu) == "reference"
     assert resolve_engine("auto", greedy, draft, torch.device("cuda")) == "static"
     assert resolve_engine("auto", sampled, draft, torch.device("cuda")) == "reference"
-    with pytest.raises(ValueError, match="bench_online.engine: static, but temperature 0.7"):
-        resolve_engine("static", sampled, draft, cpu)
+    assert resolve_engine("static", sampled, draft, cpu) == "static"
+    with pytest.raises(ValueError, match="bench_online.engine: static, but temperature 0.7 with tree_branches"):
+        resolve_engine("static", sampled, draft, cpu, tree=True)
     runner = TargetRunner(model, max_len=96, aux_layer_ids=draft.aux_layer_ids)
     engine = make_engine(resolve_engine("static", greedy, draft, cpu), runner, draft, BenchOnlineConfig())
-    assert isinstance(engine, StaticSpeculativeDecoder)
+    assert isinstance(engine, StaticSpeculativeDecoder) and engine.sampling is None
+    hot = make_engine("static", runner, draft, BenchOnlineConfig(temperature=0.7))
+    assert hot.sampling == sampled
     with pytest.raises(ValueError, match="engine"):
         BenchOnlineConfig.from_dict({"engine": "fast"}, src="params.yaml", prefix="bench_online.")

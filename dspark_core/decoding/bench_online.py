@@ -416,7 +416,8 @@ def static_engine_problem(sampling: SamplingParams, draft: Any) -> str | None:
     from dspark_core.decoding.static_draft import static_draft_problem
 
     if not sampling.greedy:
-        return f"temperature {sampling.temperature} (the static engine is greedy)"
+        return (f"temperature {sampling.temperature}: the static engine samples (engine: static) but is not the "
+                "auto choice until its sampling cycle has run in CUDA graphs on a GPU")
     return static_draft_problem(draft)
 
 
@@ -437,22 +438,24 @@ def _add_variant_timers(metrics: dict[str, Any], runs: dict[str, Any], timers: d
         metrics["overall"][f"{key}_share_of_cycle"] = sec / all_cycle_s if all_cycle_s > 0 else None
 
 
-def resolve_engine(name: str, sampling: SamplingParams, draft: Any, device: torch.device) -> str:
-    """``bench_online.engine``: "static" (the device-side cycle, greedy, baseline draft hooks), "reference"
-    (``SpeculativeDecoder``: any sampling, any variant), or "auto": static for greedy decoding on CUDA where it
-    applies, else reference. Asking for "static" where it cannot run is a ValueError with the reason."""
+def resolve_engine(name: str, sampling: SamplingParams, draft: Any, device: torch.device,
+                   tree: bool = False) -> str:
+    """``bench_online.engine``: "static" (the device-side cycle: greedy, or sampling along a chain; baseline
+    draft hooks), "reference" (``SpeculativeDecoder``: any sampling, any variant), or "auto": static for greedy
+    decoding on CUDA where it applies, else reference (the static engine's sampling cycle has not been captured on
+    a GPU yet: ask for it with "static"). Asking for "static" where it cannot run is a ValueError with the reason."""
     from dspark_core.decoding.static_draft import static_draft_problem
 
     if name == "reference":
         return name
     problem = static_draft_problem(draft)
-    if not sampling.greedy:
-        problem = f"temperature {sampling.temperature} (the static engine is greedy)"
+    if not sampling.greedy and tree:
+        problem = f"temperature {sampling.temperature} with tree_branches (the static engine's trees are greedy)"
     if name == "static":
         if problem:
             raise ValueError(f"bench_online.engine: static, but {problem}")
         return name
-    return "static" if device.type == "cuda" and problem is None else "reference"
+    return "static" if device.type == "cuda" and problem is None and sampling.greedy else "reference"
 
 
 def make_engine(engine: str, runner: TargetRunner, draft: Any, cfg: "BenchOnlineConfig"):
@@ -461,7 +464,8 @@ def make_engine(engine: str, runner: TargetRunner, draft: Any, cfg: "BenchOnline
         from dspark_core.decoding.static_engine import StaticSpeculativeDecoder
 
         return StaticSpeculativeDecoder(runner, draft, confidence_threshold=cfg.confidence_threshold,
-                                        time_every=TIME_EVERY, tree_branches=cfg.tree_branches)
+                                        time_every=TIME_EVERY, tree_branches=cfg.tree_branches,
+                                        sampling=cfg.sampling, seed=cfg.seed)
     return SpeculativeDecoder(runner, draft, block_size=int(draft.block_size),
                               confidence_threshold=cfg.confidence_threshold, sampling=cfg.sampling, seed=cfg.seed,
                               tree_branches=cfg.tree_branches)  # a tree: greedy or sampling (tree_sampling.py)
@@ -484,7 +488,7 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
     kernel_setup = setup_kernels(cfg, target_dir, device) if kernels else {}
     runner = TargetRunner(model, max_len=cfg.max_len, aux_layer_ids=draft.aux_layer_ids, compile=cfg.compile,
                           cuda_graph=graphs, graph_max_tokens=block + 1, kernels=kernels)
-    engine = resolve_engine(cfg.engine, cfg.sampling, draft, device)
+    engine = resolve_engine(cfg.engine, cfg.sampling, draft, device, tree=bool(cfg.tree_branches))
     spec = make_engine(engine, runner, draft, cfg)
     ar = ARDecoder(runner, sampling=cfg.sampling, seed=cfg.seed)
     stops = stop_ids_of(model, tokenizer)
@@ -540,8 +544,10 @@ def at_temperature(metrics: dict[str, Any], runner: TargetRunner, draft: Any, cf
                    prompt_sets: dict[str, list[list[str]]], tokenizer: Any, stops: Sequence[int], block: int,
                    device: torch.device) -> None:
     """Decode every dataset again, AR and speculative, sampling at ``cfg.temperature`` (same runner, the engine
-    ``auto`` picks for sampling); ``metrics[name]["at_temperature"][str(T)]`` = ``TEMPERATURE_KEYS`` + engine."""
-    engine = resolve_engine(cfg.engine if cfg.engine != "static" else "auto", cfg.sampling, draft, device)
+    ``bench_online.engine`` names: auto = reference, static = the device-side sampling cycle; a static tree run's
+    sampling pass uses the reference engine); ``metrics[name]["at_temperature"][str(T)]`` = ``TEMPERATURE_KEYS`` + engine."""
+    name = "reference" if cfg.engine == "static" and cfg.tree_branches else cfg.engine  # static trees: greedy
+    engine = resolve_engine(name, cfg.sampling, draft, device)
     spec = make_engine(engine, runner, draft, cfg)
     ar = ARDecoder(runner, sampling=cfg.sampling, seed=cfg.seed)
     runs = {name: decode_dataset(convs, tokenizer, spec, ar, cfg, stops, desc=f"{name} T={cfg.temperature:g}")

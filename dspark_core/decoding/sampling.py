@@ -147,6 +147,38 @@ def verify_rejection(
     return _result(n, num_accepted, next_token, draft_tokens)
 
 
+def race_sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs [..., V]`` from ``uniform [..., V]`` U[0, 1) draws, with no host sync and a
+    static shape (CUDA-graph safe): ``argmax(probs / E)`` with ``E = -log U`` ~ Exp(1) (the exponential race:
+    token i wins with probability ``probs_i``)."""
+    e = -torch.log(uniform.clamp_min(1e-30))  # [..., V] > 0
+    return (probs / e).argmax(dim=-1)
+
+
+def rejection_step(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
+                   num_proposed: torch.Tensor, u: torch.Tensor, race: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify_rejection`` on the device, for the static engine's cycle: ``target_probs [S+1, V]`` (p),
+    ``draft_probs [S, V]`` (q), ``draft_tokens [S]`` drawn from q, of which the first ``num_proposed`` ([] long,
+    the confidence cut) count; ``u [S]`` and ``race [V]`` U[0, 1) draws. Returns the accepted prefix ``a`` []
+    and the next token []: from ``normalize(max(p_a - q_a, 0))`` after a rejection, from ``p_a`` when every
+    counted slot was accepted (rows past the cut have no q). No host reads, static shapes."""
+    s = draft_tokens.shape[0]
+    live = torch.arange(s, device=draft_tokens.device) < num_proposed  # [S]
+    p = target_probs.float()
+    q = draft_probs.float() * live[:, None]  # [S, V]
+    idx = draft_tokens.view(s, 1)
+    p_tok, q_tok = p[:s].gather(1, idx)[:, 0], q.gather(1, idx)[:, 0]  # [S]
+    accepted = ((u * q_tok < p_tok) & live).long().cumprod(dim=0).sum()  # []
+    row = accepted.view(1)
+    p_row = p.index_select(0, row)[0]  # [V]
+    q_row = torch.cat([q, torch.zeros_like(p[:1])]).index_select(0, row)[0]  # [V]; row S: no q
+    residual = (p_row - q_row).clamp_min(0.0)
+    mass = residual.sum()
+    dist = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_row)  # p == q: a rejection has prob. 0
+    return accepted, race_sample(dist, race)
+
+
 def _check_block(target: torch.Tensor, draft_tokens: torch.Tensor) -> int:
     if draft_tokens.dim() != 1 or target.dim() != 2 or target.shape[0] != draft_tokens.shape[0] + 1:
         raise ValueError(

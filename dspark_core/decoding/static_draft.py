@@ -147,6 +147,29 @@ class StaticDraft:
         self._markov_slots(base, anchor)
         return self.tokens, hidden
 
+    @torch.no_grad()
+    def propose_sampled(self, anchor: torch.Tensor, p: torch.Tensor, params, q_out: torch.Tensor,
+                        race: torch.Tensor, need_hidden: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A block drawn from the draft: slot i's distribution q_i = ``logits_to_probs(base_i + Markov bias of the
+        drawn token i-1, params)`` goes to ``q_out [S, V]`` and its token (``race_sample`` on ``race [S, V]``
+        U[0, 1) draws) to ``self.tokens``. Returns tokens [S] and the final draft states [S, H] (as ``propose``)."""
+        from dspark_core.decoding.sampling import logits_to_probs, race_sample
+
+        if self.kernels:
+            hidden, base = self._block_kernels(anchor, p, need_hidden)
+        else:
+            hidden = self._block_torch(anchor, p)  # [S, H]
+            base = self.draft.slot_logits(hidden)  # [S, V] float32
+        draft, prev = self.draft, anchor.view(1)
+        for i in range(self.block_size):
+            logits = base[i : i + 1].float()  # [1, V]
+            if draft.markov is not None:
+                logits = logits + draft.markov_bias(draft.markov_features(prev, None, None)).float()
+            q_out[i].copy_(logits_to_probs(logits, params)[0])
+            self.tokens[i].copy_(race_sample(q_out[i], race[i]))
+            prev = self.tokens[i : i + 1]
+        return self.tokens, hidden
+
     def _block_torch(self, anchor: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         draft, s = self.draft, self.block_size
         x = draft._block_states(anchor.view(1, 1), None)  # [1, S, H]

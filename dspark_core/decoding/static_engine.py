@@ -1,7 +1,7 @@
-"""Greedy speculative decoding with the whole cycle on the device: one CUDA graph pair per cycle.
+"""Speculative decoding with the whole cycle on the device: one CUDA graph pair per cycle.
 
 The same algorithm as :class:`dspark_core.decoding.engine.SpeculativeDecoder` (the reference: any draft, any
-sampling, host-side bookkeeping), restricted to greedy decoding of a baseline ``DSparkDraft`` so that every
+sampling, host-side bookkeeping), restricted to a baseline ``DSparkDraft`` (greedy, or sampling along a chain) so that every
 step of a cycle has a static shape and reads its lengths from device tensors:
 
     propose   tokens t_1..t_S = draft block at (anchor, p), greedy Markov slots      (graph 1)
@@ -16,6 +16,15 @@ reads cycle k only after enqueuing cycle k+1 (copied asynchronously into pinned 
 not idle while the host works. The target always
 verifies S+1 tokens; a confidence cut (``confidence_threshold`` > 0) caps the accepted prefix at the cut,
 which commits the same tokens the reference commits after proposing only the confident slots.
+
+``sampling`` (temperature > 0, chain only): the draft draws each slot from its processed distribution q
+(``StaticDraft.propose_sampled``), and the accept step is exact rejection sampling against the target's p
+(``sampling.rejection_step``: accept t_i while u_i q_i(t_i) < p_i(t_i), then one token from
+normalize(max(p_a - q_a, 0)), or from p_a past the last counted slot), every draw an exponential race on device
+uniforms: no host read, static shapes. Without CUDA graphs the draws come from ``torch.Generator(seed)``; with
+them from the default CUDA generator (graph-safe). Tested on CPU (chi-square against the target's distribution);
+its CUDA-graph capture has not run on a GPU yet (session 9), so ``bench_online``'s ``engine: auto`` still picks
+the reference engine for sampling and ``engine: static`` opts in.
 
 ``tree_branches`` ((start, length), ...; ``dspark_core.decoding.tree``) adds side branches to the proposal: the
 draft's second-best token at depth ``start`` and its greedy continuation, verified in the same forward (up to
@@ -48,7 +57,7 @@ from dspark_core.decoding.types import GenerationResult, cut_at_stop
 
 
 class StaticSpeculativeDecoder:
-    """Greedy speculative decoding, batch 1, with a device-side cycle (see the module docstring).
+    """Speculative decoding, batch 1, with a device-side cycle (see the module docstring).
 
     ``kernels`` (None: the target runner's choice where the draft allows it) runs the draft layers through the Triton decode kernels.
     ``cuda_graph`` (None: the target runner's choice) captures the cycle as two CUDA graphs."""
@@ -56,16 +65,13 @@ class StaticSpeculativeDecoder:
     def __init__(self, target: TargetRunner, draft, *, block_size: int | None = None,
                  confidence_threshold: float = 0.0, sampling: SamplingParams | None = None,
                  kernels: bool | None = None, cuda_graph: bool | None = None, time_every: int = 0,
-                 tree_branches=()) -> None:
-        if sampling is not None and not sampling.greedy:
-            if tree_branches:
-                raise ValueError("the static engine decodes greedily: its draft tree is verified by greedy tree "
-                                 "acceptance inside the CUDA-graph cycle; a sampling tree (recursive rejection "
-                                 "sampling over siblings, dspark_core.decoding.tree_sampling) runs in the reference "
-                                 "engine: SpeculativeDecoder(..., tree_branches=...) "
-                                 f"(temperature {sampling.temperature})")
-            raise ValueError("the static engine decodes greedily; use SpeculativeDecoder for sampling "
-                             f"(temperature {sampling.temperature})")
+                 tree_branches=(), seed: int = 0) -> None:
+        self.sampling = sampling if sampling is not None and not sampling.greedy else None
+        if self.sampling is not None and tree_branches:
+            raise ValueError("the static engine verifies draft trees greedily (greedy tree acceptance inside the "
+                             "CUDA-graph cycle); a sampling tree (recursive rejection sampling over siblings, "
+                             "dspark_core.decoding.tree_sampling) runs in the reference engine: "
+                             f"SpeculativeDecoder(..., tree_branches=...) (temperature {sampling.temperature})")
         if target.batch_size != 1:
             raise ValueError(f"the static engine decodes batch size 1; the target runner has {target.batch_size}")
         if block_size is not None and block_size != draft.block_size:
@@ -99,7 +105,10 @@ class StaticSpeculativeDecoder:
         self.tables = None if self.tree.is_chain else self.tree.tensors(dev)
         self.path = torch.zeros(3, s + 1, dtype=torch.long, device=dev)  # [3, S+1] tree: rows, from, to slots
         self._accept = None  # the Triton accept step (one launch) with the Triton draft; else torch ops
-        if self.static.kernels:
+        if self.sampling is not None:
+            self.q = torch.zeros(s, target.vocab_size, dtype=torch.float32, device=dev)  # [S, V] the draft's q
+            self._gen = None if self.cuda_graph else torch.Generator(dev).manual_seed(int(seed))
+        elif self.static.kernels:
             from dspark_core.kernels.accept import GreedyAccept
 
             tree = None if self.tree.is_chain else self.tree
@@ -111,7 +120,17 @@ class StaticSpeculativeDecoder:
         self._clock = Clock(dev)
 
     # -- the cycle (device code only: no host reads, static shapes) ---------------------------------
+    def _rand(self, *shape: int) -> torch.Tensor:
+        return torch.rand(shape, generator=self._gen, device=self.target.device)
+
     def _propose(self) -> None:
+        if self.sampling is not None:
+            need_hidden = self.confidence_threshold > 0
+            race = self._rand(self.block_size, self.q.shape[1])  # [S, V]
+            _, hidden = self.static.propose_sampled(self.anchor, self.p, self.sampling, self.q, race, need_hidden)
+            self.out[1] = self.static.confident_slots(self.anchor, hidden, self.confidence_threshold)
+            self.out[2 : 2 + self.block_size] = self.static.tokens
+            return
         if not self.tree.is_chain:
             self.static.propose_tree(self.anchor, self.p, self.tree, self.out[2 + self.block_size :])
             return  # out[1] (slots allowed) stays S, set once in __init__
@@ -128,7 +147,16 @@ class StaticSpeculativeDecoder:
         ids = torch.cat([self.anchor, tokens]).view(1, s + 1)  # [1, S+1]
         pos = self.p + self.verify_slots  # [S+1]
         logits, aux = self.target._step(ids, pos)  # [1, S+1, V], [1, S+1, K, H]
-        if self._accept is not None:  # the same step in one kernel (kernels/accept.py)
+        if self.sampling is not None:  # exact rejection sampling on the device
+            from dspark_core.decoding.sampling import logits_to_probs, rejection_step
+
+            probs = logits_to_probs(logits[0].float(), self.sampling)  # [S+1, V]
+            a, bonus = rejection_step(probs, self.q, tokens, self.out[1], self._rand(s), self._rand(self.q.shape[1]))
+            self.out[0] = a
+            self.out[2 + s] = bonus
+            self.p += a + 1
+            self.anchor.copy_(bonus.view(1))
+        elif self._accept is not None:  # the same step in one kernel (kernels/accept.py)
             self._accept(logits[0], self.out, self.p, self.anchor)
         else:
             best = logits[0].argmax(dim=-1)  # [S+1]
@@ -203,8 +231,9 @@ class StaticSpeculativeDecoder:
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
                  stop_ids: Sequence[int] = ()) -> GenerationResult:
-        """Decode up to ``max_new_tokens`` greedily after ``prompt_ids``: the reference engine's output and
-        ``GenerationResult`` (draft_s / verify_s hold the timed cycles only, see ``time_every``).
+        """Decode up to ``max_new_tokens`` after ``prompt_ids`` (greedy: the reference engine's output and
+        ``GenerationResult``; sampling: the target's distribution) (draft_s / verify_s hold the timed cycles
+        only, see ``time_every``).
 
         With CUDA graphs, one cycle runs ahead: cycle k+1 is enqueued before the host reads cycle k's result
         (its state lives on the device), so the GPU never waits for the host. The cycle after the one that
@@ -220,7 +249,7 @@ class StaticSpeculativeDecoder:
         logits, aux = self.target.prefill(prompt, last_logits_only=True)  # [1, 1, V], [1, P, K, H]
         n_prompt = prompt.shape[1]
         self.static.extend(aux, self.static.key_pos[:n_prompt])
-        self.anchor.copy_(logits[0, -1].argmax().view(1))
+        self.anchor.copy_(self._first_token(logits[0, -1]))
         self.p.fill_(n_prompt)
         if self.cuda_graph and self._graphs is None:
             self._capture()
@@ -259,6 +288,14 @@ class StaticSpeculativeDecoder:
         # accepted past the cut or a stop token leaves no trace
         self.target.length = n_prompt + len(result.tokens) - 1
         return result
+
+    def _first_token(self, logits: torch.Tensor) -> torch.Tensor:
+        """[1] the token after the prompt: the argmax, or a draw from the processed distribution."""
+        if self.sampling is None:
+            return logits.argmax().view(1)
+        from dspark_core.decoding.sampling import logits_to_probs, race_sample
+
+        return race_sample(logits_to_probs(logits.float(), self.sampling), self._rand(logits.shape[-1])).view(1)
 
     def _ring_depth_ok(self) -> bool:
         """Run one cycle ahead only where it pays: replayed graphs (eager cycles are host-bound anyway)."""
