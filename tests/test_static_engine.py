@@ -100,21 +100,25 @@ def test_static_sampling_matches_the_targets_distribution(cut):
     """Sampling (T 0.8, top-p 0.95) along a chain, on the device: tokens 1-3 of the static engine's outputs are
     distributed as the target's own sampled AR outputs (two-sample chi-square, 800 generations each); some
     cycles accept draft tokens, some reject. With the confidence cut too (rows past it must not count)."""
-    from scipy.stats import chi2_contingency
-
     model, draft = _setup("qwen3", fit=([PROMPT], MAX_NEW))
     runner = TargetRunner(model, max_len=96, aux_layer_ids=draft.aux_layer_ids)
-    params = SamplingParams(temperature=0.8, top_p=0.95)
     threshold = _median_confidence(draft, runner, PROMPT, MAX_NEW) if cut else 0.0
-    static = StaticSpeculativeDecoder(runner, draft, sampling=params, seed=1, confidence_threshold=threshold)
+    runs = _check_sampled_distribution(runner, draft, confidence_threshold=threshold)
+    if cut:
+        assert min(r for run in runs for r in run.proposal_lengths) < BLOCK
+
+
+def _check_sampled_distribution(runner, draft, n: int = 800, new: int = 4, **kw):
+    """Two-sample chi-square of output tokens 1..new-1: static engine (sampling) vs AR sampling on ``runner``."""
+    from scipy.stats import chi2_contingency
+
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    static = StaticSpeculativeDecoder(runner, draft, sampling=params, seed=1, **kw)
     ar = ARDecoder(runner, sampling=params, seed=2)
-    n, new = 800, 4
     spec_runs = [static.generate(PROMPT, new) for _ in range(n)]
     ar_tokens = [ar.generate(PROMPT, new).tokens for _ in range(n)]
     accepted = [a for r in spec_runs for a in r.accepted_per_cycle]
     assert 0 < sum(accepted) and min(accepted) == 0  # acceptances and rejections
-    if cut:
-        assert min(r for run in spec_runs for r in run.proposal_lengths) < BLOCK
     for j in range(1, new):
         table = torch.zeros(2, runner.vocab_size, dtype=torch.long)
         for row, outs in enumerate(([r.tokens for r in spec_runs], ar_tokens)):
@@ -124,6 +128,7 @@ def test_static_sampling_matches_the_targets_distribution(cut):
         pooled = torch.cat([table[:, keep], table[:, ~keep].sum(1, keepdim=True)], dim=1)
         pooled = pooled[:, pooled.sum(0) > 0]
         assert chi2_contingency(pooled.numpy())[1] > 1e-3, (j, pooled)
+    return spec_runs
 
 
 def test_static_stops_and_repeated_use():
@@ -292,6 +297,18 @@ def test_static_cuda_graph_matches_ar(kernels):
         res = static.generate(PROMPT, 64)
         assert res.tokens == ar.tokens
         assert_partial_acceptance(res, BLOCK)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("kernels", [False, True])
+def test_static_cuda_graph_sampling_matches_the_targets_distribution(kernels):
+    """The sampling cycle captured in CUDA graphs (device RNG under capture): the same two-sample test as on
+    CPU (not yet run on a GPU as of session 9)."""
+    model, draft = _setup("qwen3", vocab=64, fit=([PROMPT], 64))  # the kernel shapes of the greedy graph test
+    if kernels:
+        model, draft = model.to(torch.bfloat16), draft.to(torch.bfloat16)
+    runner = TargetRunner(model, max_len=96, aux_layer_ids=draft.aux_layer_ids, cuda_graph=True, kernels=kernels)
+    _check_sampled_distribution(runner, draft, cuda_graph=True)
 
 
 def test_bench_online_engine_param():
