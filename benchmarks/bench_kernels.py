@@ -125,7 +125,7 @@ def part_tiles(dev, shape: str = "qwen3-4b", launches: int = 20, replays: int = 
         for mode, configs in (("mma", decode._MMA_CONFIGS), ("fma", decode._GEMV_CONFIGS)):
             decode.set_small_gemm(mode)
             for cfg in configs:
-                def launch(cfg=cfg):
+                def launch(cfg=cfg, w=w):
                     decode._launch(x, w, None, nw, 1e-6, res, y, n_out, gated, cfg)
                 try:
                     ms = _graph_ms(launch, launches, replays) if gpu else _eager_ms(launch)

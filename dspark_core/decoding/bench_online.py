@@ -18,9 +18,9 @@ plain AR (``ARDecoder``) and speculative with the trained draft (``bench_online.
 - ``online_modes`` (drafts with ``online_modes()``, i.e. Draft Memory, when ``compare_online_modes``): the same
   prompts decoded again in each other mode (chained vs first-stage memory): mal, identical, tokens_per_s, cycle_ms;
 - ``at_temperature`` (``bench_online.also_temperatures``, e.g. [0.7] beside a greedy run): the same prompts
-  decoded again, AR and speculative, sampling at each of these temperatures (the engine that samples:
-  ``SpeculativeDecoder``, rejection sampling): mal, accept_rate@0, tokens_per_s, ar_tokens_per_s, speedup,
-  engine -- per dataset and overall;
+  decoded again, AR and speculative, sampling at each of these temperatures (exact rejection sampling; engine
+  ``reference``, or ``static`` when ``bench_online.engine: static``): mal, accept_rate@0, tokens_per_s,
+  ar_tokens_per_s, speedup, cycle_ms, engine -- per dataset and overall;
 - ``peers`` (optional): Hugging Face ``generate`` greedy, assisted generation (``assistant_model``) and
   prompt-lookup decoding (``prompt_lookup_num_tokens``) on the same prompts: tokens/s, and whether the
   greedy text equals our AR output.
@@ -458,6 +458,13 @@ def resolve_engine(name: str, sampling: SamplingParams, draft: Any, device: torc
     return "static" if device.type == "cuda" and problem is None and sampling.greedy else "reference"
 
 
+def make_runner(model: torch.nn.Module, cfg: "BenchOnlineConfig", aux_layer_ids: Sequence[int], block: int,
+                graphs: bool, kernels: bool) -> TargetRunner:
+    """The target runner of the benchmark: static caches of ``max_len``, graphs of up to a verify step."""
+    return TargetRunner(model, max_len=cfg.max_len, aux_layer_ids=aux_layer_ids, compile=cfg.compile,
+                        cuda_graph=graphs, graph_max_tokens=block + 1, kernels=kernels)
+
+
 def make_engine(engine: str, runner: TargetRunner, draft: Any, cfg: "BenchOnlineConfig"):
     """The speculative decoder named by ``engine`` (see :func:`resolve_engine`)."""
     if engine == "static":
@@ -486,8 +493,7 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
     block = int(draft.block_size)
     kernels = _resolve_kernels(cfg, model, device)
     kernel_setup = setup_kernels(cfg, target_dir, device) if kernels else {}
-    runner = TargetRunner(model, max_len=cfg.max_len, aux_layer_ids=draft.aux_layer_ids, compile=cfg.compile,
-                          cuda_graph=graphs, graph_max_tokens=block + 1, kernels=kernels)
+    runner = make_runner(model, cfg, draft.aux_layer_ids, block, graphs, kernels)
     engine = resolve_engine(cfg.engine, cfg.sampling, draft, device, tree=bool(cfg.tree_branches))
     spec = make_engine(engine, runner, draft, cfg)
     ar = ARDecoder(runner, sampling=cfg.sampling, seed=cfg.seed)
@@ -592,8 +598,7 @@ def ar_in_other_modes(model: torch.nn.Module, cfg: BenchOnlineConfig, runs: dict
             continue
         decode.set_small_gemm(mode)
         try:
-            runner = TargetRunner(model, max_len=cfg.max_len, aux_layer_ids=aux_layer_ids, compile=cfg.compile,
-                                  cuda_graph=graphs, graph_max_tokens=block + 1, kernels=True)
+            runner = make_runner(model, cfg, aux_layer_ids, block, graphs, kernels=True)
             ar = ARDecoder(runner, sampling=cfg.sampling, seed=cfg.seed)
             first = next(iter(runs.values())).prompts[0]
             ar.generate(first, min(16, cfg.max_new_tokens), stops)  # warm-up: tuning + graph capture

@@ -250,9 +250,9 @@ def _gemm_epilogue(acc, acc2, sq, BIAS, R, Y, N, K, eps, rm, mmask, cn, nmask, d
 _GEMV_CONFIGS = [(4, 512, 4), (2, 1024, 4), (1, 2048, 4), (1, 4096, 4), (2, 4096, 8), (2, 2048, 4), (4, 2048, 8),
                  (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 512, 8)]
 # (BLOCK_N, BLOCK_K, SPLITS, num_warps[, num_stages[, swap]]) candidates of the tensor-core path (SPLITS > 1:
-# split-K; num_stages: Triton's software pipeline depth, 3 when left out; swap 1: swap-AB, see _gemm_small). A step of n <= 16 tokens is memory-bound, so
-# what decides its speed is the bytes each SM has in flight: tile x stages x programs per SM. The 5-tuples
-# (session 9) add deeper pipelines and wider tiles to the session-3 set.
+# split-K; num_stages: Triton's software pipeline depth, 3 when left out; swap 1: swap-AB, see _gemm_small).
+# A step of n <= 16 tokens is memory-bound, so what decides its speed is the bytes each SM has in flight:
+# tile x stages x programs per SM. The 5- and 6-tuples (session 9) add deeper pipelines, wider tiles, swap-AB.
 _MMA_CONFIGS = [(32, 128, 1, 4), (16, 256, 1, 4), (64, 128, 1, 4), (16, 128, 2, 4), (16, 256, 2, 4),
                 (32, 128, 2, 4), (16, 128, 4, 4), (16, 256, 4, 4), (32, 128, 4, 4), (16, 64, 8, 4), (16, 128, 8, 4),
                 (32, 64, 8, 4), (16, 512, 2, 8), (16, 1024, 1, 8),

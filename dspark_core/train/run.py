@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dspark_core.io import read_json, sha256_json, write_json
+from dspark_core.io import atomic_path, read_json, sha256_json, write_json
 from dspark_core.train.trainer import TrainConfig, TrainResult, train
 
 
@@ -147,8 +147,6 @@ def trim_curves(plots_dir: Path, last_step: int) -> None:
         col = rows[0].index("step")
         keep = [rows[0]] + [r for r in rows[1:] if len(r) > col and int(float(r[col])) <= last_step]
         if len(keep) < len(rows):
-            from dspark_core.io import atomic_path
-
             with atomic_path(path, ".tmp") as tmp:
                 tmp.write_text("".join("\t".join(r) + "\n" for r in keep))
 
