@@ -11,8 +11,11 @@
   context L) forward + backward through flex_attention under several kernel options.
 - ``decode_profile``: the top CUDA kernels of Triton decode steps (no CUDA graph, so names are visible).
 - ``tiles``: every small-GEMM candidate (``decode._MMA_CONFIGS``, ``decode._GEMV_CONFIGS``) on each decode
-  matrix at n = 1, 20 launches captured in a CUDA graph (no host launch cost), as a fraction of the measured
-  copy bandwidth; the best three per (matrix, mode) printed. ``--tile-shape qwen3-8b`` for Qwen3-8B's matrices.
+  matrix at n = 1, 20 launches captured in a CUDA graph (no host launch cost) over copies of the matrix that
+  add up to >= 256 MiB (each launch reads from DRAM, not L2; session 10's first table did not), as a fraction
+  of the measured copy bandwidth; the best three per (matrix, mode) printed. Beside them cuBLAS (``F.linear``,
+  no fusions) at m = 1, 8 and 16 token rows: whether a fixed 16-row GEMM (batch-invariant by its fixed shape)
+  reads at bandwidth. ``--tile-shape qwen3-8b`` for Qwen3-8B's matrices.
   Issue 18's question: which tiles bring the ``mma`` step near ``fma``'s bandwidth.
 
     python benchmarks/bench_kernels.py                       # all parts -> reports/bench/kernels.json
@@ -117,7 +120,10 @@ def part_tiles(dev, shape: str = "qwen3-4b", launches: int = 20, replays: int = 
     for name, (n_rows, k, kind) in decode_matrices(**TILE_SHAPES[shape]).items():
         gated = kind == "gated"
         n_out = n_rows // 2 if gated else n_rows
+        # copies of W adding up to >= 256 MiB, taken in turn: each launch reads its W from DRAM, not from the 50 MB
+        # L2 that one small matrix launched 20 times over would live in (the kernel tuner times the same way)
         w = torch.randn(n_rows, k, device=dev, dtype=dt) * 0.02
+        ws = decode.weight_copies(w, max_copies=launches) if gpu else [w]
         x = torch.randn(1, k, device=dev, dtype=dt)
         nw = torch.ones(k, device=dev, dtype=dt) if kind in ("norm", "gated") else None
         res = torch.randn(1, n_out, device=dev, dtype=dt) if kind == "resid" else None
@@ -125,36 +131,33 @@ def part_tiles(dev, shape: str = "qwen3-4b", launches: int = 20, replays: int = 
         for mode, configs in (("mma", decode._MMA_CONFIGS), ("fma", decode._GEMV_CONFIGS)):
             decode.set_small_gemm(mode)
             for cfg in configs:
-                def launch(cfg=cfg, w=w):
-                    decode._launch(x, w, None, nw, 1e-6, res, y, n_out, gated, cfg)
+                def launch(i=0, cfg=cfg, ws=ws):
+                    decode._launch(x, ws[i % len(ws)], None, nw, 1e-6, res, y, n_out, gated, cfg)
                 try:
-                    ms = _graph_ms(launch, launches, replays) if gpu else _eager_ms(launch)
+                    ms = decode.graph_time_ms(launch, launches, replays) if gpu else _eager_ms(launch)
                 except Exception as e:  # noqa: BLE001 - a tile that does not compile (resources) is reported
-                    rows.append({"shape": shape, "matrix": name, "mode": mode, "cfg": list(cfg), "error": repr(e)[:200]})
+                    rows.append({"shape": shape, "matrix": name, "mode": mode, "cfg": list(cfg),
+                                 "error": repr(e)[:200]})
                     continue
                 rows.append({"shape": shape, "matrix": name, "mode": mode, "cfg": list(cfg), "us": 1e3 * ms,
                              "tb_s": w.numel() * w.element_size() / ms / 1e9,
                              "of_copy_bandwidth": w.numel() * w.element_size() / (ms / 1e3) / bw})
-        for mode in ("mma", "fma"):
+        for m in (1, 8, 16):  # cuBLAS (F.linear, no fusions) on m token rows: is a fixed m = 16 GEMM near bandwidth?
+            xm = torch.randn(m, k, device=dev, dtype=dt)
+            def blas(i=0, xm=xm, ws=ws):
+                return F.linear(xm, ws[i % len(ws)])
+            ms = decode.graph_time_ms(blas, launches, replays) if gpu else _eager_ms(blas)
+            rows.append({"shape": shape, "matrix": name, "mode": "cublas", "cfg": [m], "us": 1e3 * ms,
+                         "tb_s": w.numel() * w.element_size() / ms / 1e9,
+                         "of_copy_bandwidth": w.numel() * w.element_size() / (ms / 1e3) / bw})
+        for mode in ("mma", "fma", "cublas"):
             ok = sorted((r for r in rows if r["matrix"] == name and r["mode"] == mode and "us" in r),
                         key=lambda r: r["us"])
             best = ", ".join(f"{tuple(r['cfg'])} {r['us']:.1f} us {100 * r['of_copy_bandwidth']:.0f}%" for r in ok[:3])
             print(f"tiles {shape} {name:8s} {n_rows:>6}x{k:<5} {mode}: {best}", flush=True)
-        del w
+        del w, ws
     decode.set_small_gemm("mma")
     return rows
-
-
-def _graph_ms(fn, launches: int, replays: int) -> float:
-    """ms per launch of ``fn``: ``launches`` calls captured in one CUDA graph, replayed ``replays`` times."""
-    fn()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    graph.replay()
-    return bench(graph.replay, iters=replays, warmup=1) / launches
 
 
 def _eager_ms(fn, iters: int = 2) -> float:

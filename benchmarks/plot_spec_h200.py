@@ -1,9 +1,11 @@
 """Plots of the H200 speculative-decoding runs in ``reports/bench/spec_h200_smollm2/`` (session 6 at the top,
 sessions 3-5 in ``session3/`` .. ``session5/``): decode tokens/s of AR and speculative decoding per kernel
 mode and proposal shape (chain or draft tree), and the per-depth acceptance of the drafts on the same 30
-held-out GSM8K problems.
+held-out GSM8K problems; and, for a ``bench_online`` run over the four domains (session 10), tokens/s per domain:
+speculative vs AR in each small-GEMM mode, with the speedup over the fastest AR and the MAL greedy / sampling.
 
     python benchmarks/plot_spec_h200.py        # -> reports/bench/spec_h200_smollm2/{speed,accept_rate}.png
+                                               #    and session10/domains.png
 """
 
 from __future__ import annotations
@@ -69,6 +71,36 @@ def plot_accept(runs: list[tuple[str, dict]], out: Path) -> None:
     _save(fig, out)
 
 
+def plot_domains(bench: dict, out: Path, title: str) -> None:
+    """Per domain: AR tokens/s in each small-GEMM mode and speculative (greedy) tokens/s, annotated with the speedup
+    over the fastest AR and the MAL (greedy, and at each sampling temperature of the run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in bench if n not in ("setup", "overall")] + ["overall"]
+    modes = sorted(bench["overall"].get("ar_tokens_per_s_by_mode") or {"ar": None})
+    width = 0.8 / (len(modes) + 1)
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    for j, mode in enumerate(modes):
+        ar = [(bench[n].get("ar_tokens_per_s_by_mode") or {}).get(mode, bench[n]["ar_tokens_per_s"]) for n in names]
+        ax.bar([i + (j - len(modes) / 2) * width for i in range(len(names))], ar, width, label=f"AR ({mode})")
+    spec = [bench[n]["tokens_per_s"] for n in names]
+    xs = [i + (len(modes) - len(modes) / 2) * width for i in range(len(names))]
+    ax.bar(xs, spec, width, label=f"speculative ({bench['setup'].get('small_gemm', '')}, greedy)")
+    for x, n, t in zip(xs, names, spec):
+        hot = "".join(f"\nT{k} MAL {v['mal']:.2f}" for k, v in (bench[n].get("at_temperature") or {}).items())
+        gain = bench[n].get("speedup_vs_fastest_ar", bench[n]["speedup"])
+        ax.text(x, t, f"{gain:.2f}x\nMAL {bench[n]['mal']:.2f}{hot}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(names)), names, fontsize=8)
+    ax.set_ylabel("decode tokens/s (batch 1, bf16)")
+    ax.set_ylim(0, max(spec + [bench[n]["ar_tokens_per_s"] for n in names]) * 1.45)
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="upper right", fontsize=7)
+    _save(fig, out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", type=Path, default=DIR)
@@ -79,6 +111,11 @@ def main() -> None:
     for label, s in runs:
         print(f"{label:>16}: MAL {s['mal']:.2f} | {s['tokens_per_s']:.1f} vs AR {s['ar_tokens_per_s']:.1f} tokens/s "
               f"= {s['speedup']:.2f}x | identical {s['identical']}")
+    domains = args.dir / "session10" / "bench_online_baseline.json"
+    if domains.is_file():
+        plot_domains(json.loads(domains.read_text()), domains.parent / "domains.png",
+                     "SmolLM2-135M on one H200, 30 held-out prompts a domain, 160 new tokens; labels: speedup over the "
+                     "fastest AR, MAL (greedy, T 0.7)")
 
 
 if __name__ == "__main__":

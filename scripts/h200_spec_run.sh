@@ -53,7 +53,9 @@
 #   DSPARK_TRAIN_STEPS=N     train.total_steps = max_steps = N for every variant (the same data budget for each;
 #                            default: the profile's schedule cut by the time budget)
 #   DSPARK_BENCH_ONLINE=1    step bench_online: stages/bench_online.py for every variant on the held-out prompts
-#                            (reference engine for all, the same engine for every variant; no peers) -> summary.json
+#                            of every domain (no peers) -> summary.json; DSPARK_BENCH_ONLINE_ENGINE (default auto:
+#                            the static CUDA-graph engine greedy, the reference engine sampling; static: both static;
+#                            reference: both reference)
 #   DSPARK_WHL_DIR, DSPARK_SITE, DSPARK_WORK, PYTHON   wheel dir (.whl), install dir (/tmp/site), work dir, python3
 set -euo pipefail
 
@@ -341,9 +343,9 @@ eval_all() {
   local v
   for v in "${VARIANTS[@]}"; do stage "eval_offline@$v"; done
 }
-bench_online_all() {  # the held-out prompts of every domain, the reference engine for every variant, greedy, no peers
+bench_online_all() {  # the held-out prompts of every domain, the same engine for every variant, no peers
   [ "$BENCH_ONLINE" = 1 ] || { echo "(DSPARK_BENCH_ONLINE=0: skipped)"; return 0; }
-  "$PY" - "$SPEC_NEW_TOKENS" "$TINY" <<'EOF'
+  "$PY" - "$SPEC_NEW_TOKENS" "$TINY" "${DSPARK_BENCH_ONLINE_ENGINE:-auto}" <<'EOF'
 import sys
 from pathlib import Path
 
@@ -352,7 +354,7 @@ import yaml
 p = yaml.safe_load(Path("params.yaml").read_text())
 tiny = sys.argv[2] == "1"
 p["bench_online"].update(max_prompts=1 if tiny else 30, peers=[], max_new_tokens=24 if tiny else int(sys.argv[1]),
-                         engine="reference", max_len=2048)
+                         engine=sys.argv[3], max_len=2048)
 Path("params_bench.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
 EOF
   local v

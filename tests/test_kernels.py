@@ -377,3 +377,32 @@ def test_ar_in_other_modes_decodes_the_same_prompts(monkeypatch):
     assert decode.SMALL_GEMM == "mma" and set(out["d"]) == {"mma", "fma"}
     assert out["d"]["mma"] is ar
     assert [g.tokens for g in out["d"]["fma"]] == [g.tokens for g in ar]
+
+
+def test_tuner_times_from_dram_copies(monkeypatch):
+    """The tuner's timing reads a small matrix from enough distinct copies (>= ``TUNE_BYTES`` in all, capped) that
+    launches in turn cannot be served from L2; the copies hold W's values in their own storage. On a GPU the
+    graph-timed tuner then chooses a candidate that is in the list and gives the reference's values."""
+    from dspark_core.kernels import decode
+
+    w = torch.randn(4, 8)  # 128 bytes
+    copies = decode.weight_copies(w, min_bytes=1000, max_copies=16)
+    assert len(copies) == 8 and copies[0] is w
+    assert all(torch.equal(c, w) for c in copies)
+    assert len({c.data_ptr() for c in copies}) == 8
+    assert len(decode.weight_copies(w, min_bytes=10_000, max_copies=5)) == 5
+    assert len(decode.weight_copies(torch.randn(64, 64), min_bytes=100)) == 1
+    if DEVICE != "cuda":
+        return
+    monkeypatch.setattr(decode, "SMALL_GEMM", "mma")
+    monkeypatch.setattr(decode, "_TUNED", {})
+    monkeypatch.setattr(decode, "_PINNED", {})
+    monkeypatch.setattr(decode, "_STORED", {})
+    monkeypatch.setattr(decode, "_PINNED_LOADED", [True])
+    monkeypatch.setattr(decode, "_STORE", {"path": None, "fingerprint": None})
+    x = torch.randn(1, 512, device=DEVICE, dtype=torch.bfloat16)
+    wg = torch.randn(768, 512, device=DEVICE, dtype=torch.bfloat16) * 0.05
+    y = decode.fused_linear(x, wg)
+    torch.testing.assert_close(y, decode.fused_linear_reference(x, wg), **_tol(torch.bfloat16))
+    (chosen,) = decode._TUNED.values()
+    assert chosen in decode._MMA_CONFIGS

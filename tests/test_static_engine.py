@@ -321,7 +321,8 @@ def test_bench_online_engine_param():
     cpu = torch.device("cpu")
     assert resolve_engine("auto", greedy, draft, cpu) == "reference"
     assert resolve_engine("auto", greedy, draft, torch.device("cuda")) == "static"
-    assert resolve_engine("auto", sampled, draft, torch.device("cuda")) == "reference"
+    assert resolve_engine("auto", sampled, draft, torch.device("cuda")) == "static"  # chain sampling: static
+    assert resolve_engine("auto", sampled, draft, torch.device("cuda"), tree=True) == "reference"
     assert resolve_engine("static", sampled, draft, cpu) == "static"
     with pytest.raises(ValueError, match="bench_online.engine: static, but temperature 0.7 with tree_branches"):
         resolve_engine("static", sampled, draft, cpu, tree=True)

@@ -18,8 +18,8 @@ plain AR (``ARDecoder``) and speculative with the trained draft (``bench_online.
 - ``online_modes`` (drafts with ``online_modes()``, i.e. Draft Memory, when ``compare_online_modes``): the same
   prompts decoded again in each other mode (chained vs first-stage memory): mal, identical, tokens_per_s, cycle_ms;
 - ``at_temperature`` (``bench_online.also_temperatures``, e.g. [0.7] beside a greedy run): the same prompts
-  decoded again, AR and speculative, sampling at each of these temperatures (exact rejection sampling; engine
-  ``reference``, or ``static`` when ``bench_online.engine: static``): mal, accept_rate@0, tokens_per_s,
+  decoded again, AR and speculative, sampling at each of these temperatures (exact rejection sampling; the engine
+  ``bench_online.engine`` resolves to, static on CUDA for a chain): mal, accept_rate@0, tokens_per_s,
   ar_tokens_per_s, speedup, cycle_ms, engine -- per dataset and overall;
 - ``peers`` (optional): Hugging Face ``generate`` greedy, assisted generation (``assistant_model``) and
   prompt-lookup decoding (``prompt_lookup_num_tokens``) on the same prompts: tokens/s, and whether the
@@ -415,9 +415,6 @@ def static_engine_problem(sampling: SamplingParams, draft: Any) -> str | None:
     records it, so a variant that falls back to the reference engine says why."""
     from dspark_core.decoding.static_draft import static_draft_problem
 
-    if not sampling.greedy:
-        return (f"temperature {sampling.temperature}: the static engine samples (engine: static) but is not the "
-                "auto choice until its sampling cycle has run in CUDA graphs on a GPU")
     return static_draft_problem(draft)
 
 
@@ -441,9 +438,9 @@ def _add_variant_timers(metrics: dict[str, Any], runs: dict[str, Any], timers: d
 def resolve_engine(name: str, sampling: SamplingParams, draft: Any, device: torch.device,
                    tree: bool = False) -> str:
     """``bench_online.engine``: "static" (the device-side cycle: greedy, or sampling along a chain; baseline
-    draft hooks), "reference" (``SpeculativeDecoder``: any sampling, any variant), or "auto": static for greedy
-    decoding on CUDA where it applies, else reference (the static engine's sampling cycle has not been captured on
-    a GPU yet: ask for it with "static"). Asking for "static" where it cannot run is a ValueError with the reason."""
+    draft hooks), "reference" (``SpeculativeDecoder``: any sampling, any variant), or "auto": static on CUDA where
+    it applies (greedy, or sampling along a chain: its CUDA-graph sampling cycle passed the chi-square test on an
+    H200 in session 10), else reference. Asking for "static" where it cannot run is a ValueError with the reason."""
     from dspark_core.decoding.static_draft import static_draft_problem
 
     if name == "reference":
@@ -455,7 +452,7 @@ def resolve_engine(name: str, sampling: SamplingParams, draft: Any, device: torc
         if problem:
             raise ValueError(f"bench_online.engine: static, but {problem}")
         return name
-    return "static" if device.type == "cuda" and problem is None and sampling.greedy else "reference"
+    return "static" if device.type == "cuda" and problem is None else "reference"
 
 
 def make_runner(model: torch.nn.Module, cfg: "BenchOnlineConfig", aux_layer_ids: Sequence[int], block: int,
@@ -550,9 +547,10 @@ def at_temperature(metrics: dict[str, Any], runner: TargetRunner, draft: Any, cf
                    prompt_sets: dict[str, list[list[str]]], tokenizer: Any, stops: Sequence[int], block: int,
                    device: torch.device) -> None:
     """Decode every dataset again, AR and speculative, sampling at ``cfg.temperature`` (same runner, the engine
-    ``bench_online.engine`` names: auto = reference, static = the device-side sampling cycle; a static tree run's
-    sampling pass uses the reference engine); ``metrics[name]["at_temperature"][str(T)]`` = ``TEMPERATURE_KEYS`` + engine."""
-    name = "reference" if cfg.engine == "static" and cfg.tree_branches else cfg.engine  # static trees: greedy
+    ``bench_online.engine`` names: auto / static = the device-side sampling cycle on CUDA; a tree run's sampling
+    pass uses the reference engine: the static engine's trees are greedy).
+    ``metrics[name]["at_temperature"][str(T)]`` = ``TEMPERATURE_KEYS`` + engine."""
+    name = "reference" if cfg.tree_branches else cfg.engine  # the static engine's trees are greedy
     engine = resolve_engine(name, cfg.sampling, draft, device)
     spec = make_engine(engine, runner, draft, cfg)
     ar = ARDecoder(runner, sampling=cfg.sampling, seed=cfg.seed)

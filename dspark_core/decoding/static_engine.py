@@ -22,9 +22,10 @@ which commits the same tokens the reference commits after proposing only the con
 (``sampling.rejection_step``: accept t_i while u_i q_i(t_i) < p_i(t_i), then one token from
 normalize(max(p_a - q_a, 0)), or from p_a past the last counted slot), every draw an exponential race on device
 uniforms: no host read, static shapes. Without CUDA graphs the draws come from ``torch.Generator(seed)``; with
-them from the default CUDA generator (graph-safe). Tested on CPU (chi-square against the target's distribution);
-its CUDA-graph capture has not run on a GPU yet (session 9), so ``bench_online``'s ``engine: auto`` still picks
-the reference engine for sampling and ``engine: static`` opts in.
+them from the default CUDA generator (graph-safe). Tested on CPU (chi-square against the target's distribution)
+and, captured in CUDA graphs with and without the Triton kernels, on an H200 (session 10,
+``test_static_cuda_graph_sampling_matches_the_targets_distribution``): ``bench_online``'s ``engine: auto`` picks it
+for sampling on CUDA.
 
 ``tree_branches`` ((start, length), ...; ``dspark_core.decoding.tree``) adds side branches to the proposal: the
 draft's second-best token at depth ``start`` and its greedy continuation, verified in the same forward (up to
