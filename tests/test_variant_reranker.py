@@ -400,8 +400,12 @@ def test_bad_reranker_params_are_named(tmp_path):
         LossConfig.from_dict({"rank_alpha": -1}, prefix="loss.")
     from dspark_core.draft.config import WarmStartConfig
 
-    with pytest.raises(ParamsError, match="need from_variant"):
+    with pytest.raises(ParamsError, match="freeze_base needs from_variant or from_dir"):
         WarmStartConfig.from_dict({"freeze_base": True}, prefix="warm_start.")
+    with pytest.raises(ParamsError, match="step needs from_variant"):
+        WarmStartConfig.from_dict({"step": 3, "from_dir": "d"}, prefix="warm_start.")
+    with pytest.raises(ParamsError, match="from_variant or from_dir, not both"):
+        WarmStartConfig.from_dict({"from_variant": "baseline", "from_dir": "d"}, prefix="warm_start.")
     target = tiny_model("qwen3")
     task = _task(target, [], init_checkpoint=tmp_path / "nope")
     with pytest.raises(ValueError, match="nope/model.safetensors not found"):
@@ -573,3 +577,38 @@ def test_warm_start_checkpoint_resolution(tmp_path, monkeypatch):
     warm, ckpt, step = warm_start_checkpoint(params, "warm")
     assert warm.freeze_base and step == 2 and ckpt == root.relative_to(tmp_path) / "step_00000002"
     assert warm_start_checkpoint(params, "latest")[2] == 1
+
+
+def test_warm_start_from_a_saved_draft_dir(tmp_path, monkeypatch):
+    """``warm_start.from_dir``: a draft saved by an earlier run (``config.json`` + ``model.safetensors``, e.g. carried
+    from another machine) starts the training model with exactly its weights, at curve step 0; a draft of another
+    target is refused naming its config.json; a dir that is not a saved draft is refused naming the param."""
+    import yaml
+
+    from dspark_core.draft.stage import warm_start_checkpoint
+
+    target = tiny_model("qwen3")
+    items = items_from_target(target, AUX, 8, 5, 24, seed=4)
+    torch.manual_seed(5)
+    first = _task(target, items, cls=DSparkTask, kind="baseline")
+    saved = first.export(first.build_model(torch.device("cpu"), torch.float32), tmp_path / "final")
+    monkeypatch.chdir(tmp_path)
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"variants": {"baseline": {"warm_start": {"from_dir": str(saved)}},
+                                                   "bad": {"warm_start": {"from_dir": str(tmp_path)}}}}))
+    warm, ckpt, step = warm_start_checkpoint(params, "baseline")
+    assert ckpt == saved and step == 0 and warm.from_dir == str(saved)
+    with pytest.raises(ValueError, match=r"variants.bad.warm_start.from_dir .*: not a saved draft"):
+        warm_start_checkpoint(params, "bad")
+    torch.manual_seed(6)  # another initialisation: every draft weight must come from the saved dir
+    model = _task(target, items, cls=DSparkTask, kind="baseline", init_checkpoint=ckpt).build_model(
+        torch.device("cpu"), torch.float32)
+    own = load_draft(saved, target, expected_fingerprint="fp-test").own_state_dict()
+    state = model.draft.own_state_dict()
+    assert set(own) == set(state)
+    for k, v in own.items():
+        assert torch.equal(state[k], v), k
+    other = _task(target, items, cls=DSparkTask, kind="baseline", init_checkpoint=ckpt)
+    other.target_fingerprint = "fp-other"
+    with pytest.raises(ValueError, match=r"final/config.json: draft trained on target fingerprint fp-test"):
+        other.build_model(torch.device("cpu"), torch.float32)

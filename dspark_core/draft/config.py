@@ -169,16 +169,22 @@ class LossConfig(Section):
 @dataclass(frozen=True)
 class WarmStartConfig(Section):
     """Start ``train`` of a variant from another variant's trainer checkpoint (seed 000: the frozen-baseline
-    reranker starts from baseline step 2,604). ``from_variant`` null: from scratch. ``step`` null: that run's
-    latest checkpoint. ``freeze_base``: train only the variant's own parameters (``draft.variant_params()``);
-    the optimiser and the lr schedule start afresh either way, and the curves' x axis continues at ``step``."""
+    reranker starts from baseline step 2,604), or from a saved draft dir of an earlier run (``from_dir``: its
+    ``config.json`` + ``model.safetensors``, e.g. ``data/train/baseline/final`` carried from another machine; the
+    target fingerprint must be this target's). Neither: from scratch. ``step`` null: that variant run's latest
+    checkpoint. ``freeze_base``: train only the variant's own parameters (``draft.variant_params()``); the
+    optimiser and the lr schedule start afresh either way, and the curves' x axis continues at ``step`` (at 0 from
+    a dir). ``from_dir`` is outside DVC's graph: the trainer's resume identity records its weights' sha256."""
 
     from_variant: str | None = None
     step: int | None = None
     freeze_base: bool = False
+    from_dir: str | None = None
 
     def validate(self) -> None:
         if self.step is not None:
             positive("step", self.step)
-        require(self.from_variant is not None or (self.step is None and not self.freeze_base),
-                "step / freeze_base need from_variant")
+        require(self.from_variant is None or self.from_dir is None, "set from_variant or from_dir, not both")
+        require(self.step is None or self.from_variant is not None, "step needs from_variant")
+        require(not self.freeze_base or self.from_variant is not None or self.from_dir is not None,
+                "freeze_base needs from_variant or from_dir")

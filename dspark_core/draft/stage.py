@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dspark_core.config import ParamsError
 from dspark_core.draft.config import DraftConfig, LossConfig, WarmStartConfig
-from dspark_core.io import sha256_json
+from dspark_core.io import sha256_file, sha256_json
 from dspark_core.train.trainer import TrainConfig
 from dspark_core.variants import check_variant, check_variant_dag, section_for_variant
 
@@ -38,6 +38,12 @@ def warm_start_checkpoint(params: Path, variant: str) -> tuple[WarmStartConfig, 
 
     warm = WarmStartConfig.from_dict(section_for_variant(params, "warm_start", variant, optional=True),
                                      src=str(params), prefix="warm_start.")
+    if warm.from_dir is not None:
+        src = Path(warm.from_dir)
+        if not (src / "config.json").is_file() or not (src / "model.safetensors").is_file():
+            raise ValueError(f"{params}: variants.{variant}.warm_start.from_dir {src}: not a saved draft "
+                             "(config.json + model.safetensors, as data/train/<variant>/final)")
+        return warm, src, 0
     if warm.from_variant is None:
         return warm, None, 0
     if warm.from_variant == variant:
@@ -72,7 +78,8 @@ def run_train_stage(params: Path, variant: str, time_budget_s: float | None = No
                   "train": train_cfg.identity_dict(), "target": task.target_fingerprint,
                   "cache": sha256_json(data.manifest)}
     if ckpt is not None:
-        run_config["warm_start"] = {**warm.to_dict(), "checkpoint": str(ckpt), "step": offset}
+        run_config["warm_start"] = {**warm.to_dict(), "checkpoint": str(ckpt), "step": offset,
+                                    "weights_sha256": sha256_file(ckpt / "model.safetensors")}
     result = run_training(task, train_cfg, run_config, Path("reports/train") / variant, time_budget_s=time_budget_s,
                           log_step_offset=offset)
     write_param_counts(result.model, Path("reports/train") / variant / "model.json", variant)

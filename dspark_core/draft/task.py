@@ -48,16 +48,25 @@ class DSparkTrainModel(nn.Module):
         return dspark_sums(self.draft, hidden, batch, self.loss_cfg, extras=batch)
 
 
-def load_warm_start(model: nn.Module, ckpt_dir: Path) -> None:
+def load_warm_start(model: nn.Module, ckpt_dir: Path, target_fingerprint: str | None = None) -> None:
     """Copy a trainer checkpoint (``ckpt_dir/model.safetensors``: the trainable weights of another variant's
-    ``DSparkTrainModel``) into ``model``. Each of its weights must exist here with the same shape; weights it
-    lacks (a variant's own new modules) keep their initialisation."""
+    ``DSparkTrainModel``), or a saved draft (``save_draft``: ``config.json`` beside it, the draft's own weights,
+    made on the target of ``target_fingerprint``), into ``model``. Each of its weights must exist here with the
+    same shape; weights it lacks (a variant's own new modules) keep their initialisation."""
     from safetensors.torch import load_file
 
     path = ckpt_dir / "model.safetensors"
     if not path.is_file():
         raise ValueError(f"warm start: {path} not found (is the step among the run's kept checkpoints?)")
     weights = load_file(str(path))
+    if (ckpt_dir / "config.json").is_file():  # a saved draft: its names are the draft's, the trainer's say draft.*
+        from dspark_core.draft.model import read_draft_config
+
+        saved = read_draft_config(ckpt_dir)["target"].get("fingerprint")
+        if target_fingerprint is not None and saved not in (None, target_fingerprint):
+            raise ValueError(f"warm start: {ckpt_dir / 'config.json'}: draft trained on target fingerprint {saved}, "
+                             f"this target's is {target_fingerprint}")
+        weights = {f"draft.{k}": v for k, v in weights.items()}
     params = dict(model.named_parameters())
     bad = [k for k, v in weights.items() if k not in params or tuple(params[k].shape) != tuple(v.shape)]
     if bad:
@@ -155,7 +164,7 @@ class DSparkTask:
             draft.set_frozen_dtype(torch.bfloat16)
         model = DSparkTrainModel(draft, self.loss_cfg)
         if self.init_checkpoint is not None:
-            load_warm_start(model, Path(self.init_checkpoint))
+            load_warm_start(model, Path(self.init_checkpoint), self.target_fingerprint)
         if self.freeze_base:
             freeze_all_but_variant(model)
         return model
