@@ -392,6 +392,14 @@ def test_tuner_times_from_dram_copies(monkeypatch):
     assert len({c.data_ptr() for c in copies}) == 8
     assert len(decode.weight_copies(w, min_bytes=10_000, max_copies=5)) == 5
     assert len(decode.weight_copies(torch.randn(64, 64), min_bytes=100)) == 1
+
+    def full(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("device full")
+
+    with monkeypatch.context() as m:  # no memory for copies: tune on W alone rather than fail
+        m.setattr(torch.Tensor, "clone", full)
+        only = decode.weight_copies(w, min_bytes=1000)
+    assert len(only) == 1 and only[0] is w
     if DEVICE != "cuda":
         return
     monkeypatch.setattr(decode, "SMALL_GEMM", "mma")

@@ -415,7 +415,12 @@ def weight_copies(w: torch.Tensor, min_bytes: int = TUNE_BYTES, max_copies: int 
     and over would live in (session 10: timed from L2, the tuner ranked Qwen3-4B's O / down tiles by noise, and the
     step moved between 2.9 and 3.8 ms from one process to the next)."""
     copies = min(max_copies, max(1, -(-min_bytes // (w.numel() * w.element_size()))))
-    return [w] + [w.clone() for _ in range(copies - 1)]
+    out = [w]
+    try:
+        out += [w.clone() for _ in range(copies - 1)]
+    except torch.cuda.OutOfMemoryError:  # a full device: time from fewer copies (partly from L2) rather than fail
+        print(f"kernels: no memory for {copies - 1} copies of a {tuple(w.shape)} weight; tuning on {len(out)}")
+    return out
 
 
 def graph_time_ms(launch, launches: int = 20, replays: int = 5) -> float:
