@@ -128,6 +128,7 @@ def part_tiles(dev, shape: str = "qwen3-4b", launches: int = 20, replays: int = 
         nw = torch.ones(k, device=dev, dtype=dt) if kind in ("norm", "gated") else None
         res = torch.randn(1, n_out, device=dev, dtype=dt) if kind == "resid" else None
         y = torch.empty(1, n_out, device=dev, dtype=dt)
+        where = {"shape": shape, "matrix": name}
         for mode, configs in (("mma", decode._MMA_CONFIGS), ("fma", decode._GEMV_CONFIGS)):
             decode.set_small_gemm(mode)
             for cfg in configs:
@@ -136,20 +137,16 @@ def part_tiles(dev, shape: str = "qwen3-4b", launches: int = 20, replays: int = 
                 try:
                     ms = decode.graph_time_ms(launch, launches, replays) if gpu else _eager_ms(launch)
                 except Exception as e:  # noqa: BLE001 - a tile that does not compile (resources) is reported
-                    rows.append({"shape": shape, "matrix": name, "mode": mode, "cfg": list(cfg),
-                                 "error": repr(e)[:200]})
+                    rows.append({**where, "mode": mode, "cfg": list(cfg), "error": repr(e)[:200]})
                     continue
-                rows.append({"shape": shape, "matrix": name, "mode": mode, "cfg": list(cfg), "us": 1e3 * ms,
-                             "tb_s": w.numel() * w.element_size() / ms / 1e9,
-                             "of_copy_bandwidth": w.numel() * w.element_size() / (ms / 1e3) / bw})
+                rows.append(_tile_row(where, mode, cfg, ms, w, bw))
         for m in (1, 8, 16):  # cuBLAS (F.linear, no fusions) on m token rows: is a fixed m = 16 GEMM near bandwidth?
             xm = torch.randn(m, k, device=dev, dtype=dt)
+
             def blas(i=0, xm=xm, ws=ws):
                 return F.linear(xm, ws[i % len(ws)])
             ms = decode.graph_time_ms(blas, launches, replays) if gpu else _eager_ms(blas)
-            rows.append({"shape": shape, "matrix": name, "mode": "cublas", "cfg": [m], "us": 1e3 * ms,
-                         "tb_s": w.numel() * w.element_size() / ms / 1e9,
-                         "of_copy_bandwidth": w.numel() * w.element_size() / (ms / 1e3) / bw})
+            rows.append(_tile_row(where, "cublas", (m,), ms, w, bw))
         for mode in ("mma", "fma", "cublas"):
             ok = sorted((r for r in rows if r["matrix"] == name and r["mode"] == mode and "us" in r),
                         key=lambda r: r["us"])
@@ -158,6 +155,13 @@ def part_tiles(dev, shape: str = "qwen3-4b", launches: int = 20, replays: int = 
         del w, ws
     decode.set_small_gemm("mma")
     return rows
+
+
+def _tile_row(where: dict, mode: str, cfg: tuple, ms: float, w: torch.Tensor, bw: float) -> dict:
+    """One timed candidate: microseconds, and W's bytes per second absolute and as a share of copy bandwidth."""
+    nbytes = w.numel() * w.element_size()
+    return {**where, "mode": mode, "cfg": list(cfg), "us": 1e3 * ms, "tb_s": nbytes / ms / 1e9,
+            "of_copy_bandwidth": nbytes / (ms / 1e3) / bw}
 
 
 def _eager_ms(fn, iters: int = 2) -> float:

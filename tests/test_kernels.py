@@ -262,6 +262,18 @@ def test_kernel_step_is_batch_invariant(family, gemm, monkeypatch):
     torch.testing.assert_close(runners[0].k_cache[..., :n, :], runners[1].k_cache[..., :n, :], atol=0, rtol=0)
 
 
+def _fresh_tile_tables(monkeypatch, decode) -> None:
+    """mma mode with nothing tuned, pinned or stored, no config store and no DSPARK_KERNEL_CONFIGS: this process's
+    choices start from scratch (restored after the test)."""
+    monkeypatch.setattr(decode, "SMALL_GEMM", "mma")
+    monkeypatch.setattr(decode, "_TUNED", {})
+    monkeypatch.setattr(decode, "_STORED", {})
+    monkeypatch.setattr(decode, "_PINNED", {})
+    monkeypatch.setattr(decode, "_PINNED_LOADED", [False])
+    monkeypatch.setattr(decode, "_STORE", {"path": None, "fingerprint": None})
+    monkeypatch.delenv(decode.KERNEL_CONFIGS_ENV, raising=False)
+
+
 def test_pinned_kernel_configs(tmp_path, monkeypatch):
     """DSPARK_KERNEL_CONFIGS pins the small-GEMM configuration of the shapes it lists (the tuner's choice
     otherwise): the table round-trips through save / load, the pinned tile is the one launched, and a table
@@ -306,13 +318,7 @@ def test_config_store_pins_a_targets_tiles_per_device(tmp_path, monkeypatch):
     sums in the same order; a store of another target is refused naming the file."""
     from dspark_core.kernels import decode
 
-    monkeypatch.setattr(decode, "SMALL_GEMM", "mma")
-    monkeypatch.setattr(decode, "_TUNED", {})
-    monkeypatch.setattr(decode, "_STORED", {})
-    monkeypatch.setattr(decode, "_PINNED", {})
-    monkeypatch.setattr(decode, "_PINNED_LOADED", [False])
-    monkeypatch.setattr(decode, "_STORE", {"path": None, "fingerprint": None})
-    monkeypatch.delenv(decode.KERNEL_CONFIGS_ENV, raising=False)
+    _fresh_tile_tables(monkeypatch, decode)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 96, generator=g).to(DEVICE, dtype)
@@ -402,12 +408,7 @@ def test_tuner_times_from_dram_copies(monkeypatch):
     assert len(only) == 1 and only[0] is w
     if DEVICE != "cuda":
         return
-    monkeypatch.setattr(decode, "SMALL_GEMM", "mma")
-    monkeypatch.setattr(decode, "_TUNED", {})
-    monkeypatch.setattr(decode, "_PINNED", {})
-    monkeypatch.setattr(decode, "_STORED", {})
-    monkeypatch.setattr(decode, "_PINNED_LOADED", [True])
-    monkeypatch.setattr(decode, "_STORE", {"path": None, "fingerprint": None})
+    _fresh_tile_tables(monkeypatch, decode)
     x = torch.randn(1, 512, device=DEVICE, dtype=torch.bfloat16)
     wg = torch.randn(768, 512, device=DEVICE, dtype=torch.bfloat16) * 0.05
     y = decode.fused_linear(x, wg)

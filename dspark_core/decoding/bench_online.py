@@ -49,6 +49,7 @@ from dspark_core.decoding.ar import ARDecoder
 from dspark_core.decoding.common import BudgetError, synced_clock
 from dspark_core.decoding.engine import SpeculativeDecoder
 from dspark_core.decoding.sampling import SamplingParams
+from dspark_core.decoding.static_draft import static_draft_problem
 from dspark_core.decoding.target_runner import TargetRunner
 from dspark_core.decoding.types import GenerationResult
 
@@ -410,14 +411,6 @@ def _resolve_kernels(cfg: BenchOnlineConfig, model: torch.nn.Module, device: tor
     return problem is None
 
 
-def static_engine_problem(sampling: SamplingParams, draft: Any) -> str | None:
-    """Why the static CUDA-graph engine cannot run this draft / sampling (None when it can): the benchmark
-    records it, so a variant that falls back to the reference engine says why."""
-    from dspark_core.decoding.static_draft import static_draft_problem
-
-    return static_draft_problem(draft)
-
-
 def _add_variant_timers(metrics: dict[str, Any], runs: dict[str, Any], timers: dict[str, dict[str, float]]) -> None:
     """``<timer>_ms_per_cycle`` and ``<timer>_share_of_cycle`` (of draft + verify time) per dataset and overall."""
     totals: dict[str, float] = {}
@@ -441,8 +434,6 @@ def resolve_engine(name: str, sampling: SamplingParams, draft: Any, device: torc
     draft hooks), "reference" (``SpeculativeDecoder``: any sampling, any variant), or "auto": static on CUDA where
     it applies (greedy, or sampling along a chain: its CUDA-graph sampling cycle passed the chi-square test on an
     H200 in session 10), else reference. Asking for "static" where it cannot run is a ValueError with the reason."""
-    from dspark_core.decoding.static_draft import static_draft_problem
-
     if name == "reference":
         return name
     problem = static_draft_problem(draft)
@@ -522,7 +513,7 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
                 cfg.prompt_lookup_num_tokens, tokenizer.pad_token_id)
     metrics["setup"] = {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "cuda_graph": graphs,
                         "kernels": kernels, **kernel_setup, "engine": engine,
-                        "static_engine_problem": static_engine_problem(cfg.sampling, draft),
+                        "static_engine_problem": static_draft_problem(draft),  # why a fallback to reference
                         "draft_kind": draft.cfg.kind, "online_mode": getattr(draft, "online_mode", None),
                         "num_threads": torch.get_num_threads(),
                         "compile": cfg.compile, "block_size": block, "aux_layer_ids": list(draft.aux_layer_ids),
