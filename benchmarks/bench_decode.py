@@ -120,6 +120,39 @@ def step_ms(runner: TargetRunner, n: int, iters: int) -> float:
     return 1e3 * (t() - t0) / iters
 
 
+def kernel_profile(long_fn, short_fn, units: int, top: int = 14) -> dict:
+    """GPU kernels of ``units`` decode units (steps or cycles): the kernels of ``long_fn()`` less those of
+    ``short_fn()`` (the same work with ``units`` fewer steps / cycles, so prefill and set-up cancel), per unit:
+    how many kernels a unit launches and their summed device time (overlapping under PDL: the sum exceeds the
+    wall time when kernels overlap; with ``PDL_PREFETCH`` a kernel launches early, so its duration includes its
+    wait for the previous one: read the counts, not the times), the ``top`` kernels by time. ``--profile`` only
+    (CUPTI traces the kernels a CUDA graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(fn) -> dict[str, list[float]]:
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        out: dict[str, list[float]] = {}
+        for e in prof.events():
+            if e.device_type.name == "CUDA" and e.device_time_total > 0 and not e.name.startswith("Memcpy"):
+                out.setdefault(e.name[:80], []).append(e.device_time_total)
+        return out
+
+    long, short = kernels(long_fn), kernels(short_fn)
+    rows = []
+    for name, times in long.items():
+        count = (len(times) - len(short.get(name, []))) / units
+        us = (sum(times) - sum(short.get(name, []))) / units
+        if count > 0 or us > 0:
+            rows.append({"kernel": name, "per_unit": round(count, 2), "us_per_unit": round(us, 2)})
+    rows.sort(key=lambda r: -r["us_per_unit"])
+    return {"units": units, "kernels_per_unit": round(sum(r["per_unit"] for r in rows), 2),
+            "device_us_per_unit": round(sum(r["us_per_unit"] for r in rows), 1), "top": rows[:top]}
+
+
 def hf_generate_tokens_per_s(model, prompt: torch.Tensor, new_tokens: int) -> float:
     """transformers' generate (greedy, its defaults: dynamic cache, eager loop), prefill subtracted."""
     kw = dict(do_sample=False, attention_mask=torch.ones_like(prompt), pad_token_id=0, eos_token_id=None)
@@ -158,6 +191,12 @@ def static_cycle(model, prompt: torch.Tensor, args) -> dict:
     out = {"cycle_ms": 1e3 * res.decode_s / res.cycles, "cycle_draft_ms": 1e3 * sum(res.draft_s) / len(res.draft_s),
            "cycle_verify_ms": 1e3 * sum(res.verify_s) / len(res.verify_s), "cycle_draft_layers": args.cycle_draft_layers,
            "cycle_draft_kernels": static.static.kernels, "cycle_random_draft_mal": res.mean_accepted_length}
+    if args.profile and gpu:  # a random draft accepts ~nothing: about one cycle per token
+        long_res = static.generate(prompt[0], 64)
+        short_res = static.generate(prompt[0], 16)
+        out["profile_cycle"] = kernel_profile(lambda s=static: s.generate(prompt[0], 64),
+                                              lambda s=static: s.generate(prompt[0], 16),
+                                              long_res.cycles - short_res.cycles)
     del static, runner, draft
     return out
 
@@ -185,6 +224,9 @@ def bench_ar(name: str, family: str, overrides: dict, args, device: torch.device
     if [r.tokens for r in static_runs] != [r.tokens for r in runs]:
         raise RuntimeError(f"{name}: StaticARDecoder and ARDecoder disagree on greedy tokens")
     tokens_per_s = max(loop_tokens_per_s, static_tokens_per_s)
+    if args.profile and gpu:
+        row_profile = kernel_profile(lambda s=static_ar: s.generate(prompt[0], 48),
+                                     lambda s=static_ar: s.generate(prompt[0], 16), 32)
     runner.prefill(prompt)
     decode_ms, verify_ms = step_ms(runner, 1, args.step_iters), step_ms(runner, args.block_size + 1, args.step_iters)
     limit = bandwidth / wbytes
@@ -194,6 +236,8 @@ def bench_ar(name: str, family: str, overrides: dict, args, device: torch.device
            "decode_step_ms": decode_ms, "verify_step_ms": verify_ms, "verify_tokens": args.block_size + 1,
            "verify_over_decode": verify_ms / decode_ms, "warmup_s": warmup_s,
            "cuda_graph": gpu, "compile": args.compile, "kernels": args.kernels}
+    if args.profile and gpu:
+        row["profile_ar_step"] = row_profile
     if args.hf_tokens > 0:
         row["hf_generate_tokens_per_s"] = hf_generate_tokens_per_s(model, prompt, args.hf_tokens)
     del runner, ar, static_ar
@@ -280,6 +324,9 @@ def main() -> None:
     ap.add_argument("--cycle-draft-layers", type=int, default=2,
                     help="(a) also time one static speculative cycle with a random draft of this depth (0 = skip)")
     ap.add_argument("--max-prompts", type=int, default=0, help="(b) at most this many prompts (0 = all)")
+    ap.add_argument("--profile", action="store_true",
+                    help="(a, GPU) also record the kernels of one static AR step and one static cycle (torch "
+                         "profiler: count and device time per kernel name) under profile_ar_step / profile_cycle")
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench" / "decode.json"))
     args = ap.parse_args()
 
@@ -396,7 +443,8 @@ def kernel_env() -> dict:
     import os
 
     return {k: os.environ.get(k) for k in ("DSPARK_SMALL_GEMM", "DSPARK_BATCH_INVARIANT", "DSPARK_PDL",
-                                           "DSPARK_TUNE_KERNELS", "DSPARK_KERNEL_CONFIGS")}
+                                           "DSPARK_TUNE_KERNELS", "DSPARK_KERNEL_CONFIGS",
+                                           "DSPARK_PDL_PREFETCH")}
 
 
 def _print_ar(name: str, r: dict) -> None:
@@ -407,11 +455,17 @@ def _print_ar(name: str, r: dict) -> None:
               + (f", its cycle = {r['cycle_over_fastest_step']:.2f} fastest steps" if "cycle_ms" in r else ""))
     print(f"{name:>21} | AR {r['ar_tokens_per_s']:9.1f} tok/s | limit {r['weight_read_limit_tokens_per_s']:9.1f} | "
           f"{100 * r['fraction_of_limit']:5.1f}% | step n=1 {r['decode_step_ms']:.3f} ms, n={r['verify_tokens']} "
-          f"{r['verify_step_ms']:.3f} ms | HF generate {hf if hf is None else round(hf, 1)} tok/s")
+          f"{r['verify_step_ms']:.3f} ms | HF generate {hf if hf is None else round(hf, 1)} tok/s", flush=True)
     if "cycle_ms" in r:
         print(f"{'':>21} | static spec cycle {r['cycle_ms']:.3f} ms (draft {r['cycle_draft_ms']:.3f}, verify + update "
               f"{r['cycle_verify_ms']:.3f}) | break-even MAL {r['break_even_mal']:.2f}, 2.5x needs MAL "
-              f"{r['mal_for_2.5x']:.2f}")
+              f"{r['mal_for_2.5x']:.2f}", flush=True)
+    for key, unit in (("profile_ar_step", "AR step"), ("profile_cycle", "cycle")):
+        if key in r:
+            p = r[key]
+            print(f"{'':>21} | profile: {p['kernels_per_unit']:.1f} kernels per {unit}, {p['device_us_per_unit']:.1f} us "
+                  f"of kernel time; top: " + ", ".join(f"{k['kernel'][:40]} x{k['per_unit']:g} {k['us_per_unit']:.1f} us"
+                                                      for k in p["top"][:6]), flush=True)
 
 
 def _print_spec(s: dict) -> None:

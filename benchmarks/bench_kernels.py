@@ -11,7 +11,7 @@
   context L) forward + backward through flex_attention under several kernel options.
 - ``decode_profile``: the top CUDA kernels of Triton decode steps (no CUDA graph, so names are visible).
 - ``tiles``: every small-GEMM candidate (``decode._MMA_CONFIGS``, ``decode._GEMV_CONFIGS``) on each decode
-  matrix at n = 1, 20 launches captured in a CUDA graph (no host launch cost) over copies of the matrix that
+  matrix at n = 1 (``--tile-tokens 1,8``: also n = 8; ``--tile-candidates``: some families only), 20 launches captured in a CUDA graph (no host launch cost) over copies of the matrix that
   add up to >= 256 MiB (each launch reads from DRAM, not L2; session 10's first table did not), as a fraction
   of the measured copy bandwidth; the best three per (matrix, mode) printed. Beside them cuBLAS (``F.linear``,
   no fusions) at m = 1, 8 and 16 token rows: whether a fixed 16-row GEMM (batch-invariant by its fixed shape)
@@ -110,12 +110,20 @@ def decode_matrices(h: int, ffn: int, hq: int, hkv: int, d: int, vocab: int) -> 
             "down": (h, ffn, "resid"), "lm_head": (vocab, h, "norm")}
 
 
-def part_tiles(dev, shape: str = "qwen3-4b", launches: int = 20, replays: int = 5) -> list[dict]:
+def part_tiles(dev, shape: str = "qwen3-4b", launches: int = 20, replays: int = 5, tokens: tuple[int, ...] = (1,),
+               candidates: str = "all") -> list[dict]:
+    """Every candidate at n = each of ``tokens``; ``candidates``: all, or a comma list of families to time
+    (tc: tensor-core tiles, fma_tile: the mma mode's FMA tiles, gemv: the fma mode's GEMV, cublas)."""
     from dspark_core.kernels import decode
 
     gpu = dev.type == "cuda"
     dt = torch.bfloat16 if gpu else torch.float32
     bw = _copy_bandwidth(dev)
+    families = {"tc", "fma_tile", "gemv", "cublas"} if candidates == "all" else set(candidates.split(","))
+    mma = ([c for c in decode._MMA_CONFIGS if not decode.is_fma_tile(c)] if "tc" in families else []) + (
+        decode._FMA_TILES if "fma_tile" in families else [])
+    modes = (("mma", mma),
+             ("fma", decode._GEMV_CONFIGS if "gemv" in families else []))
     rows = []
     for name, (n_rows, k, kind) in decode_matrices(**TILE_SHAPES[shape]).items():
         gated = kind == "gated"
@@ -124,37 +132,59 @@ def part_tiles(dev, shape: str = "qwen3-4b", launches: int = 20, replays: int = 
         # L2 that one small matrix launched 20 times over would live in (the kernel tuner times the same way)
         w = torch.randn(n_rows, k, device=dev, dtype=dt) * 0.02
         ws = decode.weight_copies(w, max_copies=launches) if gpu else [w]
-        x = torch.randn(1, k, device=dev, dtype=dt)
         nw = torch.ones(k, device=dev, dtype=dt) if kind in ("norm", "gated") else None
-        res = torch.randn(1, n_out, device=dev, dtype=dt) if kind == "resid" else None
-        y = torch.empty(1, n_out, device=dev, dtype=dt)
-        where = {"shape": shape, "matrix": name}
-        for mode, configs in (("mma", decode._MMA_CONFIGS), ("fma", decode._GEMV_CONFIGS)):
-            decode.set_small_gemm(mode)
-            for cfg in configs:
-                def launch(i=0, cfg=cfg, ws=ws):
-                    decode._launch(x, ws[i % len(ws)], None, nw, 1e-6, res, y, n_out, gated, cfg)
-                try:
-                    ms = decode.graph_time_ms(launch, launches, replays) if gpu else _eager_ms(launch)
-                except Exception as e:  # noqa: BLE001 - a tile that does not compile (resources) is reported
-                    rows.append({**where, "mode": mode, "cfg": list(cfg), "error": repr(e)[:200]})
-                    continue
-                rows.append(_tile_row(where, mode, cfg, ms, w, bw))
-        for m in (1, 8, 16):  # cuBLAS (F.linear, no fusions) on m token rows: is a fixed m = 16 GEMM near bandwidth?
-            xm = torch.randn(m, k, device=dev, dtype=dt)
+        for n in tokens:
+            x = torch.randn(n, k, device=dev, dtype=dt)
+            res = torch.randn(n, n_out, device=dev, dtype=dt) if kind == "resid" else None
+            y = torch.empty(n, n_out, device=dev, dtype=dt)
+            where = {"shape": shape, "matrix": name, "n": n}
+            for mode, configs in modes:
+                decode.set_small_gemm(mode)
+                for cfg in configs:
+                    def launch(i=0, cfg=cfg, ws=ws, x=x, res=res, y=y):
+                        decode._launch(x, ws[i % len(ws)], None, nw, 1e-6, res, y, n_out, gated, cfg)
+                    try:
+                        ms = decode.graph_time_ms(launch, launches, replays) if gpu else _eager_ms(launch)
+                    except Exception as e:  # noqa: BLE001 - a tile that does not compile (resources) is reported
+                        rows.append({**where, "mode": mode, "cfg": list(cfg), "error": repr(e)[:200]})
+                        continue
+                    rows.append(_tile_row(where, mode, cfg, ms, w, bw))
+            if "cublas" in families:  # F.linear, no fusions, on n rows (and 16: a fixed 16-row GEMM)
+                for m in sorted({n, 16}):
+                    xm = torch.randn(m, k, device=dev, dtype=dt)
 
-            def blas(i=0, xm=xm, ws=ws):
-                return F.linear(xm, ws[i % len(ws)])
-            ms = decode.graph_time_ms(blas, launches, replays) if gpu else _eager_ms(blas)
-            rows.append(_tile_row(where, "cublas", (m,), ms, w, bw))
-        for mode in ("mma", "fma", "cublas"):
-            ok = sorted((r for r in rows if r["matrix"] == name and r["mode"] == mode and "us" in r),
-                        key=lambda r: r["us"])
-            best = ", ".join(f"{tuple(r['cfg'])} {r['us']:.1f} us {100 * r['of_copy_bandwidth']:.0f}%" for r in ok[:3])
-            print(f"tiles {shape} {name:8s} {n_rows:>6}x{k:<5} {mode}: {best}", flush=True)
+                    def blas(i=0, xm=xm, ws=ws):
+                        return F.linear(xm, ws[i % len(ws)])
+                    ms = decode.graph_time_ms(blas, launches, replays) if gpu else _eager_ms(blas)
+                    rows.append(_tile_row(where, "cublas", (m,), ms, w, bw))
+            for mode in ("mma", "fma", "cublas"):
+                ok = sorted((r for r in rows if r["matrix"] == name and r["n"] == n and r["mode"] == mode and "us" in r),
+                            key=lambda r: r["us"])
+                best = ", ".join(f"{tuple(r['cfg'])} {r['us']:.1f} us {100 * r['of_copy_bandwidth']:.0f}%"
+                                 for r in ok[:3])
+                print(f"tiles {shape} n={n} {name:8s} {n_rows:>6}x{k:<5} {mode}: {best}", flush=True)
         del w, ws
     decode.set_small_gemm("mma")
     return rows
+
+
+def tile_pins(rows: list[dict], shape: str, device: str, dtype: str = "bfloat16") -> dict:
+    """A ``DSPARK_KERNEL_CONFIGS`` table from a tiles run: per matrix, the ``mma``-mode candidate with the least
+    time summed over the timed n (what the kernel tuner ranks by), keyed as the tuner keys it."""
+    dims = decode_matrices(**TILE_SHAPES[shape])
+    configs = {}
+    for name, (n_rows, k, kind) in dims.items():
+        totals: dict[tuple, list[float]] = {}
+        for r in rows:
+            if r["matrix"] == name and r["mode"] == "mma" and "us" in r:
+                totals.setdefault(tuple(r["cfg"]), []).append(r["us"])
+        ns = {r["n"] for r in rows if r["matrix"] == name and r["mode"] == "mma"}
+        full = {c: sum(t) for c, t in totals.items() if len(t) == len(ns)}
+        if full:
+            gated = kind == "gated"
+            key = f"mma:1:{n_rows // 2 if gated else n_rows}:{k}:{int(gated)}:{dtype}"
+            configs[key] = list(min(full, key=full.get))
+    return {"device": device, "configs": configs}
 
 
 def _tile_row(where: dict, mode: str, cfg: tuple, ms: float, w: torch.Tensor, bw: float) -> dict:
@@ -302,6 +332,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", nargs="+", default=["gemv", "loss", "flex", "decode_profile"])
     ap.add_argument("--tile-shape", choices=list(TILE_SHAPES), default="qwen3-4b", help="matrices of the tiles part")
+    ap.add_argument("--tile-tokens", default="1", help="tiles part: comma list of token counts n (e.g. 1,8)")
+    ap.add_argument("--tile-candidates", default="all",
+                    help="tiles part: all, or a comma list of tc, fma_tile, gemv, cublas")
+    ap.add_argument("--tile-pins", default=None,
+                    help="tiles part: also write the best mma-mode candidate per matrix (least time summed over "
+                         "--tile-tokens) as a DSPARK_KERNEL_CONFIGS table to this file")
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench" / "kernels.json"))
     args = ap.parse_args()
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
@@ -311,7 +347,8 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)",
               "torch": torch.__version__}
     parts = {"gemv": part_gemv, "loss": part_loss, "flex": part_flex, "decode_profile": part_decode_profile,
-             "tiles": lambda d: part_tiles(d, args.tile_shape)}
+             "tiles": lambda d: part_tiles(d, args.tile_shape, tokens=tuple(int(t) for t in args.tile_tokens.split(",")),
+                                           candidates=args.tile_candidates)}
     for name in args.parts:
         t0 = time.perf_counter()
         try:
@@ -321,6 +358,8 @@ def main() -> None:
             print(f"part {name} failed: {e!r}", flush=True)
         print(f"[{name}: {time.perf_counter() - t0:.1f} s]", flush=True)
         write_json(Path(args.out), report)
+        if name == "tiles" and args.tile_pins and isinstance(report[name], list):
+            write_json(Path(args.tile_pins), tile_pins(report[name], args.tile_shape, report["device"]))
     print(json.dumps({k: v for k, v in report.items() if k in ("device", "torch")}))
 
 

@@ -236,17 +236,20 @@ def test_split_k_matches_reference_and_is_batch_invariant(splits, variant, swap,
     assert all(int(lock.abs().sum()) == 0 for _, lock in decode._SPLIT_BUFFERS.values())
 
 
-@pytest.mark.parametrize("gemm", ["fma", "mma"])
+@pytest.mark.parametrize("gemm", ["fma", "mma", "mma_fma_tiles"])
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_kernel_step_is_batch_invariant(family, gemm, monkeypatch):
     """A step of n tokens gives bit for bit the logits, aux states and cache of n single-token steps, so a
-    greedy verify of a proposal agrees exactly with AR decoding (bf16 included)."""
+    greedy verify of a proposal agrees exactly with AR decoding (bf16 included); mma_fma_tiles: every product
+    of the mma mode through an FMA tile (``_gemv_rows``: the step's tokens one after another in one program)."""
     from dspark_core.kernels import decode
     from dspark_core.decoding.target_runner import TargetRunner
     from dspark_core.testing import tiny_model
 
     assert decode.BATCH_INVARIANT
-    monkeypatch.setattr(decode, "SMALL_GEMM", gemm)
+    monkeypatch.setattr(decode, "SMALL_GEMM", gemm.split("_")[0])
+    if gemm == "mma_fma_tiles":
+        monkeypatch.setattr(decode, "_config", lambda *a: ("fma", 16, 64, 4))
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     runners = [TargetRunner(tiny_model(family).to(DEVICE, dtype), max_len=64, aux_layer_ids=(1, 3), kernels=True)
                for _ in range(2)]
@@ -310,6 +313,13 @@ def test_pinned_kernel_configs(tmp_path, monkeypatch):
     bad.write_text(json.dumps({"device": table["device"], "configs": {key: [16, 32]}}))
     with pytest.raises(ValueError, match="bad.json.*bad entry"):
         decode.load_kernel_configs(bad, DEVICE)
+    fma_tile = tmp_path / "fma_tile.json"  # an FMA tile of the mma mode round-trips; not as an fma-mode entry
+    fma_key = key.replace("mma:", "fma:")
+    fma_tile.write_text(json.dumps({"device": table["device"], "configs": {key: ["fma", 4, 1024, 4]}}))
+    assert decode.load_kernel_configs(fma_tile, DEVICE) == {key: ("fma", 4, 1024, 4)}
+    fma_tile.write_text(json.dumps({"device": table["device"], "configs": {fma_key: ["fma", 4, 1024, 4]}}))
+    with pytest.raises(ValueError, match="fma_tile.json.*bad entry"):
+        decode.load_kernel_configs(fma_tile, DEVICE)
 
 
 def test_config_store_pins_a_targets_tiles_per_device(tmp_path, monkeypatch):
@@ -415,3 +425,119 @@ def test_tuner_times_from_dram_copies(monkeypatch):
     torch.testing.assert_close(y, decode.fused_linear_reference(x, wg), **_tol(torch.bfloat16))
     (chosen,) = decode._TUNED.values()
     assert chosen in decode._MMA_CONFIGS
+
+
+@pytest.mark.parametrize("cfg", [(2, 64, 4), (16, 32, 1, 4, 3, 0), (16, 32, 3, 4, 3, 1), ("fma", 8, 64, 4)])
+@pytest.mark.parametrize("variant", ["gated_norm", "residual"])
+def test_weight_prefetch_keeps_the_sums(cfg, variant, monkeypatch):
+    """PDL_PREFETCH (the first weight block read before the wait, that block's product peeled out of the K loop)
+    gives the same bits as the loop alone, in both kernel families (FMA GEMV, tensor-core plain and swap-AB +
+    split-K): it moves a load, never a sum."""
+    from dspark_core.kernels import decode
+
+    monkeypatch.setattr(decode, "SMALL_GEMM", "fma" if len(cfg) == 3 else "mma")
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(7)
+    k, n_out, gated = 200, 40, variant == "gated_norm"
+    x = torch.randn(3, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(2 * n_out if gated else n_out, k, generator=g) * 0.1).to(DEVICE, dtype)
+    norm = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE, dtype) if gated else None
+    res = torch.randn(3, n_out, generator=g).to(DEVICE, dtype) if not gated else None
+    outs = []
+    for prefetch in (False, True):
+        monkeypatch.setattr(decode, "PDL_PREFETCH", prefetch)
+        y = torch.empty(3, n_out, device=DEVICE, dtype=dtype)
+        decode._launch(x, w, None, norm, 1e-6, res, y, n_out, gated, cfg)
+        outs.append(y)
+    torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
+    ref = decode.fused_linear_reference(x, w, None, norm_weight=norm, eps=1e-6, gated=gated, residual=res)
+    torch.testing.assert_close(outs[1], ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("cfg", [("fma", 16, 64, 4), ("fma", 8, 256, 4)])
+@pytest.mark.parametrize("variant", ["norm_bias", "gated_norm", "residual"])
+def test_fma_tile_matches_reference_and_is_batch_invariant(cfg, variant, monkeypatch):
+    """The mma mode's FMA tiles (``_gemv_rows``: one program takes every token of the step, the weight tile kept
+    in registers when K <= BLOCK_K, re-read per K block otherwise): right values, and the rows of an 11-token call
+    bit for bit those of 1-token calls."""
+    from dspark_core.kernels import decode
+
+    monkeypatch.setattr(decode, "SMALL_GEMM", "mma")
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(cfg[1])
+    n, k, n_out, gated = 11, 200, 40, variant == "gated_norm"
+    x = torch.randn(n, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(2 * n_out if gated else n_out, k, generator=g) * 0.1).to(DEVICE, dtype)
+    norm = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE, dtype) if variant != "residual" else None
+    bias = (torch.randn(w.shape[0], generator=g) * 0.1).to(DEVICE, dtype) if variant == "norm_bias" else None
+    res = torch.randn(n, n_out, generator=g).to(DEVICE, dtype) if variant == "residual" else None
+
+    def run(rows):
+        y = torch.empty(len(rows), n_out, device=DEVICE, dtype=dtype)
+        decode._launch(x[rows], w, bias, norm, 1e-6, None if res is None else res[rows], y, n_out, gated, cfg)
+        return y
+
+    y_all = run(list(range(n)))
+    ref = decode.fused_linear_reference(x, w, bias, norm_weight=norm, eps=1e-6, gated=gated, residual=res)
+    torch.testing.assert_close(y_all, ref, **_tol(dtype))
+    torch.testing.assert_close(y_all, torch.cat([run([i]) for i in range(n)]), atol=0, rtol=0)
+
+
+def test_tuner_ranks_mma_candidates_by_step_plus_verify(monkeypatch):
+    """In mma mode one tile serves every n, so when FMA tiles compete the tuner times each candidate at n = 1 and
+    at n = 8 and keeps the smallest sum (an FMA tile fast at n = 1 but slow at n = 8 loses to a tensor-core tile
+    that is even); tensor-core tiles alone, and fma mode, are timed at n = 1."""
+    from dspark_core.kernels import decode
+
+    calls = []
+    monkeypatch.setattr(decode, "_launch", lambda x, w, *a: calls.append((a[-1], x.shape[0])))
+    fma_tile, tc, tc2 = ("fma", 4, 1024, 4), (16, 64, 1, 4), (32, 64, 1, 4)
+    cost = {(fma_tile, 1): 1.0, (fma_tile, 8): 5.0, (tc, 1): 2.0, (tc, 8): 2.1, (tc2, 1): 2.5, (tc2, 8): 2.5}
+
+    def fake_graph_time(launch):
+        launch(0)
+        return cost[calls[-1]]
+
+    monkeypatch.setattr(decode, "graph_time_ms", fake_graph_time)
+    x, w = torch.randn(1, 8), torch.randn(4, 8)
+    assert decode._tune(x, w, None, None, 0.0, None, 4, False, [fma_tile, tc], mma=True) == tc
+    assert {n for _, n in calls} == {1, decode.TUNE_VERIFY_TOKENS}
+    calls.clear()
+    assert decode._tune(x, w, None, None, 0.0, None, 4, False, [tc2, tc], mma=True) == tc
+    assert {n for _, n in calls} == {1}
+    calls.clear()
+    assert decode._tune(x, w, None, None, 0.0, None, 4, False, [fma_tile, tc], mma=False) == fma_tile
+    assert {n for _, n in calls} == {1}
+
+
+def test_tile_pins_keep_the_least_summed_time(tmp_path):
+    """``bench_kernels.py --tile-pins``: per matrix the mma-mode candidate with the least time summed over the
+    timed n (one timed at only some n is left out), keyed as the tuner keys the shape; the table loads as a
+    ``DSPARK_KERNEL_CONFIGS`` file."""
+    import sys
+    from pathlib import Path
+
+    from dspark_core.kernels import decode
+
+    bench_dir = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, bench_dir)
+    try:
+        from bench_kernels import decode_matrices, TILE_SHAPES, tile_pins
+    finally:
+        sys.path.remove(bench_dir)
+    fast_one, even, partial = ["fma", 4, 1024, 4], [16, 64, 1, 4], [32, 64, 1, 4]
+    rows = []
+    for name in decode_matrices(**TILE_SHAPES["tiny"]):
+        for n, times in ((1, (1.0, 2.0, 0.5)), (8, (5.0, 2.1, None))):
+            for cfg, us in zip((fast_one, even, partial), times):
+                if us is not None:
+                    rows.append({"matrix": name, "n": n, "mode": "mma", "cfg": cfg, "us": us})
+            rows.append({"matrix": name, "n": n, "mode": "fma", "cfg": [1, 64, 4], "us": 0.1})  # other mode: ignored
+    device = decode._device_name(torch.device(DEVICE))
+    table = tile_pins(rows, "tiny", device, dtype="float32")
+    assert set(table["configs"]) == {"mma:1:128:64:0:float32", "mma:1:64:64:0:float32", "mma:1:96:64:1:float32",
+                                     "mma:1:64:96:0:float32"}  # tiny: Q/K/V and the LM head share a shape
+    assert all(cfg == even for cfg in table["configs"].values())
+    path = tmp_path / "pins.json"
+    path.write_text(json.dumps(table))
+    assert set(decode.load_kernel_configs(path, DEVICE).values()) == {tuple(even)}

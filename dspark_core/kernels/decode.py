@@ -3,14 +3,19 @@
 
 Decoding reads every weight once per step, so the step is a chain of memory-bound matrix-vector
 products; what costs time besides the bytes is the number of kernels (each a few microseconds even
-inside a CUDA graph). One decoder layer is 6 kernels here:
+inside a CUDA graph). One decoder layer is 7 kernels here:
 
 1. ``fused_linear(x, W_qkv, norm_weight=ln1)``: input RMSNorm fused into the fused Q/K/V projection;
 2. ``qk_norm_rope_cache``: Qwen3's per-head q/k RMSNorm, RoPE, and the K/V cache write;
 3. + 4. ``decode_attention``: split-KV attention over the cache (flash-decoding) and the combine;
 5. ``fused_linear(attn, W_o, residual=x)``: output projection + residual;
-6. ``fused_linear(x, W_gate_up, norm_weight=ln2, gated=True)`` then ``fused_linear(h, W_down, residual=x)``:
+6. + 7. ``fused_linear(x, W_gate_up, norm_weight=ln2, gated=True)`` then ``fused_linear(h, W_down, residual=x)``:
    post-attention RMSNorm + gate/up projection + SiLU(gate) * up, and the down projection + residual.
+
+On Hopper every kernel is launched with programmatic dependent launch and lets the next one launch first thing;
+the products read their first weight block before waiting for the previous kernel (``PDL_PREFETCH``), which
+took the ``fma`` SmolLM2 step from 0.469 to 0.372 ms on an H200 (session 11: two runs of the same code, one with
+DSPARK_PDL_PREFETCH=0).
 
 Element-wise steps round to the model dtype where Hugging Face's modules do (projection outputs, RoPE
 products, SiLU, residual adds); the RMSNorms are folded into the products (``W (g x rstd) = rstd W (g x)``,
@@ -57,6 +62,11 @@ if PDL:
 else:  # never traced: every use sits under ``if PDL_ON:`` (a constexpr False)
     gdc_launch_dependents = gdc_wait = None
 _LAUNCH = {"launch_pdl": True} if PDL else {}
+# Weight prefetch across kernels (default on; DSPARK_PDL_PREFETCH=0 for the session-10 kernels): each product
+# kernel lets the next one launch first thing (``gdc_launch_dependents``), and loads its first weight block
+# *before* ``gdc_wait``: weights are constants, so that read may overlap the previous kernel, which is where a
+# launch-bound step (SmolLM2: 30 layers x 7 small kernels) spends its time. The sums are the same either way.
+PDL_PREFETCH = os.environ.get("DSPARK_PDL_PREFETCH", "1") != "0"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -64,15 +74,15 @@ _LAUNCH = {"launch_pdl": True} if PDL else {}
 # --------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["M"])
 def _gemv(X, NW, W, BIAS, R, Y, M, N, K, eps, NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-          RESID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL_ON: tl.constexpr):
+          RESID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL_ON: tl.constexpr,
+          PREFETCH: tl.constexpr):
     """Token ``pid % M`` (x [M, K]): rows [(pid // M) * BLOCK_N, +BLOCK_N) of W, fp32 FMA.
 
     Every token is computed by the same instructions whatever M is (batch-invariant: a verify step of n
     tokens gives bit for bit the logits of n single steps); the M programs of one weight tile run side by
     side, so the tile comes from DRAM once and from L2 for the others.
-    NORM in one pass: ``W (g * x * rstd) = rstd * (W (g * x))``, the sum of squares accumulated alongside."""
-    if PDL_ON:
-        gdc_wait()  # the previous kernel's outputs are complete and visible after this
+    NORM in one pass: ``W (g * x * rstd) = rstd * (W (g * x))``, the sum of squares accumulated alongside.
+    PREFETCH: see ``PDL_PREFETCH`` (same sums in the same order either way)."""
     pid = tl.program_id(0)
     tok = pid % M
     pid = pid // M
@@ -86,19 +96,32 @@ def _gemv(X, NW, W, BIAS, R, Y, M, N, K, eps, NORM: tl.constexpr, GATED: tl.cons
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     ss = tl.zeros([BLOCK_K], tl.float32)
     w_rows = W + rows.to(tl.int64)[:, None] * K
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    if PREFETCH:
+        if PDL_ON:
+            gdc_launch_dependents()  # the next kernel may launch now and prefetch its own weights
+        cols = tl.arange(0, BLOCK_K)
+        w, w2 = _w_tile(w_rows, cols, cols < K, rmask, N, K, GATED)  # weights: safe to read before the wait
+        if PDL_ON:
+            gdc_wait()  # the previous kernel's outputs are complete and visible after this
+        acc, acc2, ss = _gemv_block(X, NW, w, w2, acc, acc2, ss, cols, K, NORM, GATED)
+        k_start = BLOCK_K
+    elif PDL_ON:
+        gdc_wait()
+    for k0 in range(k_start, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        cmask = cols < K
-        xf = tl.load(X + cols, mask=cmask, other=0.0).to(tl.float32)
-        if NORM:
-            ss += xf * xf
-            xf = xf * tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
-        m2 = rmask[:, None] & cmask[None, :]
-        acc += tl.load(w_rows + cols[None, :], mask=m2, other=0.0).to(tl.float32) * xf[None, :]
-        if GATED:
-            acc2 += tl.load(w_rows + N * K + cols[None, :], mask=m2, other=0.0).to(tl.float32) * xf[None, :]
-    if PDL_ON:
+        w, w2 = _w_tile(w_rows, cols, cols < K, rmask, N, K, GATED)
+        acc, acc2, ss = _gemv_block(X, NW, w, w2, acc, acc2, ss, cols, K, NORM, GATED)
+    if PDL_ON and not PREFETCH:
         gdc_launch_dependents()  # let the next kernel launch while this one finishes
+    _gemv_epilogue(acc, acc2, ss, BIAS, R, Y, rows, rmask, N, K, eps, dt, NORM, GATED, HAS_BIAS, RESID)
+
+
+@triton.jit
+def _gemv_epilogue(acc, acc2, ss, BIAS, R, Y, rows, rmask, N, K, eps, dt: tl.constexpr, NORM: tl.constexpr,
+                   GATED: tl.constexpr, HAS_BIAS: tl.constexpr, RESID: tl.constexpr):
+    """One token's outputs of ``_gemv`` / ``_gemv_rows``: row sums, norm scale, bias, gating, residual (rounding
+    where HF does), stored at Y[rows]."""
     y = tl.sum(acc, 1)
     rstd = 1.0
     if NORM:
@@ -119,11 +142,77 @@ def _gemv(X, NW, W, BIAS, R, Y, M, N, K, eps, NORM: tl.constexpr, GATED: tl.cons
     tl.store(Y + rows, y.to(dt), mask=rmask)
 
 
+@triton.jit
+def _w_tile(w_rows, cols, cmask, rmask, N, K, GATED: tl.constexpr):
+    """The weight tile [rows, cols] (w_rows: the rows' pointers), and with GATED the same rows of W's second half
+    (the up projection, N rows further); the first one otherwise."""
+    m2 = rmask[:, None] & cmask[None, :]
+    w = tl.load(w_rows + cols[None, :], mask=m2, other=0.0)
+    w2 = w
+    if GATED:
+        w2 = tl.load(w_rows + N * K + cols[None, :], mask=m2, other=0.0)
+    return w, w2
+
+
+@triton.jit
+def _gemv_block(X, NW, w, w2, acc, acc2, ss, cols, K, NORM: tl.constexpr, GATED: tl.constexpr):
+    """One K block of ``_gemv``: acc (+ acc2) += W tile * x block, ss += x^2 (NORM)."""
+    cmask = cols < K
+    xf = tl.load(X + cols, mask=cmask, other=0.0).to(tl.float32)
+    if NORM:
+        ss += xf * xf
+        xf = xf * tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
+    acc += w.to(tl.float32) * xf[None, :]
+    if GATED:
+        acc2 += w2.to(tl.float32) * xf[None, :]
+    return acc, acc2, ss
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_rows(X, NW, W, BIAS, R, Y, M, N, K, eps, NORM: tl.constexpr, GATED: tl.constexpr,
+               HAS_BIAS: tl.constexpr, RESID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               PDL_ON: tl.constexpr, PREFETCH: tl.constexpr):
+    """Rows [pid * BLOCK_N, +BLOCK_N) of W for all M tokens, one token after the other, fp32 FMA: the FMA tiles
+    of the ``mma`` mode (``("fma", BLOCK_N, BLOCK_K, warps)``; session 11).
+
+    Each token is summed exactly as ``_gemv`` sums it (same blocks, same order), by the same loop body whatever
+    M is: batch-invariant. Unlike ``_gemv`` (a program per token and tile) the M tokens share one program, so
+    when K <= BLOCK_K the weight tile is read once, before the wait (``PDL_PREFETCH``), and stays in registers
+    for every token: a verify of n tokens reads W once, as one token does (small models, where tensor-core
+    tiles lose to their fixed costs). When K > BLOCK_K later tokens re-read the tile from cache."""
+    pid = tl.program_id(0)
+    dt = Y.dtype.element_ty
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    w_rows = W + rows.to(tl.int64)[:, None] * K
+    if PREFETCH and PDL_ON:
+        gdc_launch_dependents()  # the next kernel may launch now and prefetch its own weights
+    if PDL_ON and not PREFETCH:
+        gdc_wait()
+    cols = tl.arange(0, BLOCK_K)
+    w_first, w2_first = _w_tile(w_rows, cols, cols < K, rmask, N, K, GATED)  # weights: before the wait
+    if PDL_ON and PREFETCH:
+        gdc_wait()  # the previous kernel's outputs are complete and visible after this
+    for tok in range(0, M):
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        ss = tl.zeros([BLOCK_K], tl.float32)
+        acc, acc2, ss = _gemv_block(X + tok * K, NW, w_first, w2_first, acc, acc2, ss, cols, K, NORM, GATED)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            ck = k0 + tl.arange(0, BLOCK_K)
+            w, w2 = _w_tile(w_rows, ck, ck < K, rmask, N, K, GATED)
+            acc, acc2, ss = _gemv_block(X + tok * K, NW, w, w2, acc, acc2, ss, ck, K, NORM, GATED)
+        _gemv_epilogue(acc, acc2, ss, BIAS, R + tok * N, Y + tok * N, rows, rmask, N, K, eps, dt, NORM, GATED,
+                       HAS_BIAS, RESID)
+    if PDL_ON and not PREFETCH:
+        gdc_launch_dependents()
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemm_small(X, NW, W, BIAS, R, Y, WS, LOCK, M, N, K, K_SPLIT, eps, NORM: tl.constexpr, GATED: tl.constexpr,
                 HAS_BIAS: tl.constexpr, RESID: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, SWAP: tl.constexpr,
-                PDL_ON: tl.constexpr):
+                PDL_ON: tl.constexpr, PREFETCH: tl.constexpr):
     """Up to BLOCK_M tokens (x [M, K]): columns [pid * BLOCK_N, +BLOCK_N) of y over the K range
     [split * K_SPLIT, +K_SPLIT), tensor-core dots (IEEE float32 dots for float32 inputs: no TF32). NORM in one
     pass as in ``_gemv``.
@@ -137,9 +226,8 @@ def _gemm_small(X, NW, W, BIAS, R, Y, WS, LOCK, M, N, K, K_SPLIT, eps, NORM: tl.
     counter. No second kernel launch.
     SWAP (swap-AB): the product is computed transposed, ``W_tile [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]``,
     so the weight tile is the MMA's M side (64+ rows: Hopper's warpgroup MMA) and the 16 token rows its N side;
-    each output column still depends on its own token only (batch-invariant the same way)."""
-    if PDL_ON:
-        gdc_wait()  # the previous kernel's outputs are complete and visible after this
+    each output column still depends on its own token only (batch-invariant the same way).
+    PREFETCH: see ``PDL_PREFETCH`` (same sums in the same order either way)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     dt = Y.dtype.element_ty
@@ -155,27 +243,25 @@ def _gemm_small(X, NW, W, BIAS, R, Y, WS, LOCK, M, N, K, K_SPLIT, eps, NORM: tl.
     w_rows = W + cn.to(tl.int64)[:, None] * K
     k_lo = split * K_SPLIT
     k_hi = k_lo + K_SPLIT
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    k_start = k_lo
+    if PREFETCH:
+        if PDL_ON:
+            gdc_launch_dependents()  # the next kernel may launch now and prefetch its own weights
+        cols = k_lo + tl.arange(0, BLOCK_K)
+        w, w2 = _w_tile(w_rows, cols, (cols < K) & (cols < k_hi), nmask, N, K, GATED)  # weights: before the wait
+        if PDL_ON:
+            gdc_wait()  # the previous kernel's outputs are complete and visible after this
+        acc, acc2, acc_t, acc2_t, ss = _gemm_block(X, NW, w, w2, acc, acc2, acc_t, acc2_t, ss, rm, mmask, cols,
+                                                   K, k_hi, NORM, GATED, SWAP, IEEE)
+        k_start = k_lo + BLOCK_K
+    elif PDL_ON:
+        gdc_wait()
+    for k0 in range(k_start, k_hi, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        cmask = (cols < K) & (cols < k_hi)
-        xv = tl.load(X + rm[:, None] * K + cols[None, :], mask=mmask[:, None] & cmask[None, :], other=0.0)
-        if NORM:
-            xf = xv.to(tl.float32)
-            ss += xf * xf
-            xv = (xf * tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]).to(xv.dtype)
-        m2 = nmask[:, None] & cmask[None, :]
-        w = tl.load(w_rows + cols[None, :], mask=m2, other=0.0)
-        if SWAP:
-            acc_t = _mma(w, tl.trans(xv), acc_t, IEEE)
-        else:
-            acc = _mma(xv, tl.trans(w), acc, IEEE)
-        if GATED:
-            w2 = tl.load(w_rows + N * K + cols[None, :], mask=m2, other=0.0)
-            if SWAP:
-                acc2_t = _mma(w2, tl.trans(xv), acc2_t, IEEE)
-            else:
-                acc2 = _mma(xv, tl.trans(w2), acc2, IEEE)
-    if PDL_ON:
+        w, w2 = _w_tile(w_rows, cols, (cols < K) & (cols < k_hi), nmask, N, K, GATED)
+        acc, acc2, acc_t, acc2_t, ss = _gemm_block(X, NW, w, w2, acc, acc2, acc_t, acc2_t, ss, rm, mmask, cols,
+                                                   K, k_hi, NORM, GATED, SWAP, IEEE)
+    if PDL_ON and not PREFETCH:
         gdc_launch_dependents()  # let the next kernel launch while this one finishes
     if SWAP:
         acc = tl.trans(acc_t)
@@ -209,6 +295,27 @@ def _gemm_small(X, NW, W, BIAS, R, Y, WS, LOCK, M, N, K, K_SPLIT, eps, NORM: tl.
     else:
         _gemm_epilogue(acc, acc2, sq, BIAS, R, Y, N, K, eps, rm, mmask, cn, nmask, dt, NORM, GATED, HAS_BIAS, RESID,
                        BLOCK_M)
+
+
+@triton.jit
+def _gemm_block(X, NW, w, w2, acc, acc2, acc_t, acc2_t, ss, rm, mmask, cols, K, k_hi, NORM: tl.constexpr,
+                GATED: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr):
+    """One K block of ``_gemm_small``: the x block [BLOCK_M, BLOCK_K] (normed: NORM) times the W tile(s)."""
+    cmask = (cols < K) & (cols < k_hi)
+    xv = tl.load(X + rm[:, None] * K + cols[None, :], mask=mmask[:, None] & cmask[None, :], other=0.0)
+    if NORM:
+        xf = xv.to(tl.float32)
+        ss += xf * xf
+        xv = (xf * tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]).to(xv.dtype)
+    if SWAP:
+        acc_t = _mma(w, tl.trans(xv), acc_t, IEEE)
+        if GATED:
+            acc2_t = _mma(w2, tl.trans(xv), acc2_t, IEEE)
+    else:
+        acc = _mma(xv, tl.trans(w), acc, IEEE)
+        if GATED:
+            acc2 = _mma(xv, tl.trans(w2), acc2, IEEE)
+    return acc, acc2, acc_t, acc2_t, ss
 
 
 @triton.jit
@@ -267,7 +374,17 @@ _MMA_CONFIGS = [(32, 128, 1, 4), (16, 256, 1, 4), (64, 128, 1, 4), (16, 128, 2, 
                 # session 10: swap-AB won Qwen3-4B's Q/K/V, O, gate/up and LM head on an H200; split-K with it for
                 # the narrow matrices (N = 2560: O and down have 40 tiles of 64 for 132 SMs)
                 (64, 128, 4, 4, 4, 1), (64, 128, 8, 4, 4, 1), (64, 256, 2, 4, 3, 1), (64, 256, 4, 4, 3, 1),
-                (64, 64, 4, 4, 6, 1), (64, 64, 8, 4, 6, 1), (128, 128, 2, 8, 3, 1), (128, 64, 4, 4, 5, 1)]
+                (64, 64, 4, 4, 6, 1), (64, 64, 8, 4, 6, 1), (128, 128, 2, 8, 3, 1), (128, 64, 4, 4, 5, 1),
+]
+# Session 11: FMA tiles of the mma mode, ("fma", BLOCK_N, BLOCK_K, num_warps) (``_gemv_rows``: one program takes
+# every token of the step, summed as the fma GEMV sums). Opt-in (DSPARK_FMA_TILES=1 adds them to the tuner's
+# candidates; ``bench_kernels.py --parts tiles --tile-candidates fma_tile`` times them): on an H200 at SmolLM2
+# shapes they match the GEMV at n = 1 (Q/K/V 1.7 vs 1.6 us, LM head 27.6 vs 25.7 us) but their tokens run one
+# after another, so n = 8 costs 3.5-4.5x n = 1 (Q/K/V 7.2 us) -- no cheaper verify, and a slower warm-up.
+_FMA_TILES = [("fma", 4, 1024, 4), ("fma", 2, 1024, 4), ("fma", 8, 1024, 8), ("fma", 16, 1024, 8), ("fma", 4, 2048, 8),
+              ("fma", 2, 2048, 4), ("fma", 8, 512, 4), ("fma", 16, 512, 8), ("fma", 1, 2048, 4)]
+if os.environ.get("DSPARK_FMA_TILES", "0") == "1":
+    _MMA_CONFIGS += _FMA_TILES
 _TUNED: dict[tuple, tuple] = {}
 TUNE = os.environ.get("DSPARK_TUNE_KERNELS", "1") != "0"
 # The tuner times each candidate once per process, and near-equal candidates can swap between runs. With
@@ -343,6 +460,11 @@ def _split_buffers(device, tiles: int, splits: int, block_n: int) -> tuple[torch
     return _SPLIT_BUFFERS[key]
 
 
+def is_fma_tile(cfg: tuple) -> bool:
+    """An ``mma``-mode candidate that is an FMA tile (``_gemv_rows``) rather than a tensor-core one."""
+    return cfg[0] == "fma"
+
+
 def _launch(x, w, bias, norm_weight, eps, residual, y, n_out, gated, cfg):
     m, k = x.shape
     flags = dict(NORM=norm_weight is not None, GATED=gated, HAS_BIAS=bias is not None, RESID=residual is not None)
@@ -352,7 +474,12 @@ def _launch(x, w, bias, norm_weight, eps, residual, y, n_out, gated, cfg):
     if not _uses_mma(m):
         bn, bk, warps = cfg
         _gemv[(m * triton.cdiv(n_out, bn),)](x, nw, w, b, r, y, m, n_out, k, eps, **flags, BLOCK_N=bn, BLOCK_K=bk,
-                                             PDL_ON=PDL, num_warps=warps, **_LAUNCH)
+                                             PDL_ON=PDL, PREFETCH=PDL_PREFETCH, num_warps=warps, **_LAUNCH)
+        return
+    if is_fma_tile(cfg):
+        _, bn, bk, warps = cfg
+        _gemv_rows[(triton.cdiv(n_out, bn),)](x, nw, w, b, r, y, m, n_out, k, eps, **flags, BLOCK_N=bn, BLOCK_K=bk,
+                                              PDL_ON=PDL, PREFETCH=PDL_PREFETCH, num_warps=warps, **_LAUNCH)
         return
     bn, bk, splits, warps, *rest = cfg
     stages = rest[0] if rest else 3  # Triton's default
@@ -363,7 +490,8 @@ def _launch(x, w, bias, norm_weight, eps, residual, y, n_out, gated, cfg):
     ws, lock = _split_buffers(x.device, tiles, splits, bn) if splits > 1 else (y, y)
     _gemm_small[(tiles, splits)](x, nw, w, b, r, y, ws, lock, m, n_out, k, k_split, eps, **flags,
                                  IEEE=x.dtype == torch.float32, BLOCK_M=MMA_ROWS, BLOCK_N=bn, BLOCK_K=bk,
-                                 SPLITS=splits, SWAP=swap, PDL_ON=PDL, num_warps=warps, num_stages=stages,
+                                 SPLITS=splits, SWAP=swap, PDL_ON=PDL, PREFETCH=PDL_PREFETCH, num_warps=warps,
+                                 num_stages=stages,
                                  **_LAUNCH)
 
 
@@ -386,24 +514,44 @@ def _config(x, w, bias, norm_weight, eps, residual, y, n_out, gated):
     if pinned is not None:
         _TUNED[key] = pinned
         return pinned
-    if INTERPRET:  # the CPU interpreter runs programs one by one: the fewest, widest tiles
-        return _remember(key, max(configs, key=lambda c: c[0]))
+    if INTERPRET:  # the CPU interpreter runs programs one by one: the fewest, widest (tensor-core) tiles
+        return _remember(key, max((c for c in configs if not is_fma_tile(c)), key=lambda c: c[0]))
     if not TUNE or not x.is_cuda or torch.cuda.is_current_stream_capturing():
         return configs[0]
-    weights = weight_copies(w)
+    return _remember(key, _tune(x, w, bias, norm_weight, eps, residual, n_out, gated, configs, mma))
 
-    def launch(i: int, cfg: tuple) -> None:
-        _launch(x, weights[i % len(weights)], bias, norm_weight, eps, residual, y, n_out, gated, cfg)
+
+TUNE_VERIFY_TOKENS = 8  # mma mode with FMA tiles: a candidate's cost is its n = 1 + its n = 8 time (step + verify)
+
+
+def _tune(x, w, bias, norm_weight, eps, residual, n_out, gated, configs, mma: bool) -> tuple:
+    """The fastest of ``configs`` for x [1, K]: ``graph_time_ms`` over ``weight_copies`` (DRAM reads, no host
+    launch cost). In ``mma`` mode one configuration serves every n; when FMA tiles compete (DSPARK_FMA_TILES=1) a
+    candidate is timed at n = 1 and at n = 8 (a block-7 verify) and ranked by the sum, since FMA tiles grow with n
+    and tensor-core tiles barely do (tensor-core tiles alone: n = 1, half the warm-up)."""
+    weights = weight_copies(w)
+    inputs = [(x, residual, torch.empty(x.shape[0], n_out, device=x.device, dtype=x.dtype))]
+    if mma and BATCH_INVARIANT and any(is_fma_tile(c) for c in configs):  # x is one token here; add the verify's n
+        n = TUNE_VERIFY_TOKENS
+        rn = residual.expand(n, -1).contiguous() if residual is not None else None
+        inputs.append((x.expand(n, -1).contiguous(), rn, torch.empty(n, n_out, device=x.device, dtype=x.dtype)))
+
+    def cost(cfg: tuple) -> float:
+        total = 0.0
+        for xn, rn, yn in inputs:
+            total += graph_time_ms(lambda i: _launch(xn, weights[i % len(weights)], bias, norm_weight, eps, rn, yn,
+                                                     n_out, gated, cfg))
+        return total
 
     best, best_ms = configs[0], float("inf")
     for cfg in configs:
         try:
-            ms = graph_time_ms(lambda i, cfg=cfg: launch(i, cfg))
+            ms = cost(cfg)
         except Exception:  # a config that does not compile (resources) is skipped  # noqa: BLE001
             continue
         if ms < best_ms:
             best, best_ms = cfg, ms
-    return _remember(key, best)
+    return best
 
 
 TUNE_BYTES = 256 << 20  # the tuner reads at least this many weight bytes per timing (> an H200's 50 MB L2)
@@ -492,14 +640,25 @@ def load_kernel_configs(path: str | os.PathLike, device: torch.device | str = "c
     if data.get("device") != here:
         raise ValueError(f"{KERNEL_CONFIGS_ENV}={path}: configurations tuned on {data.get('device')!r}, "
                          f"this device is {here!r}")
-    sizes = {"mma": (4, 5, 6), "fma": (3,)}
     out = {}
     for key, cfg in data["configs"].items():
-        kind = key.split(":")[0]
-        if kind not in sizes or not isinstance(cfg, list) or len(cfg) not in sizes[kind]:
+        parsed = _parse_config(key.split(":")[0], cfg)
+        if parsed is None:
             raise ValueError(f"{KERNEL_CONFIGS_ENV}={path}: bad entry {key!r}: {cfg!r}")
-        out[key] = tuple(int(c) for c in cfg)
+        out[key] = parsed
     return out
+
+
+def _parse_config(kind: str, cfg) -> tuple | None:
+    """A stored configuration as the tuple ``_launch`` takes (None when it is not one of ``kind``'s)."""
+    if not isinstance(cfg, list):
+        return None
+    if kind == "mma" and len(cfg) == 4 and cfg[0] == "fma" and all(isinstance(c, int) for c in cfg[1:]):
+        return ("fma", *cfg[1:])
+    sizes = {"mma": (4, 5, 6), "fma": (3,)}
+    if kind not in sizes or len(cfg) not in sizes[kind] or not all(isinstance(c, int) for c in cfg):
+        return None
+    return tuple(cfg)
 
 
 _PINNED_LOADED: list[bool] = [False]
@@ -607,8 +766,11 @@ def fused_linear_reference(x, w, bias=None, *, norm_weight=None, eps=0.0, gated=
 @triton.jit
 def _qk_rope_cache(QKV, QN, KN, COS, SIN, POS, OFF, KC, VC, QOUT, M_ALLOC, eps, HQ: tl.constexpr,
                    HKV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr, TREE: tl.constexpr,
-                   PDL_ON: tl.constexpr):
-    """Token t, head j: RoPE at position POS[t]; K/V written at slot POS[t] (+ OFF[t] with TREE)."""
+                   PDL_ON: tl.constexpr, EARLY: tl.constexpr):
+    """Token t, head j: RoPE at position POS[t]; K/V written at slot POS[t] (+ OFF[t] with TREE).
+    EARLY: the next kernel may launch first thing (``PDL_PREFETCH``)."""
+    if PDL_ON and EARLY:
+        gdc_launch_dependents()
     if PDL_ON:
         gdc_wait()  # the previous kernel's outputs are complete and visible after this
     t = tl.program_id(0)
@@ -633,7 +795,7 @@ def _qk_rope_cache(QKV, QN, KN, COS, SIN, POS, OFF, KC, VC, QOUT, M_ALLOC, eps, 
         wkr = tl.load(KN + rot).to(tl.float32)
         x = (tl.where(is_q, wq, wk) * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         xr = (tl.where(is_q, wqr, wkr) * (xr * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    if PDL_ON:
+    if PDL_ON and not EARLY:
         gdc_launch_dependents()  # let the next kernel launch while this one finishes
     cos = tl.load(COS + pos * D + d).to(tl.float32)
     sin = tl.load(SIN + pos * D + d).to(tl.float32)
@@ -664,7 +826,7 @@ def qk_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: t
     _qk_rope_cache[(n, num_heads + num_kv_heads)](qkv, qn, kn, cos, sin, pos, slot_offset if tree else pos,
                                                   k_cache, v_cache, q, k_cache.shape[2], eps, HQ=num_heads,
                                                   HKV=num_kv_heads, D=d, HAS_NORM=has_norm, TREE=tree, PDL_ON=PDL,
-                                                  num_warps=1 if d <= 64 else 2, **_LAUNCH)
+                                                  EARLY=PDL_PREFETCH, num_warps=1 if d <= 64 else 2, **_LAUNCH)
     return q
 
 
@@ -674,11 +836,14 @@ def qk_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: t
 @triton.jit
 def _attn_split(Q, KC, VC, POS, OFF, BACK, OP, MP, LP, M_ALLOC, split_len, scale, G: tl.constexpr,
                 HKV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, NS_P: tl.constexpr, BLOCK: tl.constexpr,
-                IEEE: tl.constexpr, TREE: tl.constexpr, PDL_ON: tl.constexpr):
+                IEEE: tl.constexpr, TREE: tl.constexpr, PDL_ON: tl.constexpr, EARLY: tl.constexpr):
     """Program (kv head h, split s, token t): the G query heads of token t over keys
     [s * split_len, +split_len) that t may see (<= its position). One token per program: batch-invariant.
     TREE: the keys are logical positions; those >= POS[t] - BACK[t] are read OFF[t] slots further (a draft
-    tree's branch rows, ``dspark_core.decoding.tree``), so the sums run in the same order as without a tree."""
+    tree's branch rows, ``dspark_core.decoding.tree``), so the sums run in the same order as without a tree.
+    EARLY: the next kernel may launch first thing (``PDL_PREFETCH``)."""
+    if PDL_ON and EARLY:
+        gdc_launch_dependents()
     if PDL_ON:
         gdc_wait()  # the previous kernel's outputs are complete and visible after this
     h = tl.program_id(0)
@@ -720,7 +885,7 @@ def _attn_split(Q, KC, VC, POS, OFF, BACK, OP, MP, LP, M_ALLOC, split_len, scale
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    if PDL_ON:
+    if PDL_ON and not EARLY:
         gdc_launch_dependents()  # let the next kernel launch while this one finishes
     idx = ((t * HKV + h) * NS_P + s) * ROWS + g
     tl.store(MP + idx, m_i)
@@ -730,7 +895,10 @@ def _attn_split(Q, KC, VC, POS, OFF, BACK, OP, MP, LP, M_ALLOC, split_len, scale
 
 @triton.jit
 def _attn_combine(OP, MP, LP, OUT, NS, NS_P: tl.constexpr, G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                  ROWS: tl.constexpr, PDL_ON: tl.constexpr):
+                  ROWS: tl.constexpr, PDL_ON: tl.constexpr, EARLY: tl.constexpr):
+    """EARLY: the next kernel (a product, prefetching its weights) may launch first thing (``PDL_PREFETCH``)."""
+    if PDL_ON and EARLY:
+        gdc_launch_dependents()
     if PDL_ON:
         gdc_wait()  # the previous kernel's outputs are complete and visible after this
     h = tl.program_id(0)
@@ -770,8 +938,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     off, back = tree if tree is not None else (pos, pos)
     _attn_split[(hkv, splits, n)](q, k_cache, v_cache, pos, off, back, op, mp, lp, m_alloc, split_len, scale, G=g,
                                   HKV=hkv, D=d, ROWS=rows, NS_P=ns_p, BLOCK=block, IEEE=q.dtype == torch.float32,
-                                  TREE=tree is not None, PDL_ON=PDL, num_warps=4, **_LAUNCH)
+                                  TREE=tree is not None, PDL_ON=PDL, EARLY=PDL_PREFETCH, num_warps=4,
+                                  **_LAUNCH)
     out = torch.empty_like(q)
     _attn_combine[(hkv, n * g)](op, mp, lp, out, splits, NS_P=ns_p, G=g, HKV=hkv, D=d, ROWS=rows, PDL_ON=PDL,
-                                num_warps=1, **_LAUNCH)
+                                EARLY=PDL_PREFETCH, num_warps=1, **_LAUNCH)
     return out
