@@ -120,28 +120,30 @@ def step_ms(runner: TargetRunner, n: int, iters: int) -> float:
     return 1e3 * (t() - t0) / iters
 
 
-def kernel_profile(long_fn, short_fn, units: int, top: int = 14) -> dict:
-    """GPU kernels of ``units`` decode units (steps or cycles): the kernels of ``long_fn()`` less those of
-    ``short_fn()`` (the same work with ``units`` fewer steps / cycles, so prefill and set-up cancel), per unit:
-    how many kernels a unit launches and their summed device time (overlapping under PDL: the sum exceeds the
-    wall time when kernels overlap; with ``PDL_PREFETCH`` a kernel launches early, so its duration includes its
-    wait for the previous one: read the counts, not the times), the ``top`` kernels by time. ``--profile`` only
-    (CUPTI traces the kernels a CUDA graph replays)."""
+def kernel_profile(long_fn, short_fn, units, top: int = 14) -> dict:
+    """GPU kernels of the decode units (steps or cycles) that ``long_fn()`` runs beyond ``short_fn()`` (the same
+    work with fewer units, so prefill and set-up cancel), per unit: how many kernels a unit launches and their
+    summed device time (overlapping under PDL: the sum exceeds the wall time when kernels overlap; with
+    ``PDL_PREFETCH`` a kernel launches early, so its duration includes its wait for the previous one: read the
+    counts, not the times), the ``top`` kernels by time. ``units``: a number, or ``units(long_result,
+    short_result)`` from the profiled calls' results. ``--profile`` only (CUPTI traces the kernels a CUDA graph
+    replays)."""
     from torch.profiler import ProfilerActivity, profile
 
-    def kernels(fn) -> dict[str, list[float]]:
+    def kernels(fn) -> tuple[dict[str, list[float]], object]:
         fn()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
+            result = fn()
             torch.cuda.synchronize()
         out: dict[str, list[float]] = {}
         for e in prof.events():
             if e.device_type.name == "CUDA" and e.device_time_total > 0 and not e.name.startswith("Memcpy"):
                 out.setdefault(e.name[:80], []).append(e.device_time_total)
-        return out
+        return out, result
 
-    long, short = kernels(long_fn), kernels(short_fn)
+    (long, long_result), (short, short_result) = kernels(long_fn), kernels(short_fn)
+    units = units(long_result, short_result) if callable(units) else units
     rows = []
     for name, times in long.items():
         count = (len(times) - len(short.get(name, []))) / units
@@ -192,11 +194,9 @@ def static_cycle(model, prompt: torch.Tensor, args) -> dict:
            "cycle_verify_ms": 1e3 * sum(res.verify_s) / len(res.verify_s), "cycle_draft_layers": args.cycle_draft_layers,
            "cycle_draft_kernels": static.static.kernels, "cycle_random_draft_mal": res.mean_accepted_length}
     if args.profile and gpu:  # a random draft accepts ~nothing: about one cycle per token
-        long_res = static.generate(prompt[0], 64)
-        short_res = static.generate(prompt[0], 16)
         out["profile_cycle"] = kernel_profile(lambda s=static: s.generate(prompt[0], 64),
                                               lambda s=static: s.generate(prompt[0], 16),
-                                              long_res.cycles - short_res.cycles)
+                                              lambda long, short: long.cycles - short.cycles)
     del static, runner, draft
     return out
 

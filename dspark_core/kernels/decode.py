@@ -374,8 +374,7 @@ _MMA_CONFIGS = [(32, 128, 1, 4), (16, 256, 1, 4), (64, 128, 1, 4), (16, 128, 2, 
                 # session 10: swap-AB won Qwen3-4B's Q/K/V, O, gate/up and LM head on an H200; split-K with it for
                 # the narrow matrices (N = 2560: O and down have 40 tiles of 64 for 132 SMs)
                 (64, 128, 4, 4, 4, 1), (64, 128, 8, 4, 4, 1), (64, 256, 2, 4, 3, 1), (64, 256, 4, 4, 3, 1),
-                (64, 64, 4, 4, 6, 1), (64, 64, 8, 4, 6, 1), (128, 128, 2, 8, 3, 1), (128, 64, 4, 4, 5, 1),
-]
+                (64, 64, 4, 4, 6, 1), (64, 64, 8, 4, 6, 1), (128, 128, 2, 8, 3, 1), (128, 64, 4, 4, 5, 1)]
 # Session 11: FMA tiles of the mma mode, ("fma", BLOCK_N, BLOCK_K, num_warps) (``_gemv_rows``: one program takes
 # every token of the step, summed as the fma GEMV sums). Opt-in (DSPARK_FMA_TILES=1 adds them to the tuner's
 # candidates; ``bench_kernels.py --parts tiles --tile-candidates fma_tile`` times them): on an H200 at SmolLM2
