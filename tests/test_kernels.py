@@ -208,12 +208,13 @@ def test_chunked_distill_triton_matches_torch(monkeypatch, with_markov):
 
 
 @pytest.mark.parametrize("swap", [0, 1])
-@pytest.mark.parametrize("splits", [1, 2, 3, 8])
+@pytest.mark.parametrize("splits", [1, 2, 3, 8, -1, -2, -4])
 @pytest.mark.parametrize("variant", ["norm_bias", "gated_norm", "residual"])
 def test_split_k_matches_reference_and_is_batch_invariant(splits, variant, swap, monkeypatch):
-    """The tensor-core kernel with split-K (partials reduced in split order by the last program of a tile),
-    plain or swap-AB (the weight tile as the MMA's M side): right values, and rows of a 5-token call bit for bit
-    those of 1-token calls; the counters end at zero."""
+    """The tensor-core kernel with split-K (partials reduced in split order by the last program of a tile) and
+    stream-K (splits -c: c programs per SM, K blocks cut into equal runs across tiles, 2-7 programs sharing a
+    tile here), plain or swap-AB (the weight tile as the MMA's M side): right values, and rows of a 5-token call
+    bit for bit those of 1-token calls; the counters end at zero."""
     from dspark_core.kernels import decode
     from dspark_core.kernels.decode import _launch, fused_linear_reference
 
@@ -241,12 +242,13 @@ def test_split_k_matches_reference_and_is_batch_invariant(splits, variant, swap,
     assert all(int(lock.abs().sum()) == 0 for _, lock in decode._SPLIT_BUFFERS.values())
 
 
-@pytest.mark.parametrize("gemm", ["fma", "mma", "mma_fma_tiles"])
+@pytest.mark.parametrize("gemm", ["fma", "mma", "mma_fma_tiles", "mma_stream_k"])
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_kernel_step_is_batch_invariant(family, gemm, monkeypatch):
     """A step of n tokens gives bit for bit the logits, aux states and cache of n single-token steps, so a
     greedy verify of a proposal agrees exactly with AR decoding (bf16 included); mma_fma_tiles: every product
-    of the mma mode through an FMA tile (``_gemv_rows``: the step's tokens one after another in one program)."""
+    of the mma mode through an FMA tile (``_gemv_rows``: the step's tokens one after another in one program);
+    mma_stream_k: every product stream-K (``_gemm_stream``)."""
     from dspark_core.kernels import decode
     from dspark_core.decoding.target_runner import TargetRunner
     from dspark_core.testing import tiny_model
@@ -255,6 +257,8 @@ def test_kernel_step_is_batch_invariant(family, gemm, monkeypatch):
     monkeypatch.setattr(decode, "SMALL_GEMM", gemm.split("_")[0])
     if gemm == "mma_fma_tiles":
         monkeypatch.setattr(decode, "_config", lambda *a: ("fma", 16, 64, 4))
+    if gemm == "mma_stream_k":  # every product stream-K, tiles shared by programs
+        monkeypatch.setattr(decode, "_config", lambda *a: (16, 32, -2, 4, 3, 1))
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     runners = [TargetRunner(tiny_model(family).to(DEVICE, dtype), max_len=64, aux_layer_ids=(1, 3), kernels=True)
                for _ in range(2)]
@@ -268,6 +272,31 @@ def test_kernel_step_is_batch_invariant(family, gemm, monkeypatch):
     torch.testing.assert_close(a_all, torch.cat([s[1] for s in singles], dim=1), atol=0, rtol=0)
     n = runners[0].length
     torch.testing.assert_close(runners[0].k_cache[..., :n, :], runners[1].k_cache[..., :n, :], atol=0, rtol=0)
+
+
+def test_stream_k_runs_cover_every_k_block_once():
+    """Stream-K launches (``stream_k_grid``), brute force: the programs' runs of K blocks cover every (tile, K
+    block) once, no program is empty, and no tile is shared by more programs than its workspace has slots."""
+    from dspark_core.kernels.decode import stream_k_grid
+
+    for n_out, k, bn, bk, ctas in [(40, 200, 16, 32, 4), (2560, 9728, 64, 64, 264), (576, 576, 16, 256, 132),
+                                   (151936, 2560, 128, 128, 132), (9728, 2560, 64, 128, 396), (8, 64, 16, 64, 132)]:
+        ipt, iters, grid, s_max = stream_k_grid(n_out, k, bn, bk, ctas)
+        tiles = -(-n_out // bn)
+        assert grid <= ctas and ipt == -(-k // bk)
+        owners = [[] for _ in range(tiles)]
+        seen = []
+        for cta in range(grid):
+            run = range(cta * iters, min((cta + 1) * iters, tiles * ipt))
+            assert len(run) > 0
+            seen += list(run)
+            for tile in {i // ipt for i in run}:
+                owners[tile].append(cta)
+        assert seen == list(range(tiles * ipt))
+        assert max(len(o) for o in owners) <= s_max
+        for tile, o in enumerate(owners):  # the kernel's closed form for the sharing programs
+            first = tile * ipt // iters
+            assert o == list(range(first, (tile * ipt + ipt - 1) // iters + 1))
 
 
 def _fresh_tile_tables(monkeypatch, decode) -> None:

@@ -269,32 +269,101 @@ def _gemm_small(X, NW, W, BIAS, R, Y, WS, LOCK, M, N, K, K_SPLIT, eps, NORM: tl.
             acc2 = tl.trans(acc2_t)
     sq = tl.sum(ss, 1)  # [BLOCK_M] this split's sum of squares
     if SPLITS > 1:
-        # workspace per column tile: [SPLITS, 2 (acc, acc2), BLOCK_M, BLOCK_N] + [SPLITS, BLOCK_M] squares
         tile = WS + pid.to(tl.int64) * (SPLITS * (2 * BLOCK_M * BLOCK_N + BLOCK_M))
-        mn = rm[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        part = tile + split * (2 * BLOCK_M * BLOCK_N)
-        tl.store(part + mn, acc)
-        if GATED:
-            tl.store(part + BLOCK_M * BLOCK_N + mn, acc2)
-        sq_ptr = tile + SPLITS * (2 * BLOCK_M * BLOCK_N)
-        tl.store(sq_ptr + split * BLOCK_M + rm, sq)
-        tl.debug_barrier()  # every thread's partial stores are issued before the release below
-        arrived = tl.atomic_add(LOCK + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:  # the last split of this tile: reduce in split order, then the epilogue
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            sq = tl.zeros([BLOCK_M], tl.float32)
-            for s in range(SPLITS):
-                acc += tl.load(tile + s * (2 * BLOCK_M * BLOCK_N) + mn, cache_modifier=".cg")
-                if GATED:
-                    acc2 += tl.load(tile + s * (2 * BLOCK_M * BLOCK_N) + BLOCK_M * BLOCK_N + mn, cache_modifier=".cg")
-                sq += tl.load(sq_ptr + s * BLOCK_M + rm, cache_modifier=".cg")
-            tl.atomic_xchg(LOCK + pid, 0)
+        last, acc, acc2, sq = _split_fixup(tile, LOCK + pid, split, SPLITS, acc, acc2, sq, rm, BLOCK_M, BLOCK_N, GATED)
+        if last:
             _gemm_epilogue(acc, acc2, sq, BIAS, R, Y, N, K, eps, rm, mmask, cn, nmask, dt, NORM, GATED, HAS_BIAS,
                            RESID, BLOCK_M)
     else:
         _gemm_epilogue(acc, acc2, sq, BIAS, R, Y, N, K, eps, rm, mmask, cn, nmask, dt, NORM, GATED, HAS_BIAS, RESID,
                        BLOCK_M)
+
+
+@triton.jit
+def _split_fixup(tile, lock, slot, count, acc, acc2, sq, rm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 GATED: tl.constexpr):
+    """A partial tile of a split K range: store it in ``slot`` of the tile's workspace, [count, 2 (acc, acc2),
+    BLOCK_M, BLOCK_N] + [count, BLOCK_M] squares, and count in on the tile's counter ``lock``. The last of the
+    ``count`` programs to arrive gets ``last`` and the sums of all slots in slot order (a fixed order: the
+    result is deterministic), and resets the counter (zero between launches)."""
+    mn = rm[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    part = tile + slot * (2 * BLOCK_M * BLOCK_N)
+    tl.store(part + mn, acc)
+    if GATED:
+        tl.store(part + BLOCK_M * BLOCK_N + mn, acc2)
+    sq_ptr = tile + count * (2 * BLOCK_M * BLOCK_N)
+    tl.store(sq_ptr + slot * BLOCK_M + rm, sq)
+    tl.debug_barrier()  # every thread's partial stores are issued before the release below
+    arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+    last = arrived == count - 1
+    if last:  # the last slot of this tile to arrive: reduce in slot order
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        sq = tl.zeros([BLOCK_M], tl.float32)
+        for s in range(count):
+            acc += tl.load(tile + s * (2 * BLOCK_M * BLOCK_N) + mn, cache_modifier=".cg")
+            if GATED:
+                acc2 += tl.load(tile + s * (2 * BLOCK_M * BLOCK_N) + BLOCK_M * BLOCK_N + mn, cache_modifier=".cg")
+            sq += tl.load(sq_ptr + s * BLOCK_M + rm, cache_modifier=".cg")
+        tl.atomic_xchg(lock, 0)
+    return last, acc, acc2, sq
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_stream(X, NW, W, BIAS, R, Y, WS, LOCK, M, N, K, IPT, ITERS, S_MAX, eps, NORM: tl.constexpr,
+                 GATED: tl.constexpr, HAS_BIAS: tl.constexpr, RESID: tl.constexpr, IEEE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
+                 PDL_ON: tl.constexpr):
+    """Stream-K ``_gemm_small`` (session 12): the column tiles' K blocks, IPT per tile, laid end to end and cut
+    into equal runs of ITERS, one run per program, with a grid of a whole number of programs per SM. A
+    memory-bound step is then spread over every SM: a grid of column tiles (or tiles x splits) that is not a
+    multiple of the SM count leaves SMs idle while others take a second tile (Qwen3-4B's O / down: 40-160
+    programs for 132 SMs).
+
+    A program sums its K blocks of each tile it touches; a tile cut between programs gets its partials added in
+    program order by the last to arrive (``_split_fixup``). The cuts depend on N, K and the configuration only,
+    never on M, so every token gets the same bits whatever n is (batch-invariant as ``_gemm_small``)."""
+    cta = tl.program_id(0)
+    dt = Y.dtype.element_ty
+    rm = tl.arange(0, BLOCK_M)
+    mmask = rm < M
+    it_lo = cta * ITERS
+    it_hi = tl.minimum(it_lo + ITERS, tl.cdiv(N, BLOCK_N) * IPT)
+    if PDL_ON:
+        gdc_launch_dependents()  # the next kernel may launch now
+        gdc_wait()  # the previous kernel's outputs are complete and visible after this
+    for tile in range(it_lo // IPT, tl.cdiv(it_hi, IPT)):
+        base = tile * IPT
+        cn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = cn < N
+        w_rows = W + cn.to(tl.int64)[:, None] * K
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc2_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        ss = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+        for kb in range(tl.maximum(it_lo, base) - base, tl.minimum(it_hi, base + IPT) - base):
+            cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            w, w2 = _w_tile(w_rows, cols, cols < K, nmask, N, K, GATED)
+            acc, acc2, acc_t, acc2_t, ss = _gemm_block(X, NW, w, w2, acc, acc2, acc_t, acc2_t, ss, rm, mmask, cols,
+                                                       K, K, NORM, GATED, SWAP, IEEE)
+        if SWAP:
+            acc = tl.trans(acc_t)
+            if GATED:
+                acc2 = tl.trans(acc2_t)
+        sq = tl.sum(ss, 1)
+        first = base // ITERS  # the programs that share this tile: first .. first + count - 1
+        count = (base + IPT - 1) // ITERS - first + 1
+        if count == 1:
+            _gemm_epilogue(acc, acc2, sq, BIAS, R, Y, N, K, eps, rm, mmask, cn, nmask, dt, NORM, GATED, HAS_BIAS,
+                           RESID, BLOCK_M)
+        else:
+            ws = WS + tile * (S_MAX * (2 * BLOCK_M * BLOCK_N + BLOCK_M))  # < 2**31 floats: the workspace is small
+            last, acc, acc2, sq = _split_fixup(ws, LOCK + tile, cta - first, count, acc, acc2, sq, rm, BLOCK_M,
+                                               BLOCK_N, GATED)
+            if last:
+                _gemm_epilogue(acc, acc2, sq, BIAS, R, Y, N, K, eps, rm, mmask, cn, nmask, dt, NORM, GATED,
+                               HAS_BIAS, RESID, BLOCK_M)
 
 
 @triton.jit
@@ -374,7 +443,13 @@ _MMA_CONFIGS = [(32, 128, 1, 4), (16, 256, 1, 4), (64, 128, 1, 4), (16, 128, 2, 
                 # session 10: swap-AB won Qwen3-4B's Q/K/V, O, gate/up and LM head on an H200; split-K with it for
                 # the narrow matrices (N = 2560: O and down have 40 tiles of 64 for 132 SMs)
                 (64, 128, 4, 4, 4, 1), (64, 128, 8, 4, 4, 1), (64, 256, 2, 4, 3, 1), (64, 256, 4, 4, 3, 1),
-                (64, 64, 4, 4, 6, 1), (64, 64, 8, 4, 6, 1), (128, 128, 2, 8, 3, 1), (128, 64, 4, 4, 5, 1)]
+                (64, 64, 4, 4, 6, 1), (64, 64, 8, 4, 6, 1), (128, 128, 2, 8, 3, 1), (128, 64, 4, 4, 5, 1),
+                # session 12: stream-K (SPLITS = -c: c programs per SM, ``_gemm_stream``), the 7 of 16 tried that
+                # placed in the top 3 of some Qwen3-4B matrix on an H200 (bench_kernels tiles, same run): gate/up
+                # 33.4 -> 29.6 us (its 76 column tiles of 128 leave 56 of 132 SMs idle), down 17.9 -> 17.2 us;
+                # Q/K/V, O and the LM head keep plain tiles
+                (64, 256, -1, 4, 3, 1), (128, 128, -1, 8, 3, 1), (64, 128, -2, 4, 4, 1), (64, 128, -1, 4, 4, 1),
+                (128, 64, -1, 4, 5, 1), (64, 64, -2, 4, 6, 1), (128, 128, -2, 8, 3, 1)]
 # Session 11: FMA tiles of the mma mode, ("fma", BLOCK_N, BLOCK_K, num_warps) (``_gemv_rows``: one program takes
 # every token of the step, summed as the fma GEMV sums). Opt-in (DSPARK_FMA_TILES=1 adds them to the tuner's
 # candidates; ``bench_kernels.py --parts tiles --tile-candidates fma_tile`` times them): on an H200 at SmolLM2
@@ -483,6 +558,9 @@ def _launch(x, w, bias, norm_weight, eps, residual, y, n_out, gated, cfg):
     bn, bk, splits, warps, *rest = cfg
     stages = rest[0] if rest else 3  # Triton's default
     swap = bool(rest[1]) if len(rest) > 1 else False
+    if splits < 0:
+        _launch_stream(x, nw, w, b, r, y, n_out, k, eps, flags, bn, bk, -splits, warps, stages, swap)
+        return
     k_split = triton.cdiv(triton.cdiv(k, splits), bk) * bk
     splits = triton.cdiv(k, k_split)
     tiles = triton.cdiv(n_out, bn)
@@ -492,6 +570,33 @@ def _launch(x, w, bias, norm_weight, eps, residual, y, n_out, gated, cfg):
                                  SPLITS=splits, SWAP=swap, PDL_ON=PDL, PREFETCH=PDL_PREFETCH, num_warps=warps,
                                  num_stages=stages,
                                  **_LAUNCH)
+
+
+INTERPRET_SMS = 4  # the SM count stream-K tiles assume under the CPU interpreter
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs of ``device`` (stream-K grids are a whole number of programs per SM)."""
+    if device.type != "cuda":
+        return INTERPRET_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def stream_k_grid(n_out: int, k: int, bn: int, bk: int, ctas: int) -> tuple[int, int, int, int]:
+    """(K blocks per tile, K blocks per program, programs, most programs sharing one tile) of a stream-K
+    launch with at most ``ctas`` programs."""
+    ipt = triton.cdiv(k, bk)
+    total = triton.cdiv(n_out, bn) * ipt
+    iters = triton.cdiv(total, ctas)
+    return ipt, iters, triton.cdiv(total, iters), triton.cdiv(ipt, iters) + 1
+
+
+def _launch_stream(x, nw, w, b, r, y, n_out, k, eps, flags, bn, bk, per_sm, warps, stages, swap):
+    ipt, iters, grid, s_max = stream_k_grid(n_out, k, bn, bk, sm_count(x.device) * per_sm)
+    ws, lock = _split_buffers(x.device, triton.cdiv(n_out, bn), s_max, bn)
+    _gemm_stream[(grid,)](x, nw, w, b, r, y, ws, lock, x.shape[0], n_out, k, ipt, iters, s_max, eps, **flags,
+                          IEEE=x.dtype == torch.float32, BLOCK_M=MMA_ROWS, BLOCK_N=bn, BLOCK_K=bk, SWAP=swap,
+                          PDL_ON=PDL, num_warps=warps, num_stages=stages, **_LAUNCH)
 
 
 def _config(x, w, bias, norm_weight, eps, residual, y, n_out, gated):
