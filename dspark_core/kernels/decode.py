@@ -28,6 +28,7 @@ D head dim, M cache positions, S attention splits.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -525,8 +526,8 @@ def _uses_mma(m: int) -> bool:
 
 
 def _split_buffers(device, tiles: int, splits: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-K workspace and per-tile arrival counters (zero between launches: the last program resets its
-    counter), made once per shape -- before a CUDA graph is captured, by the warm-up that tunes."""
+    """Split-K / stream-K workspace and per-tile arrival counters (zero between launches: the last program resets
+    its counter), made once per shape -- before a CUDA graph is captured, by the warm-up that tunes."""
     key = (str(device), tiles, splits, block_n)
     if key not in _SPLIT_BUFFERS:
         ws = torch.empty(tiles * splits * (2 * MMA_ROWS * block_n + MMA_ROWS), device=device, dtype=torch.float32)
@@ -579,7 +580,13 @@ def sm_count(device: torch.device) -> int:
     """SMs of ``device`` (stream-K grids are a whole number of programs per SM)."""
     if device.type != "cuda":
         return INTERPRET_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    index = torch.device(device).index
+    return _cuda_sms(torch.cuda.current_device() if index is None else index)
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:  # asked once per device, not on every launch
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def stream_k_grid(n_out: int, k: int, bn: int, bk: int, ctas: int) -> tuple[int, int, int, int]:
