@@ -105,6 +105,16 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 10)
     return 2 * nbytes * iters / (t() - t0)
 
 
+def cache_len(args, needed: int) -> int:
+    """KV-cache positions of a runner: ``--max-len`` when given (bench_online's ``max_len`` is 2048; the split-KV
+    attention launches programs for every position, live or not), else what the run needs."""
+    if args.max_len is None:
+        return needed
+    if args.max_len < needed:
+        raise ValueError(f"--max-len {args.max_len} < the {needed} positions this run needs")
+    return args.max_len
+
+
 def step_ms(runner: TargetRunner, n: int, iters: int) -> float:
     """Mean time of one ``forward`` of n tokens at a fixed position (rolled back after each)."""
     ids = torch.zeros(1, n, dtype=torch.long, device=runner.device)
@@ -184,7 +194,7 @@ def static_cycle(model, prompt: torch.Tensor, args) -> dict:
     draft = DSparkDraft(cfg, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
                         aux_layer_ids=aux).to(device=first.device, dtype=first.dtype).eval()
     gpu = first.device.type == "cuda"
-    runner = TargetRunner(model, max_len=args.prompt_len + args.new_tokens + 2 * 16 + 8,
+    runner = TargetRunner(model, max_len=cache_len(args, args.prompt_len + args.new_tokens + 2 * 16 + 8),
                           aux_layer_ids=aux, compile=args.compile, cuda_graph=gpu,
                           graph_max_tokens=args.block_size + 1, kernels=args.kernels)
     static = StaticSpeculativeDecoder(runner, draft, time_every=4, tree_branches=args.tree_branches)
@@ -206,7 +216,7 @@ def bench_ar(name: str, family: str, overrides: dict, args, device: torch.device
     model = build_model(family, overrides, device, dtype, args.tiny)
     wbytes = weight_bytes(model)
     gpu = device.type == "cuda"
-    runner = TargetRunner(model, max_len=args.prompt_len + args.new_tokens + args.block_size + 8,
+    runner = TargetRunner(model, max_len=cache_len(args, args.prompt_len + args.new_tokens + args.block_size + 8),
                           compile=args.compile, cuda_graph=gpu, graph_max_tokens=args.block_size + 1,
                           kernels=args.kernels)
     gen = torch.Generator().manual_seed(0)
@@ -302,6 +312,8 @@ def main() -> None:
                     help="with --kernels: the small-GEMM families to run, comma list (first = headline and spec "
                          "run's mode); default: $DSPARK_SMALL_GEMM (else mma), then the other")
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-len", type=int, default=None,
+                    help="KV-cache positions of the AR and cycle runners (default: what the run needs)")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--step-iters", type=int, default=50)

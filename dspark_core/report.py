@@ -7,7 +7,8 @@ Reads the metrics JSON the other stages wrote (``reports/eval_offline/<v>.json``
 - ``reports/plots/dmtd_quality_speed.png``: DMTD perplexity vs decode speedup per variant;
 - ``reports/metrics/``: the headline figures people compare, flat, one small JSON per variant
   (``draft/<v>.json``: tau_prob, accept_rate@i, mal, tokens_per_s, speedup (+ the reranker's gains; with GPU
-  kernels speedup_vs_fastest_ar; with ``bench_online.also_temperatures`` mal@t<T> and speedup@t<T>);
+  kernels speedup_vs_fastest_ar; with ``bench_online.also_temperatures`` mal@t<T>, speedup@t<T> and, with
+  kernels, speedup_vs_fastest_ar@t<T>);
   ``dmtd/<v>.json``: perplexity, token_acc, accuracy, tokens_per_s, speedup; ``data.json``: regenerate and
   cache throughput, bytes_per_token). dvc.yaml declares only this folder as metrics, so ``dvc metrics show`` /
   ``diff`` stay terminal-sized; the stages' full JSON stay plain outputs beside them.
@@ -146,7 +147,8 @@ def headline_metrics(dspark: list[dict[str, Any]], dmtd: list[dict[str, Any]], r
         m.update({k: r[k] for k in RERANK_KEYS})
         m["speedup_vs_fastest_ar"] = r["_speedup_vs_fastest_ar"]
         for temp, row in r["_at_temperature"].items():
-            m.update({f"mal@t{temp}": row.get("mal"), f"speedup@t{temp}": row.get("speedup")})
+            m.update({f"mal@t{temp}": row.get("mal"), f"speedup@t{temp}": row.get("speedup"),
+                      f"speedup_vs_fastest_ar@t{temp}": row.get("speedup_vs_fastest_ar")})
         out[f"draft/{r['variant']}.json"] = {k: _num(v) for k, v in m.items() if v is not None}
     for r in dmtd:
         d = _load(root / "dmtd" / f"{r['variant']}.json") or {}

@@ -158,3 +158,13 @@ def test_speedup_against_the_fastest_ar_of_all_modes():
     # overall: mma 70 tokens / 3 s, fma 70 tokens / 3 s -> equal; either is the fastest at 70/3
     assert metrics["overall"]["fastest_ar_tokens_per_s"] == pytest.approx(70 / 3)
     assert metrics["overall"]["speedup_vs_fastest_ar"] == pytest.approx(3.0)
+    # a sampling pass: its rows (``at_temperature``) against its own AR of each mode, the greedy rows untouched
+    hot = {name: {"tokens_per_s": 45.0} for name in metrics}
+    for name, row in metrics.items():
+        row["at_temperature"] = {"0.7": hot[name]}
+    add_fastest_ar({name: row["at_temperature"]["0.7"] for name, row in metrics.items()},
+                   {"a": {"mma": [gen(10, 1.0)], "fma": [gen(31, 1.0)]}, "b": {"mma": [gen(9, 1.0)]}})
+    assert hot["a"]["fastest_ar_mode"] == "fma" and hot["a"]["speedup_vs_fastest_ar"] == 1.5
+    assert hot["b"]["ar_tokens_per_s_by_mode"] == {"mma": 8.0} and hot["b"]["speedup_vs_fastest_ar"] == 5.625
+    assert hot["overall"]["fastest_ar_tokens_per_s"] == 30.0 and hot["overall"]["fastest_ar_mode"] == "fma"
+    assert metrics["a"]["speedup_vs_fastest_ar"] == 2.0

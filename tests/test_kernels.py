@@ -131,6 +131,29 @@ def test_decode_attention_matches_reference(dtype, n, length, m):
     torch.testing.assert_close(out.float(), ref, **_tol(dtype))
 
 
+def test_attention_reads_only_live_splits(monkeypatch):
+    """Splits past a token's keys write nothing and the combine skips them (``ATTN_LIVE_SPLITS``): the same bits
+    as writing and reading every split, for tokens at different positions and a draft tree's offsets; run after
+    a long context, so a combine that read a stale slot would see its partials."""
+    import dspark_core.kernels.decode as dec
+
+    g = torch.Generator().manual_seed(11)
+    hq, hkv, d, m = 4, 2, 16, 512  # 8 splits of 64 keys
+    kc = torch.randn(1, hkv, m, d, generator=g).to(DEVICE)
+    vc = torch.randn(1, hkv, m, d, generator=g).to(DEVICE)
+    cases = [(torch.tensor([500]), None), (torch.tensor([3, 64, 130]), None),
+             (torch.tensor([70, 71, 71]), (torch.tensor([0, 2, 5], dtype=torch.int32),
+                                           torch.tensor([0, 0, 1], dtype=torch.int32)))]
+    for pos, tree in cases:
+        q = torch.randn(len(pos), hq, d, generator=g).to(DEVICE)
+        tree = None if tree is None else tuple(x.to(DEVICE) for x in tree)
+        out = {}
+        for live in (False, True):
+            monkeypatch.setattr(dec, "ATTN_LIVE_SPLITS", live)
+            out[live] = dec.decode_attention(q, kc, vc, pos.to(DEVICE), scale=d ** -0.5, tree=tree)
+        torch.testing.assert_close(out[True], out[False], atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
 def test_kernel_step_matches_eager_runner(family):
     """TargetRunner(kernels=True) == the eager runner: prefill, then steps of 1 and 4 tokens (logits, aux, cache).

@@ -40,10 +40,12 @@ def test_report_tables_and_plots(tmp_path):
     # a GPU run: the speedup over the fastest AR of both kernel modes and a sampling pass join the headline
     (tmp_path / "bench_online" / "rr.json").write_text(json.dumps(
         {"overall": {"mal": 2.0, "speedup": 1.5, "speedup_vs_fastest_ar": 1.25,
-                     "at_temperature": {"0.7": {"mal": 1.75, "speedup": 1.125, "tokens_per_s": 9.0}}}}))
+                     "at_temperature": {"0.7": {"mal": 1.75, "speedup": 1.125, "tokens_per_s": 9.0,
+                                                "speedup_vs_fastest_ar": 0.75}}}}))
     run_report(params, root=tmp_path)
     rr = json.loads((head / "draft" / "rr.json").read_text())
     assert (rr["speedup_vs_fastest_ar"], rr["mal@t0.7"], rr["speedup@t0.7"]) == (1.25, 1.75, 1.125)
+    assert rr["speedup_vs_fastest_ar@t0.7"] == 0.75
     assert json.loads((head / "dmtd" / "bidir_refresh.json").read_text()) == {
         "perplexity": 2.5, "accuracy": 0.5, "tokens_per_s": 40.0, "speedup": 2.0}
     assert json.loads((head / "data.json").read_text()) == {}  # no regenerate / cache stats here

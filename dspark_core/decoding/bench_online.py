@@ -20,7 +20,8 @@ plain AR (``ARDecoder``) and speculative with the trained draft (``bench_online.
 - ``at_temperature`` (``bench_online.also_temperatures``, e.g. [0.7] beside a greedy run): the same prompts
   decoded again, AR and speculative, sampling at each of these temperatures (exact rejection sampling; the engine
   ``bench_online.engine`` resolves to, static on CUDA for a chain): mal, accept_rate@0, tokens_per_s,
-  ar_tokens_per_s, speedup, cycle_ms, engine -- per dataset and overall;
+  ar_tokens_per_s, speedup, cycle_ms, engine -- per dataset and overall; with kernels (``ar_all_modes``) also
+  the fastest sampled AR of all small-GEMM modes and ``speedup_vs_fastest_ar`` at that temperature;
 - ``peers`` (optional): Hugging Face ``generate`` greedy, assisted generation (``assistant_model``) and
   prompt-lookup decoding (``prompt_lookup_num_tokens``) on the same prompts: tokens/s, and whether the
   greedy text equals our AR output.
@@ -500,8 +501,13 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
     if cfg.compare_online_modes:
         compare_online_modes(draft, spec, runs, metrics, cfg, stops, block)
     for temp in cfg.also_temperatures:
-        at_temperature(metrics, runner, draft, cfg.replace(temperature=float(temp)), prompt_sets, tokenizer, stops,
-                       block, device)
+        hot_cfg = cfg.replace(temperature=float(temp))
+        hot_runs = at_temperature(metrics, runner, draft, hot_cfg, prompt_sets, tokenizer, stops, block, device)
+        if kernels and cfg.ar_all_modes:  # the sampled speedup against the fastest sampled AR too (issue 18)
+            key = f"{hot_cfg.temperature:g}"
+            rows = {name: metrics[name]["at_temperature"][key] for name in [*hot_runs, "overall"]}
+            by_mode = ar_in_other_modes(model, hot_cfg, hot_runs, stops, runner.aux_layer_ids, block, graphs)
+            add_fastest_ar(rows, by_mode)
     if kernels and cfg.ar_all_modes:
         by_mode = ar_in_other_modes(model, cfg, runs, stops, runner.aux_layer_ids, block, graphs)
         add_fastest_ar(metrics, by_mode)
@@ -536,11 +542,12 @@ TEMPERATURE_KEYS = ("mal", "accept_rate@0", "tokens_per_s", "ar_tokens_per_s", "
 
 def at_temperature(metrics: dict[str, Any], runner: TargetRunner, draft: Any, cfg: BenchOnlineConfig,
                    prompt_sets: dict[str, list[list[str]]], tokenizer: Any, stops: Sequence[int], block: int,
-                   device: torch.device) -> None:
+                   device: torch.device) -> dict[str, DatasetRun]:
     """Decode every dataset again, AR and speculative, sampling at ``cfg.temperature`` (same runner, the engine
     ``bench_online.engine`` names: auto / static = the device-side sampling cycle on CUDA; a tree run's sampling
     pass uses the reference engine: the static engine's trees are greedy).
-    ``metrics[name]["at_temperature"][str(T)]`` = ``TEMPERATURE_KEYS`` + engine."""
+    ``metrics[name]["at_temperature"][str(T)]`` = ``TEMPERATURE_KEYS`` + engine; returns the runs (their AR in
+    the other small-GEMM mode gives the fastest sampled AR, ``add_fastest_ar``)."""
     name = "reference" if cfg.tree_branches else cfg.engine  # the static engine's trees are greedy
     engine = resolve_engine(name, cfg.sampling, draft, device)
     spec = make_engine(engine, runner, draft, cfg)
@@ -551,6 +558,7 @@ def at_temperature(metrics: dict[str, Any], runner: TargetRunner, draft: Any, cf
         row = summarize(run, block, greedy=False)
         metrics[name].setdefault("at_temperature", {})[f"{cfg.temperature:g}"] = {
             **{k: row.get(k) for k in TEMPERATURE_KEYS}, "engine": engine}
+    return runs
 
 
 def setup_kernels(cfg: BenchOnlineConfig, target_dir: str | Path, device: torch.device) -> dict[str, Any]:
@@ -601,7 +609,8 @@ def ar_in_other_modes(model: torch.nn.Module, cfg: BenchOnlineConfig, runs: dict
 
 def add_fastest_ar(metrics: dict[str, Any], by_mode: dict[str, dict[str, list[GenerationResult]]]) -> None:
     """``ar_tokens_per_s_by_mode``, ``fastest_ar_mode``, ``fastest_ar_tokens_per_s`` and
-    ``speedup_vs_fastest_ar`` per dataset and overall (all datasets' generations, like ``tokens_per_s``)."""
+    ``speedup_vs_fastest_ar`` per dataset and overall (all datasets' generations, like ``tokens_per_s``), into
+    ``metrics[name]`` (the greedy rows, or a temperature's ``at_temperature`` rows with that temperature's AR)."""
     def put(row: dict[str, Any], results: dict[str, list[GenerationResult]]) -> None:
         rates = {m: _throughput(r) for m, r in results.items()}
         known = {m: v for m, v in rates.items() if v}

@@ -947,11 +947,13 @@ def qk_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: t
 @triton.jit
 def _attn_split(Q, KC, VC, POS, OFF, BACK, OP, MP, LP, M_ALLOC, split_len, scale, G: tl.constexpr,
                 HKV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, NS_P: tl.constexpr, BLOCK: tl.constexpr,
-                IEEE: tl.constexpr, TREE: tl.constexpr, PDL_ON: tl.constexpr, EARLY: tl.constexpr):
+                IEEE: tl.constexpr, TREE: tl.constexpr, LIVE: tl.constexpr, PDL_ON: tl.constexpr,
+                EARLY: tl.constexpr):
     """Program (kv head h, split s, token t): the G query heads of token t over keys
     [s * split_len, +split_len) that t may see (<= its position). One token per program: batch-invariant.
     TREE: the keys are logical positions; those >= POS[t] - BACK[t] are read OFF[t] slots further (a draft
     tree's branch rows, ``dspark_core.decoding.tree``), so the sums run in the same order as without a tree.
+    LIVE: a split past the token's keys writes nothing (``ATTN_LIVE_SPLITS``).
     EARLY: the next kernel may launch first thing (``PDL_PREFETCH``)."""
     if PDL_ON and EARLY:
         gdc_launch_dependents()
@@ -999,15 +1001,21 @@ def _attn_split(Q, KC, VC, POS, OFF, BACK, OP, MP, LP, M_ALLOC, split_len, scale
     if PDL_ON and not EARLY:
         gdc_launch_dependents()  # let the next kernel launch while this one finishes
     idx = ((t * HKV + h) * NS_P + s) * ROWS + g
-    tl.store(MP + idx, m_i)
-    tl.store(LP + idx, l_i)
-    tl.store(OP + idx[:, None] * D + d[None, :], acc)
+    write = start < last  # the split holds some of the token's keys
+    if not LIVE:
+        write = start >= 0  # every split writes its partials (an empty one: m -1e30, l 0, acc 0)
+    if write:
+        tl.store(MP + idx, m_i)
+        tl.store(LP + idx, l_i)
+        tl.store(OP + idx[:, None] * D + d[None, :], acc)
 
 
 @triton.jit
-def _attn_combine(OP, MP, LP, OUT, NS, NS_P: tl.constexpr, G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                  ROWS: tl.constexpr, PDL_ON: tl.constexpr, EARLY: tl.constexpr):
-    """EARLY: the next kernel (a product, prefetching its weights) may launch first thing (``PDL_PREFETCH``)."""
+def _attn_combine(OP, MP, LP, POS, OUT, NS, split_len, NS_P: tl.constexpr, G: tl.constexpr, HKV: tl.constexpr,
+                  D: tl.constexpr, ROWS: tl.constexpr, LIVE: tl.constexpr, PDL_ON: tl.constexpr, EARLY: tl.constexpr):
+    """LIVE: only the splits holding some of the token's keys are read (``ATTN_LIVE_SPLITS``); a masked-out slot
+    reads as what an empty split would have written (m -1e30, l 0, o 0), so the sums are the same bits.
+    EARLY: the next kernel (a product, prefetching its weights) may launch first thing (``PDL_PREFETCH``)."""
     if PDL_ON and EARLY:
         gdc_launch_dependents()
     if PDL_ON:
@@ -1017,7 +1025,10 @@ def _attn_combine(OP, MP, LP, OUT, NS, NS_P: tl.constexpr, G: tl.constexpr, HKV:
     t = r // G
     g = r % G
     s = tl.arange(0, NS_P)
-    smask = s < NS
+    ns = NS
+    if LIVE:
+        ns = tl.minimum(ns, (tl.load(POS + t) + split_len) // split_len)  # splits with keys <= POS[t]
+    smask = s < ns
     idx = ((t * HKV + h) * NS_P + s) * ROWS + g
     m = tl.load(MP + idx, mask=smask, other=-1.0e30)
     l_s = tl.load(LP + idx, mask=smask, other=0.0)
@@ -1049,9 +1060,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     off, back = tree if tree is not None else (pos, pos)
     _attn_split[(hkv, splits, n)](q, k_cache, v_cache, pos, off, back, op, mp, lp, m_alloc, split_len, scale, G=g,
                                   HKV=hkv, D=d, ROWS=rows, NS_P=ns_p, BLOCK=block, IEEE=q.dtype == torch.float32,
-                                  TREE=tree is not None, PDL_ON=PDL, EARLY=PDL_PREFETCH, num_warps=4,
-                                  **_LAUNCH)
+                                  TREE=tree is not None, LIVE=ATTN_LIVE_SPLITS, PDL_ON=PDL, EARLY=PDL_PREFETCH,
+                                  num_warps=4, **_LAUNCH)
     out = torch.empty_like(q)
-    _attn_combine[(hkv, n * g)](op, mp, lp, out, splits, NS_P=ns_p, G=g, HKV=hkv, D=d, ROWS=rows, PDL_ON=PDL,
-                                EARLY=PDL_PREFETCH, num_warps=1, **_LAUNCH)
+    _attn_combine[(hkv, n * g)](op, mp, lp, pos, out, splits, split_len, NS_P=ns_p, G=g, HKV=hkv, D=d, ROWS=rows,
+                                LIVE=ATTN_LIVE_SPLITS, PDL_ON=PDL, EARLY=PDL_PREFETCH, num_warps=1, **_LAUNCH)
     return out
+
+
+# Splits past a token's keys write nothing and the combine reads only the live ones (default; same bits:
+# DSPARK_ATTN_LIVE_SPLITS=0 writes and reads every split, as before session 13). The split count follows the
+# cache size (static, for CUDA graphs), not the context: at bench_online's max_len 2048 a 300-token context
+# leaves 27 of 32 splits empty per (kv head, token).
+ATTN_LIVE_SPLITS = os.environ.get("DSPARK_ATTN_LIVE_SPLITS", "1") != "0"
