@@ -203,6 +203,16 @@ def static_cycle(model, prompt: torch.Tensor, args) -> dict:
     out = {"cycle_ms": 1e3 * res.decode_s / res.cycles, "cycle_draft_ms": 1e3 * sum(res.draft_s) / len(res.draft_s),
            "cycle_verify_ms": 1e3 * sum(res.verify_s) / len(res.verify_s), "cycle_draft_layers": args.cycle_draft_layers,
            "cycle_draft_kernels": static.static.kernels, "cycle_random_draft_mal": res.mean_accepted_length}
+    if args.cycle_temperature > 0:  # the sampling cycle: draft draws + exact rejection sampling
+        from dspark_core.decoding.sampling import SamplingParams
+
+        hot = StaticSpeculativeDecoder(runner, draft, time_every=4, sampling=SamplingParams(args.cycle_temperature))
+        hot.generate(prompt[0], 16)  # warm-up: capture
+        res = hot.generate(prompt[0], args.new_tokens)
+        out.update({"cycle_temperature": args.cycle_temperature, "cycle_sampled_ms": 1e3 * res.decode_s / res.cycles,
+                    "cycle_sampled_draft_ms": 1e3 * sum(res.draft_s) / len(res.draft_s),
+                    "cycle_sampled_verify_ms": 1e3 * sum(res.verify_s) / len(res.verify_s)})
+        del hot
     if args.profile and gpu:  # a random draft accepts ~nothing: about one cycle per token
         out["profile_cycle"] = kernel_profile(lambda s=static: s.generate(prompt[0], 64),
                                               lambda s=static: s.generate(prompt[0], 16),
@@ -335,6 +345,8 @@ def main() -> None:
     ap.add_argument("--assistant-layers", type=int, default=4)
     ap.add_argument("--cycle-draft-layers", type=int, default=2,
                     help="(a) also time one static speculative cycle with a random draft of this depth (0 = skip)")
+    ap.add_argument("--cycle-temperature", type=float, default=0.0,
+                    help="(a) also time the sampling cycle at this temperature (plain T: no top-k / top-p)")
     ap.add_argument("--max-prompts", type=int, default=0, help="(b) at most this many prompts (0 = all)")
     ap.add_argument("--profile", action="store_true",
                     help="(a, GPU) also record the kernels of one static AR step and one static cycle (torch "
@@ -472,6 +484,9 @@ def _print_ar(name: str, r: dict) -> None:
         print(f"{'':>21} | static spec cycle {r['cycle_ms']:.3f} ms (draft {r['cycle_draft_ms']:.3f}, verify + update "
               f"{r['cycle_verify_ms']:.3f}) | break-even MAL {r['break_even_mal']:.2f}, 2.5x needs MAL "
               f"{r['mal_for_2.5x']:.2f}", flush=True)
+    if "cycle_sampled_ms" in r:
+        print(f"{'':>21} | sampling cycle at T {r['cycle_temperature']:g}: {r['cycle_sampled_ms']:.3f} ms (draft "
+              f"{r['cycle_sampled_draft_ms']:.3f}, verify + update {r['cycle_sampled_verify_ms']:.3f})", flush=True)
     for key, unit in (("profile_ar_step", "AR step"), ("profile_cycle", "cycle")):
         if key in r:
             p = r[key]

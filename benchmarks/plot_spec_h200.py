@@ -114,7 +114,10 @@ DOMAIN_RUNS = [("session10", "session 10: SmolLM2-135M on one H200, 30 held-out 
                              "1,026 train steps; labels: speedup over the fastest AR, MAL (greedy, T 0.7)"),
                ("session13", "session 13: the same, 563 train steps, kernels with the fused attention combine (since "
                              "reverted), T 0.7 on the static engine;\nlabels: speedup over the fastest AR, MAL (greedy; "
-                             "T 0.7 with its speedup over the same-mode AR)")]
+                             "T 0.7 with its speedup over the same-mode AR)"),
+               ("session14", "session 14: session 13's draft trained on (3,087 more steps, same 2,640 answers), the "
+                             "one-launch sampled Markov slot;\nlabels: speedup over the fastest AR, MAL (greedy; T 0.7 "
+                             "with its speedup over the fastest sampled AR)")]
 
 
 def main() -> None:

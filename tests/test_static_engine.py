@@ -121,11 +121,11 @@ def test_static_sampling_matches_the_targets_distribution(cut):
         assert min(r for run in runs for r in run.proposal_lengths) < BLOCK
 
 
-def _check_sampled_distribution(runner, draft, n: int = 800, new: int = 4, **kw):
+def _check_sampled_distribution(runner, draft, n: int = 800, new: int = 4, params=None, **kw):
     """Two-sample chi-square of output tokens 1..new-1: static engine (sampling) vs AR sampling on ``runner``."""
     from scipy.stats import chi2_contingency
 
-    params = SamplingParams(temperature=0.8, top_p=0.95)
+    params = params or SamplingParams(temperature=0.8, top_p=0.95)
     static = StaticSpeculativeDecoder(runner, draft, sampling=params, seed=1, **kw)
     ar = ARDecoder(runner, sampling=params, seed=2)
     spec_runs = [static.generate(PROMPT, new) for _ in range(n)]
@@ -259,6 +259,71 @@ def test_markov_kernel_ties_go_to_lowest_id(vocab, dtype):
         assert kernel.arrived.item() == 0
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab,rank", [(16, 8), (300, 24), (1000, 256)])
+def test_markov_sample_kernel_matches_torch(vocab, rank, dtype):
+    """The sampled slot (one launch) + normalisation against the torch path of ``propose_sampled``: the same token
+    as ``race_sample(logits_to_probs(...))`` on the same U draws (that function is checked to draw from its
+    probabilities in test_decoding_sampling.py), q equal to float32 rounding, slots chained through one token
+    buffer, the arrival counter back to 0 after each launch."""
+    from dspark_core.decoding.sampling import SamplingParams, logits_to_probs, race_sample
+    from dspark_core.kernels.markov import MarkovSampler
+
+    gen = torch.Generator().manual_seed(vocab + rank)
+    w1, w2 = _markov_weights(vocab, rank, dtype, gen)
+    sampler = MarkovSampler(w1, w2)
+    slots = 6
+    for temperature in (0.7, 1.3):
+        bases = (3 * torch.randn(slots, vocab, generator=gen)).to(DEVICE)  # [n, V] float32
+        race = torch.rand(slots, vocab, generator=gen).to(DEVICE)  # [n, V]
+        q = torch.full((slots, vocab), float("nan"), device=DEVICE)  # [n, V]
+        stats = torch.zeros(slots, 2, device=DEVICE)
+        tokens = torch.full((slots + 1,), -1, dtype=torch.long, device=DEVICE)  # tokens[0]: the anchor
+        tokens[0] = vocab // 3
+        for i in range(slots):
+            sampler.sample(bases[i], tokens[i:i + 1], race[i], q[i], tokens[i + 1:i + 2], stats[i], temperature)
+            assert sampler.sample_lock.item() == 0
+        sampler.normalize(q, stats)
+        prev, params = vocab // 3, SamplingParams(temperature=temperature)
+        for i in range(slots):
+            m = torch.nn.functional.embedding(torch.tensor([prev], device=DEVICE), w1)  # [1, r]
+            logits = bases[i:i + 1] + torch.nn.functional.linear(m, w2).float()  # [1, V]
+            want_q = logits_to_probs(logits, params)[0]  # [V]
+            torch.testing.assert_close(q[i], want_q, rtol=1e-5, atol=1e-7)
+            prev = race_sample(want_q, race[i]).item()
+            assert tokens[i + 1].item() == prev, (temperature, i)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        sampler.sample(bases[0], tokens[:1], race[0], q[0], tokens[1:2], stats[0], 0.0)
+
+
+@needs_triton
+def test_static_sampled_slots_kernel_matches_torch_path(monkeypatch):
+    """``StaticDraft.propose_sampled`` with the Triton draft: the one-launch sampled slots give the torch slots'
+    tokens and q on the same draws (the kernel applies to a plain temperature only: top-p keeps the torch path)."""
+    import dspark_core.decoding.static_draft as static_draft
+
+    model, draft = _setup("qwen3", layers=3, aux=(0, 1), vocab=300)
+    static = StaticDraft(draft, max_len=32, kernels=True)
+    aux = torch.randn(1, 9, 2, model.config.hidden_size, device=DEVICE)
+    static.extend(aux, torch.arange(9, device=DEVICE))
+    anchor, p = torch.tensor([5], device=DEVICE), torch.tensor([9], device=DEVICE)
+    race = torch.rand(BLOCK, 300, generator=torch.Generator().manual_seed(3)).to(DEVICE)  # [S, V]
+    runs = {}
+    for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_p=0.9)):
+        for on in (True, False):
+            monkeypatch.setattr(static_draft, "SAMPLE_KERNEL", on)
+            assert static._sample_kernel_applies(params) == (on and params.top_p == 1.0)
+            q = torch.zeros(BLOCK, 300, device=DEVICE)
+            tokens, _ = static.propose_sampled(anchor, p, params, q, race, need_hidden=False)
+            runs[params.top_p, on] = (tokens.clone(), q)
+    torch.testing.assert_close(runs[1.0, True][1], runs[1.0, False][1], rtol=1e-5, atol=1e-7)
+    assert runs[1.0, True][0].tolist() == runs[1.0, False][0].tolist()
+    assert runs[0.9, True][0].tolist() == runs[0.9, False][0].tolist()
+    assert runs[1.0, True][0].tolist() != runs[0.9, True][0].tolist() or not torch.equal(runs[1.0, True][1],
+                                                                                         runs[0.9, True][1])
+
+
 def _markov_weights(vocab: int, rank: int, dtype: torch.dtype, gen: torch.Generator):
     """Random W1, W2 [V, r]. bfloat16: on a grid (W1 in {-1, 0, 1}, W2 in {-3..3} / 8) where every bias
     W2 W1[prev] is an exact float32 sum and exact in bfloat16, so its rounding to bfloat16 is a no-op -- Triton's
@@ -313,15 +378,16 @@ def test_static_cuda_graph_matches_ar(kernels):
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("kernels", [False, True])
-def test_static_cuda_graph_sampling_matches_the_targets_distribution(kernels):
+@pytest.mark.parametrize("kernels,top_p", [(False, 0.95), (True, 0.95), (True, 1.0)])
+def test_static_cuda_graph_sampling_matches_the_targets_distribution(kernels, top_p):
     """The sampling cycle captured in CUDA graphs (device RNG under capture): the same two-sample test as on
-    CPU (not yet run on a GPU as of session 9)."""
+    CPU (first run on an H200 in session 10). top_p 1.0 with kernels: the one-launch sampled slots
+    (``MarkovSampler``); top_p 0.95 keeps the torch slots."""
     model, draft = _setup("qwen3", vocab=64, fit=([PROMPT], 64))  # the kernel shapes of the greedy graph test
     if kernels:
         model, draft = model.to(torch.bfloat16), draft.to(torch.bfloat16)
     runner = TargetRunner(model, max_len=96, aux_layer_ids=draft.aux_layer_ids, cuda_graph=True, kernels=kernels)
-    _check_sampled_distribution(runner, draft, cuda_graph=True)
+    _check_sampled_distribution(runner, draft, params=SamplingParams(temperature=0.8, top_p=top_p), cuda_graph=True)
 
 
 def test_bench_online_engine_param():

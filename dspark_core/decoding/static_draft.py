@@ -11,13 +11,15 @@ so a whole speculative cycle can be captured as one CUDA graph (``dspark_core.de
 - ``extend(aux, pos)`` writes the projected context of positions ``pos`` (device) into the cache; the engine
   writes all S+1 verified positions every cycle and only the accepted ones count (the rest are beyond the
   new length: never visible, overwritten later);
-- the Markov slots pick tokens sequentially on the device (greedy), each reading the previous token there.
+- the Markov slots pick tokens sequentially on the device (greedy, or drawn: ``propose_sampled``), each reading
+  the previous token there.
 
 ``kernels=True`` (Triton on CUDA, or its interpreter in tests) runs the draft layers through the same
 fused kernels as the target's decode step (``dspark_core.kernels.decode``: norm folded into the Q/K/V and
 gate/up products, q/k norm + RoPE + cache write, split-KV attention; the block's own K/V are written at
 positions p..p+S-1 of the cache and every block query sees keys <= p+S-1, i.e. bidirectional within the
-block) and each Markov slot through two kernels (``dspark_core.kernels.markov``). The prompt's context
+block) and each Markov slot through one kernel (``dspark_core.kernels.markov``; a sampled slot too at a plain
+temperature, plus one launch that normalises the block's q). The prompt's context
 (any length) always goes through the torch path. Like ``TargetRunner(kernels=True)`` it concatenates each
 layer's Q/K/V and gate/up weights once and re-points the draft's modules to views of them (same values).
 
@@ -27,6 +29,8 @@ nq / nkv heads, d head dim, M cache positions (max_len rounded up to 16), n posi
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from dspark_core.draft.attention import AttentionMask
@@ -35,6 +39,7 @@ from dspark_core.decoding.target_runner import fuse_layer
 from dspark_core.decoding.tree import top2_reference
 
 HOOKS = ("block_inputs", "markov_features", "extra_kv", "score_candidates")
+SAMPLE_KERNEL = os.environ.get("DSPARK_SAMPLE_KERNEL", "1") != "0"  # see StaticDraft._sample_kernel_applies
 
 
 def static_draft_problem(draft: DSparkDraft) -> str | None:
@@ -97,11 +102,12 @@ class StaticDraft:
             cos, sin = draft.rope(self.k[0, 0, 0], self.key_pos.unsqueeze(0))  # [1, M, d]
         self.cos, self.sin = cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()  # [M, d]
         if self.kernels:
-            from dspark_core.kernels.markov import MarkovArgmax
+            from dspark_core.kernels.markov import MarkovSampler
 
             self.fused = [fuse_layer(layer) for layer in draft.layers]  # re-points Q/K/V, gate/up to views
-            self.markov = MarkovArgmax(draft.markov.w1.weight.detach(), draft.markov.w2.weight.detach()) \
+            self.markov = MarkovSampler(draft.markov.w1.weight.detach(), draft.markov.w2.weight.detach()) \
                 if draft.markov is not None else None
+            self.q_stats = torch.zeros(s, 2, device=self.device, dtype=torch.float32)  # [S, 2] (max, mass) of q
 
     # -- context --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -160,6 +166,9 @@ class StaticDraft:
         else:
             hidden = self._block_torch(anchor, p)  # [S, H]
             base = self.draft.slot_logits(hidden)  # [S, V] float32
+        if self._sample_kernel_applies(params):
+            self._sampled_slots_kernel(base, anchor, params.temperature, q_out, race)
+            return self.tokens, hidden
         draft, prev = self.draft, anchor.view(1)
         for i in range(self.block_size):
             logits = base[i : i + 1].float()  # [1, V]
@@ -169,6 +178,21 @@ class StaticDraft:
             self.tokens[i].copy_(race_sample(q_out[i], race[i]))
             prev = self.tokens[i : i + 1]
         return self.tokens, hidden
+
+    def _sample_kernel_applies(self, params) -> bool:
+        """The one-launch sampled slot (``MarkovSampler``) takes a plain temperature: no top-k / top-p to apply
+        (their sort / top-k stay on the torch path). DSPARK_SAMPLE_KERNEL=0 keeps the torch path (A/B timing)."""
+        plain = params.top_p >= 1.0 and not 0 < params.top_k < self.draft.vocab_size
+        return self.kernels and self.markov is not None and plain and SAMPLE_KERNEL
+
+    def _sampled_slots_kernel(self, base: torch.Tensor, anchor: torch.Tensor, temperature: float,
+                              q_out: torch.Tensor, race: torch.Tensor) -> None:
+        """Slot by slot, one launch each (token drawn, q's logits left in q_out), then q_out normalised at once."""
+        prev = anchor.view(1)
+        for i in range(self.block_size):
+            self.markov.sample(base[i], prev, race[i], q_out[i], self.tokens[i : i + 1], self.q_stats[i], temperature)
+            prev = self.tokens[i : i + 1]
+        self.markov.normalize(q_out, self.q_stats)
 
     def _block_torch(self, anchor: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         draft, s = self.draft, self.block_size

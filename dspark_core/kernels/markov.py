@@ -1,4 +1,5 @@
-"""Triton kernel of the draft's greedy Markov slot (``dspark_core.decoding.static_draft``, CUDA graphs).
+"""Triton kernels of the draft's Markov slot, greedy and sampled (``dspark_core.decoding.static_draft``,
+CUDA graphs).
 
 Slot i of a DSpark proposal picks ``t_i = argmax(base_i + W2 W1[t_{i-1}])``: the LM-head logits of the slot
 plus the Markov bias of the previous token. The slots are sequential (each reads the token the previous one
@@ -14,6 +15,12 @@ host sync is needed between slots.
 a draft tree's main chain and branches at one depth, reading and writing a token buffer by index; a row may also
 ask for the second best (the argmax with its top token excluded: the tile holding the top offers its second,
 every other tile its first).
+
+``MarkovSampler.sample`` is the sampled slot at a plain temperature, in the same one-launch pattern: each program
+draws its tile's exponential-race winner (``argmax(l - log E)``, E = -log U, l = logits / T: the race of
+``sampling.race_sample`` without the normalisation it does not need) and its tile's (max, sum exp) of l; the last
+program picks the token and the slot's (max, mass); ``MarkovSampler.normalize`` then turns the S slots' stored
+logits into their distributions q in one launch (the rejection step needs q).
 
 Deterministic: whichever program arrives last, it reduces the same partials the same way (a max, then the
 lowest token id among the partials equal to it), and max / min are exact, so the token does not depend on
@@ -152,6 +159,68 @@ def _markov_rows(BASE, W1, W2, TOK, TABLE, PV, PI, LOCK, V, R: tl.constexpr, BLO
         tl.atomic_xchg(LOCK + row, 0)
 
 
+@triton.jit
+def _markov_sample(BASE, W1, W2, PREV, RACE, Q, PART, PI, LOCK, OUT, STATS, V, temperature, R: tl.constexpr,
+                   BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, NP_P: tl.constexpr, PDL_ON: tl.constexpr):
+    """A sampled slot at temperature T (no top-k / top-p). Program p: its tile's l = (base + bias) / T -> Q (raw;
+    ``_normalize_q`` turns it into probabilities once the slot's max and mass are known) and three partials: the
+    race winner (max of ``l - log E``, E = -log U, lowest row on ties), max(l) and sum(exp(l - max)). The last
+    program to arrive: the token -> OUT, (M, Z) -> STATS, counter reset. ``argmax(l - log E) = argmax(softmax(l) /
+    E)``: the exponential race of ``race_sample``, without the normalisation it does not need."""
+    if PDL_ON:
+        gdc_wait()
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    logits, rows = _markov_logits(BASE, W1, W2, PREV, V, R, BLOCK_V, BLOCK_R)
+    if PDL_ON:
+        gdc_launch_dependents()
+    rmask = rows < V
+    lt = logits / temperature  # [BLOCK_V] -inf past V
+    tl.store(Q + rows, lt, mask=rmask)
+    u = tl.load(RACE + rows, mask=rmask, other=0.5)  # [BLOCK_V] U[0, 1)
+    g = tl.where(rmask, lt - tl.log(-tl.log(tl.maximum(u, 1e-30))), float("-inf"))  # [BLOCK_V]
+    g_best = tl.max(g, axis=0)
+    g_idx = tl.min(tl.where(g == g_best, rows, 2147483647), axis=0)
+    m = tl.max(lt, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    z = tl.sum(tl.where(rmask, tl.exp(lt - m_safe), 0.0), axis=0)
+    tl.store(PART + pid, g_best)
+    tl.store(PART + NP_P + pid, m)
+    tl.store(PART + 2 * NP_P + pid, z)
+    tl.store(PI + pid, g_idx)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(LOCK, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_prog - 1:
+        offs = tl.arange(0, NP_P)  # [NP_P]
+        mask = offs < n_prog
+        gv = tl.load(PART + offs, mask=mask, other=float("-inf"), cache_modifier=".cg")  # [NP_P]
+        gi = tl.load(PI + offs, mask=mask, other=2147483647, cache_modifier=".cg")  # [NP_P]
+        mv = tl.load(PART + NP_P + offs, mask=mask, other=float("-inf"), cache_modifier=".cg")  # [NP_P]
+        zv = tl.load(PART + 2 * NP_P + offs, mask=mask, other=0.0, cache_modifier=".cg")  # [NP_P]
+        top = tl.max(gv, axis=0)
+        tl.store(OUT, tl.min(tl.where(gv == top, gi, 2147483647), axis=0).to(tl.int64))
+        big = tl.max(mv, axis=0)
+        tl.store(STATS, big)
+        tl.store(STATS + 1, tl.sum(tl.where(mask, zv * tl.exp(mv - big), 0.0), axis=0))
+        tl.atomic_xchg(LOCK, 0)
+
+
+@triton.jit
+def _normalize_q(Q, STATS, V, BLOCK: tl.constexpr, PDL_ON: tl.constexpr):
+    """Row r of Q [S, V] (scaled logits l): ``exp(l - M_r) / Z_r`` in place, (M_r, Z_r) = STATS[r]."""
+    if PDL_ON:
+        gdc_wait()
+    row = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    mask = offs < V
+    big = tl.load(STATS + 2 * row)
+    mass = tl.load(STATS + 2 * row + 1)
+    lt = tl.load(Q + row * V + offs, mask=mask, other=float("-inf"))
+    if PDL_ON:
+        gdc_launch_dependents()
+    tl.store(Q + row * V + offs, tl.exp(lt - big) / mass, mask=mask)
+
+
 class MarkovArgmax:
     """Greedy Markov slots for one (W1 [V, r], W2 [V, r]) pair, with preallocated partial buffers and an
     arrival counter (made here, so before any CUDA graph capture)."""
@@ -192,6 +261,36 @@ class MarkovArgmax:
         _markov_rows[(self.parts, n)](base, self.w1, self.w2, tok, table, pv, pi, lock, self.vocab, R=self.rank,
                                       BLOCK_V=BLOCK_V, BLOCK_R=self.block_r, NP_P=np_p, PDL_ON=PDL, num_warps=4,
                                       **_LAUNCH)
+
+
+class MarkovSampler(MarkovArgmax):
+    """Sampled Markov slots at a temperature (no top-k / top-p): one launch per slot (``_markov_sample``), drawing
+    the token by the exponential race on given U[0, 1) draws and leaving the slot's scaled logits and (max, mass)
+    behind; then one launch (``normalize``) turns all the slots' rows into their distributions q. The torch path
+    (``StaticDraft.propose_sampled`` without kernels) is ~35 kernels a slot: softmax, the race, the Markov bias."""
+
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
+        super().__init__(w1, w2)
+        np_p = triton.next_power_of_2(self.parts)
+        self.part = torch.empty(3 * np_p, device=w1.device, dtype=torch.float32)  # [3 P'] race best, max, mass
+        self.sample_lock = torch.zeros(1, device=w1.device, dtype=torch.int32)  # [1] zero between launches
+
+    def sample(self, base: torch.Tensor, prev: torch.Tensor, race: torch.Tensor, q_row: torch.Tensor,
+               out: torch.Tensor, stats: torch.Tensor, temperature: float) -> None:
+        """``out[0]`` ~ softmax((base + W2 W1[prev[0]]) / T), drawn by the race on ``race [V]``; ``q_row [V]`` gets
+        the scaled logits and ``stats [2]`` their (max, sum of exp(l - max)) until ``normalize``."""
+        if not temperature > 0:
+            raise ValueError(f"MarkovSampler.sample: temperature must be > 0; got {temperature!r}")
+        np_p = triton.next_power_of_2(self.parts)
+        _markov_sample[(self.parts,)](base, self.w1, self.w2, prev, race, q_row, self.part, self.pi, self.sample_lock,
+                                      out, stats, self.vocab, float(temperature), R=self.rank, BLOCK_V=BLOCK_V,
+                                      BLOCK_R=self.block_r, NP_P=np_p, PDL_ON=PDL, num_warps=4, **_LAUNCH)
+
+    def normalize(self, q: torch.Tensor, stats: torch.Tensor) -> None:
+        """q [S, V] scaled logits -> probabilities, row r with ``stats[r] = (max, mass)``."""
+        block = 1024
+        _normalize_q[(triton.cdiv(self.vocab, block), q.shape[0])](q, stats, self.vocab, BLOCK=block, PDL_ON=PDL,
+                                                                    num_warps=4, **_LAUNCH)
 
 
 def _rows_check(tok: torch.Tensor, table: torch.Tensor) -> None:
