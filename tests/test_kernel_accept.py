@@ -179,3 +179,39 @@ def test_argument_errors():
         GreedyAccept(17, v, DEVICE)
     with pytest.raises(ValueError, match="block_v"):
         GreedyAccept(4, v, DEVICE, block_v=100)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("s,v,block", [(7, 1000, 128), (3, 300, 64)])
+def test_sampled_accept_matches_rejection_step(s, v, block, dtype):
+    """``SampledAccept`` (two launches) against ``logits_to_probs`` + ``sampling.rejection_step`` on the same draws:
+    the same accepted prefix, bonus, position and anchor, over draws that reject at different slots, accept every
+    counted slot, and cut at a cap (rows past the cap have no q); the arrival counters back at 0."""
+    from dspark_core.decoding.sampling import SamplingParams, logits_to_probs, rejection_step
+    from dspark_core.kernels.accept import SampledAccept
+
+    g = torch.Generator().manual_seed(s * v)
+    temperature = 0.8
+    acc = SampledAccept(s + 1, v, DEVICE, block_v=block)
+    seen = set()
+    for trial in range(24):
+        logits = _logits(s, v, dtype, g)  # [S+1, V]
+        p_ref = logits_to_probs(logits.float(), SamplingParams(temperature=temperature))  # [S+1, V]
+        q = torch.softmax((p_ref[:s].log() + torch.randn(s, v, generator=g).to(DEVICE)).float(), dim=-1)  # [S, V]
+        tokens = torch.multinomial(q.cpu(), 1, generator=g)[:, 0].to(DEVICE)  # [S] drawn from q
+        cap = s if trial % 3 else int(torch.randint(0, s, (1,), generator=g))
+        u = torch.rand(s, generator=g).to(DEVICE) * (0.02 if trial % 4 == 0 else 1.0)  # [S] small u: accept
+        race = torch.rand(v, generator=g).to(DEVICE)  # [V]
+        out = torch.cat([torch.tensor([-5, cap]).to(DEVICE), tokens, torch.tensor([-7]).to(DEVICE)])  # [S+3]
+        p, anchor = torch.tensor([17], device=DEVICE), torch.tensor([-3], device=DEVICE)
+        a, bonus = rejection_step(p_ref, q, tokens, torch.tensor(cap, device=DEVICE), u, race)
+        acc(logits, q, out, p, anchor, u, race, temperature)
+        assert out.tolist() == [a.item(), cap, *tokens.tolist(), bonus.item()], trial
+        assert p.item() == 17 + a.item() + 1 and anchor.item() == bonus.item()
+        assert acc.locks.tolist() == [0, 0]
+        seen.add(a.item())
+    assert {0, s} <= seen and len(seen) >= 3  # rejections at the first slot, full acceptances, and in between
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        acc(logits, q, out, p, anchor, u, race, 0.0)
+    with pytest.raises(ValueError, match=r"q must be contiguous float32 \[3, 300\]|q must be contiguous float32"):
+        acc(logits, q[:, :5], out, p, anchor, u, race, temperature)

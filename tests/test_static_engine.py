@@ -198,6 +198,31 @@ def test_static_kernels_match_ar(family):
 
 
 @needs_triton
+def test_static_sampling_kernels_match_torch_ops(monkeypatch):
+    """The sampling cycle with the Triton draft and target at a plain temperature: the one-launch sampled slots
+    (``MarkovSampler``) and the two-launch accept step (``SampledAccept``) give the outputs and cycles of the torch
+    ops (``logits_to_probs`` + ``race_sample`` per slot, ``rejection_step``) on the same seeded draws."""
+    import dspark_core.decoding.static_draft as static_draft
+    import dspark_core.decoding.static_engine as static_engine
+
+    model, draft = _setup("qwen3", layers=3, aux=(0, 1), fit=([PROMPT], MAX_NEW))
+    runner = TargetRunner(model, max_len=48, aux_layer_ids=draft.aux_layer_ids, kernels=True)
+    params = SamplingParams(temperature=0.8)
+    results = {}
+    for on in (True, False):
+        monkeypatch.setattr(static_draft, "SAMPLE_KERNEL", on)
+        monkeypatch.setattr(static_engine, "REJECT_KERNEL", on)
+        engine = StaticSpeculativeDecoder(runner, draft, kernels=True, sampling=params, seed=5)
+        assert (engine._sampled_accept is not None) == on
+        assert engine.static._sample_kernel_applies(params) == on
+        results[on] = [engine.generate(PROMPT, 12)]
+    for got, want in zip(results[True], results[False]):
+        assert got.tokens == want.tokens and got.accepted_per_cycle == want.accepted_per_cycle
+    accepted = [a for r in results[True] for a in r.accepted_per_cycle]
+    assert sum(accepted) > 0 and min(accepted) < BLOCK  # draft tokens accepted, and rejections
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab,rank", [(16, 8), (256, 5), (300, 24), (1000, 256)])
 def test_markov_kernel_matches_torch(vocab, rank, dtype):
@@ -379,10 +404,14 @@ def test_static_cuda_graph_matches_ar(kernels):
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("kernels,top_p", [(False, 0.95), (True, 0.95), (True, 1.0)])
-def test_static_cuda_graph_sampling_matches_the_targets_distribution(kernels, top_p):
+def test_static_cuda_graph_sampling_matches_the_targets_distribution(kernels, top_p, monkeypatch):
     """The sampling cycle captured in CUDA graphs (device RNG under capture): the same two-sample test as on
     CPU (first run on an H200 in session 10). top_p 1.0 with kernels: the one-launch sampled slots
-    (``MarkovSampler``); top_p 0.95 keeps the torch slots."""
+    (``MarkovSampler``) and the Triton accept step (``SampledAccept``, opt-in: switched on here); top_p 0.95
+    keeps the torch slots and accept step."""
+    import dspark_core.decoding.static_engine as static_engine
+
+    monkeypatch.setattr(static_engine, "REJECT_KERNEL", True)
     model, draft = _setup("qwen3", vocab=64, fit=([PROMPT], 64))  # the kernel shapes of the greedy graph test
     if kernels:
         model, draft = model.to(torch.bfloat16), draft.to(torch.bfloat16)

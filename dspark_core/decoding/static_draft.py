@@ -179,11 +179,15 @@ class StaticDraft:
             prev = self.tokens[i : i + 1]
         return self.tokens, hidden
 
+    def plain_temperature(self, params) -> bool:
+        """Sampling at a temperature with no top-k / top-p to apply: what the sampling kernels take (their sort /
+        top-k stay on the torch path)."""
+        return not params.greedy and params.top_p >= 1.0 and not 0 < params.top_k < self.draft.vocab_size
+
     def _sample_kernel_applies(self, params) -> bool:
-        """The one-launch sampled slot (``MarkovSampler``) takes a plain temperature: no top-k / top-p to apply
-        (their sort / top-k stay on the torch path). DSPARK_SAMPLE_KERNEL=0 keeps the torch path (A/B timing)."""
-        plain = params.top_p >= 1.0 and not 0 < params.top_k < self.draft.vocab_size
-        return self.kernels and self.markov is not None and plain and SAMPLE_KERNEL
+        """The one-launch sampled slot (``MarkovSampler``) at a plain temperature. DSPARK_SAMPLE_KERNEL=0 keeps the
+        torch path (A/B timing)."""
+        return self.kernels and self.markov is not None and self.plain_temperature(params) and SAMPLE_KERNEL
 
     def _sampled_slots_kernel(self, base: torch.Tensor, anchor: torch.Tensor, temperature: float,
                               q_out: torch.Tensor, race: torch.Tensor) -> None:

@@ -21,8 +21,9 @@ which commits the same tokens the reference commits after proposing only the con
 (``StaticDraft.propose_sampled``), and the accept step is exact rejection sampling against the target's p
 (``sampling.rejection_step``: accept t_i while u_i q_i(t_i) < p_i(t_i), then one token from
 normalize(max(p_a - q_a, 0)), or from p_a past the last counted slot), every draw an exponential race on device
-uniforms: no host read, static shapes. Without CUDA graphs the draws come from ``torch.Generator(seed)``; with
-them from the default CUDA generator (graph-safe). Tested on CPU (chi-square against the target's distribution)
+uniforms: no host read, static shapes (with the Triton draft at a plain temperature: ``MarkovSampler`` slots, and
+with ``DSPARK_REJECT_KERNEL=1`` the accept step in two launches, ``kernels.accept.SampledAccept``). Without CUDA
+graphs the draws come from ``torch.Generator(seed)``; with them from the default CUDA generator (graph-safe). Tested on CPU (chi-square against the target's distribution)
 and, captured in CUDA graphs with and without the Triton kernels, on an H200 (session 10,
 ``test_static_cuda_graph_sampling_matches_the_targets_distribution``): ``bench_online``'s ``engine: auto`` picks it
 for sampling on CUDA.
@@ -43,6 +44,7 @@ Shape legend: S block size, V vocab, K aux layers, H target hidden.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from typing import Sequence
@@ -55,6 +57,11 @@ from dspark_core.decoding.static_draft import StaticDraft, draft_kernels_problem
 from dspark_core.decoding.target_runner import TargetRunner
 from dspark_core.decoding.tree import TreeLayout, parse_branches
 from dspark_core.decoding.types import GenerationResult, cut_at_stop
+
+# The sampled accept step in two Triton launches (``kernels.accept.SampledAccept``) instead of ~50 torch kernels:
+# tested against the torch step under the CPU interpreter (session 14), not yet run on a GPU -- opt-in
+# (DSPARK_REJECT_KERNEL=1) until the CUDA-graph sampling test has passed with it and it has been timed.
+REJECT_KERNEL = os.environ.get("DSPARK_REJECT_KERNEL", "0") == "1"
 
 
 class StaticSpeculativeDecoder:
@@ -109,6 +116,11 @@ class StaticSpeculativeDecoder:
         if self.sampling is not None:
             self.q = torch.zeros(s, target.vocab_size, dtype=torch.float32, device=dev)  # [S, V] the draft's q
             self._gen = None if self.cuda_graph else torch.Generator(dev).manual_seed(int(seed))
+            self._sampled_accept = None  # the Triton accept step at a plain temperature (kernels/accept.py)
+            if self.static.kernels and self.static.plain_temperature(self.sampling) and REJECT_KERNEL:
+                from dspark_core.kernels.accept import SampledAccept
+
+                self._sampled_accept = SampledAccept(s + 1, target.vocab_size, dev)
         elif self.static.kernels:
             from dspark_core.kernels.accept import GreedyAccept
 
@@ -148,7 +160,10 @@ class StaticSpeculativeDecoder:
         ids = torch.cat([self.anchor, tokens]).view(1, s + 1)  # [1, S+1]
         pos = self.p + self.verify_slots  # [S+1]
         logits, aux = self.target._step(ids, pos)  # [1, S+1, V], [1, S+1, K, H]
-        if self.sampling is not None:  # exact rejection sampling on the device
+        if self.sampling is not None and self._sampled_accept is not None:  # the same step in two kernels
+            self._sampled_accept(logits[0], self.q, self.out, self.p, self.anchor, self._rand(s),
+                                 self._rand(self.q.shape[1]), self.sampling.temperature)
+        elif self.sampling is not None:  # exact rejection sampling on the device
             from dspark_core.decoding.sampling import logits_to_probs, rejection_step
 
             probs = logits_to_probs(logits[0].float(), self.sampling)  # [S+1, V]

@@ -87,6 +87,16 @@ def _accept(best, OUT, P, ANCHOR, S, R_P: tl.constexpr):
 
 
 @triton.jit
+def _publish(WS_A, WS_B, slot, a, b, LOCK):
+    """Store this program's two partials at ``slot`` of the workspaces and count in on the arrival counter: returns
+    how many programs arrived before this one (the last one sees every partial: acquire)."""
+    tl.store(WS_A + slot, a)
+    tl.store(WS_B + slot, b)
+    tl.debug_barrier()  # every thread's partial stores are issued before the release below
+    return tl.atomic_add(LOCK, 1, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
 def _greedy_accept(LOGITS, OUT, P, ANCHOR, WS_MAX, WS_IDX, LOCK, stride_row, R, T, V,
                    BLOCK_V: tl.constexpr, R_P: tl.constexpr, T_P: tl.constexpr, PDL_ON: tl.constexpr):
     """Program (row, tile): the tile's partial argmax; the last program to arrive does the rest (module doc)."""
@@ -97,10 +107,7 @@ def _greedy_accept(LOGITS, OUT, P, ANCHOR, WS_MAX, WS_IDX, LOCK, stride_row, R, 
     m, idx = _tile_argmax(LOGITS, row, tile, stride_row, V, BLOCK_V)
     if PDL_ON:
         gdc_launch_dependents()  # let the next kernel launch while this one finishes
-    tl.store(WS_MAX + row * T + tile, m)
-    tl.store(WS_IDX + row * T + tile, idx)
-    tl.debug_barrier()  # every thread's partial stores are issued before the release below
-    arrived = tl.atomic_add(LOCK, 1, sem="acq_rel", scope="gpu")
+    arrived = _publish(WS_MAX, WS_IDX, row * T + tile, m, idx, LOCK)
     if arrived == R * T - 1:  # the last program: every partial is written and visible
         best = _row_argmax(WS_MAX, WS_IDX, R, T, V, R_P, T_P)  # [R_P]
         _accept(best, OUT, P, ANCHOR, R - 1, R_P)
@@ -193,15 +200,159 @@ def _greedy_accept_tree(LOGITS, OUT, P, ANCHOR, WS_MAX, WS_IDX, LOCK, PARENT, DE
     m, idx = _tile_argmax(LOGITS, row, tile, stride_row, V, BLOCK_V)
     if PDL_ON:
         gdc_launch_dependents()
-    tl.store(WS_MAX + row * T + tile, m)
-    tl.store(WS_IDX + row * T + tile, idx)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(LOCK, 1, sem="acq_rel", scope="gpu")
+    arrived = _publish(WS_MAX, WS_IDX, row * T + tile, m, idx, LOCK)
     if arrived == R * T - 1:
         best = _row_argmax(WS_MAX, WS_IDX, R, T, V, R_P, T_P)  # [R_P]
         _accept_tree(best, OUT, P, ANCHOR, PARENT, DEPTH, ANC, PATH, KC, VC, DKC, DVC, S, R, LH, M_ALLOC, DLH,
                      DM_ALLOC, R_P, S_P, D, DD, LH_BLOCK, DLH_BLOCK)
         tl.atomic_xchg(LOCK, 0)
+
+
+# -- the sampled accept step (exact rejection sampling at a plain temperature) ---------------------------------------
+@triton.jit
+def _sampled_stats(LOGITS, Q, U, OUT, P, WS_MAX, WS_SUM, STATE, LOCK, stride_row, temperature, R, T, V,
+                   BLOCK_V: tl.constexpr, R_P: tl.constexpr, T_P: tl.constexpr, PDL_ON: tl.constexpr):
+    """Program (row, tile): the tile's max and sum exp of l = logits / T. The last program to arrive: each row's
+    (M, Z), p_j(t_j) = exp(l_j(t_j) - M_j) / Z_j, the accepted prefix a (u_j q_j(t_j) < p_j(t_j) and j < cap, slot
+    by slot), out[0] = a, p += a + 1, and STATE = [a, M_a, Z_a] for ``_sampled_bonus``."""
+    if PDL_ON:
+        gdc_wait()
+    row = tl.program_id(0)
+    tile = tl.program_id(1)
+    cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    cmask = cols < V
+    lt = tl.load(LOGITS + row.to(tl.int64) * stride_row + cols, mask=cmask, other=float("-inf")).to(tl.float32)
+    lt = lt / temperature
+    m = tl.max(lt, 0)
+    z = tl.sum(tl.where(cmask, tl.exp(lt - m), 0.0), 0)
+    if PDL_ON:
+        gdc_launch_dependents()
+    arrived = _publish(WS_MAX, WS_SUM, row * T + tile, m, z, LOCK)
+    if arrived == R * T - 1:
+        r = tl.arange(0, R_P)  # [R_P]
+        t = tl.arange(0, T_P)  # [T_P]
+        valid = (r[:, None] < R) & (t[None, :] < T)
+        offs = r[:, None] * T + t[None, :]  # [R_P, T_P]
+        pm = tl.load(WS_MAX + offs, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        ps = tl.load(WS_SUM + offs, mask=valid, other=0.0, cache_modifier=".cg")
+        big = tl.max(pm, 1)  # [R_P] row max M
+        big = tl.where(r < R, big, 0.0)  # padding rows: 0, not -inf (no inf - inf below)
+        mass = tl.sum(tl.where(valid, ps * tl.exp(pm - big[:, None]), 0.0), 1)  # [R_P] row Z
+        mass = tl.where(r < R, mass, 1.0)
+        s = R - 1
+        slot = r < s
+        tok = tl.load(OUT + 2 + r, mask=slot, other=0)  # [R_P] t_{j+1}
+        l_tok = tl.load(LOGITS + r.to(tl.int64) * stride_row + tok, mask=slot, other=0.0).to(tl.float32)
+        p_tok = tl.exp(l_tok / temperature - big) / mass  # [R_P]
+        cap = tl.load(OUT + 1)
+        live = slot & (r < cap)
+        q_tok = tl.load(Q + r.to(tl.int64) * V + tok, mask=live, other=0.0)  # [R_P]
+        u = tl.load(U + r, mask=slot, other=1.0)
+        ok = (u * q_tok < p_tok) & live
+        a = tl.min(tl.where(slot & ~ok, r, s), 0)  # the first rejected (or uncounted) slot, or S
+        tl.store(OUT, a.to(tl.int64))
+        tl.store(P, tl.load(P) + a + 1)
+        tl.store(STATE, a.to(tl.float32))
+        tl.store(STATE + 1, tl.sum(tl.where(r == a, big, 0.0), 0))
+        tl.store(STATE + 2, tl.sum(tl.where(r == a, mass, 0.0), 0))
+        tl.atomic_xchg(LOCK, 0)
+
+
+@triton.jit
+def _sampled_bonus(LOGITS, Q, RACE, OUT, ANCHOR, STATE, WS_RES, WS_IDX, LOCK, stride_row, temperature, S, T, V,
+                   BLOCK_V: tl.constexpr, T_P: tl.constexpr, PDL_ON: tl.constexpr):
+    """Program (tile): over row a's tile, p = exp(l / T - M_a) / Z_a, q = q_a where slot a was counted (else 0),
+    the residual max(p - q, 0): its mass and its exponential-race winner, and p's winner. The last program: the
+    bonus is the residual's winner where its mass > 0, else p's (a rejection has probability 0 when p == q), as
+    ``sampling.rejection_step``; out[2+S] = anchor = bonus."""
+    if PDL_ON:
+        gdc_wait()
+    tile = tl.program_id(0)
+    a = tl.load(STATE).to(tl.int32)
+    big = tl.load(STATE + 1)
+    mass = tl.load(STATE + 2)
+    cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    cmask = cols < V
+    lt = tl.load(LOGITS + a.to(tl.int64) * stride_row + cols, mask=cmask, other=float("-inf")).to(tl.float32)
+    p = tl.exp(lt / temperature - big) / mass  # [BLOCK_V] 0 past V
+    q_live = ((a < S) & (a < tl.load(OUT + 1))).to(tl.int32)  # slot a was counted: it has a q
+    q = tl.load(Q + a.to(tl.int64) * V + cols, mask=cmask & (tl.zeros_like(cols) + q_live > 0), other=0.0)
+    res = tl.maximum(p - q, 0.0)
+    e = -tl.log(tl.maximum(tl.load(RACE + cols, mask=cmask, other=0.5), 1e-30))  # [BLOCK_V] Exp(1)
+    k_res = tl.where(cmask, res / e, -1.0)
+    k_p = tl.where(cmask, p / e, -1.0)
+    best_res = tl.max(k_res, 0)
+    best_p = tl.max(k_p, 0)
+    if PDL_ON:
+        gdc_launch_dependents()
+    tl.store(WS_RES + tile, tl.sum(res, 0))
+    tl.store(WS_RES + T_P + tile, best_res)
+    tl.store(WS_RES + 2 * T_P + tile, best_p)
+    tl.store(WS_IDX + tile, tl.min(tl.where(k_res == best_res, cols, V), 0))
+    tl.store(WS_IDX + T_P + tile, tl.min(tl.where(k_p == best_p, cols, V), 0))
+    tl.debug_barrier()
+    arrived = tl.atomic_add(LOCK, 1, sem="acq_rel", scope="gpu")
+    if arrived == T - 1:
+        t = tl.arange(0, T_P)
+        tm = t < T
+        res_mass = tl.sum(tl.load(WS_RES + t, mask=tm, other=0.0, cache_modifier=".cg"), 0)
+        use = tl.where(res_mass > 0, 0, 1)  # 0: the residual's race, 1: p's
+        kv = tl.load(WS_RES + (1 + use) * T_P + t, mask=tm, other=-2.0, cache_modifier=".cg")  # [T_P]
+        ki = tl.load(WS_IDX + use * T_P + t, mask=tm, other=V, cache_modifier=".cg")
+        top = tl.max(kv, 0)
+        bonus = tl.minimum(tl.min(tl.where(kv == top, ki, V), 0), V - 1).to(tl.int64)
+        tl.store(OUT + 2 + S, bonus)
+        tl.store(ANCHOR, bonus)
+        tl.atomic_xchg(LOCK, 0)
+
+
+class SampledAccept:
+    """The sampled accept step of the static engine (exact rejection sampling at a plain temperature: no top-k /
+    top-p) in two launches, in place of ``logits_to_probs`` on [S+1, V] + ``sampling.rejection_step`` (~50 torch
+    kernels): ``_sampled_stats`` (row max / mass partials; the last program decides the accepted prefix) and
+    ``_sampled_bonus`` (row a's residual or p, drawn by the exponential race). Same draws as the torch path:
+    u [S] for the accept tests, race [V] for the bonus."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device | str, *, block_v: int | None = None,
+                 num_warps: int = 4) -> None:
+        if not 2 <= rows <= MAX_ROWS:
+            raise ValueError(f"rows (S+1) must be in [2, {MAX_ROWS}]; got {rows}")
+        block_v = default_block(rows, vocab) if block_v is None else int(block_v)
+        if block_v < 16 or block_v & (block_v - 1):
+            raise ValueError(f"block_v must be a power of two >= 16; got {block_v}")
+        self.rows, self.vocab, self.block_v, self.num_warps = rows, vocab, block_v, num_warps
+        self.tiles = triton.cdiv(vocab, block_v)
+        self.t_p = triton.next_power_of_2(self.tiles)
+        dev = torch.device(device)
+        self.ws_max = torch.empty(rows * self.tiles, dtype=torch.float32, device=dev)  # [R, T]
+        self.ws_sum = torch.empty(rows * self.tiles, dtype=torch.float32, device=dev)  # [R, T]
+        self.ws_res = torch.empty(3 * self.t_p, dtype=torch.float32, device=dev)  # [3, T']
+        self.ws_idx = torch.empty(2 * self.t_p, dtype=torch.int32, device=dev)  # [2, T']
+        self.state = torch.zeros(3, dtype=torch.float32, device=dev)  # [a, M_a, Z_a]
+        self.locks = torch.zeros(2, dtype=torch.int32, device=dev)  # arrivals of each kernel; 0 between launches
+
+    def __call__(self, logits: torch.Tensor, q: torch.Tensor, out: torch.Tensor, p: torch.Tensor,
+                 anchor: torch.Tensor, u: torch.Tensor, race: torch.Tensor, temperature: float) -> None:
+        """logits [S+1, V] (the verify's), q [S, V] float32 (the draft's distributions), out int64 [S+3] = [a, cap,
+        t_1..t_S, bonus], p / anchor int64 [1], u [S] and race [V] U[0, 1) draws: writes a and the bonus into out,
+        p += a + 1, anchor = bonus."""
+        r, v, s = self.rows, self.vocab, self.rows - 1
+        if tuple(logits.shape) != (r, v) or logits.stride(1) != 1 or logits.dtype not in LOGIT_DTYPES:
+            raise ValueError(f"SampledAccept: logits must be [{r}, {v}] float, contiguous along the vocab; got "
+                             f"{logits.dtype} {list(logits.shape)}")
+        if tuple(q.shape) != (s, v) or q.dtype != torch.float32 or not q.is_contiguous():
+            raise ValueError(f"SampledAccept: q must be contiguous float32 [{s}, {v}]; got {q.dtype} {list(q.shape)}")
+        if not temperature > 0:
+            raise ValueError(f"SampledAccept: temperature must be > 0; got {temperature!r}")
+        temperature = float(temperature)
+        _sampled_stats[(r, self.tiles)](logits, q, u, out, p, self.ws_max, self.ws_sum, self.state, self.locks,
+                                        logits.stride(0), temperature, r, self.tiles, v, BLOCK_V=self.block_v,
+                                        R_P=triton.next_power_of_2(r), T_P=self.t_p, PDL_ON=PDL,
+                                        num_warps=self.num_warps, **_LAUNCH)
+        _sampled_bonus[(self.tiles,)](logits, q, race, out, anchor, self.state, self.ws_res, self.ws_idx,
+                                      self.locks[1:], logits.stride(0), temperature, s, self.tiles, v,
+                                      BLOCK_V=self.block_v, T_P=self.t_p, PDL_ON=PDL, num_warps=self.num_warps,
+                                      **_LAUNCH)
 
 
 def kv_move_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, path: torch.Tensor) -> None:
