@@ -218,8 +218,7 @@ def test_static_sampling_kernels_match_torch_ops(monkeypatch):
         results[on] = [engine.generate(PROMPT, 12)]
     for got, want in zip(results[True], results[False]):
         assert got.tokens == want.tokens and got.accepted_per_cycle == want.accepted_per_cycle
-    accepted = [a for r in results[True] for a in r.accepted_per_cycle]
-    assert sum(accepted) > 0 and min(accepted) < BLOCK  # draft tokens accepted, and rejections
+    assert_partial_acceptance(results[True][0], BLOCK)  # draft tokens accepted, and rejections
 
 
 @needs_triton
@@ -345,8 +344,7 @@ def test_static_sampled_slots_kernel_matches_torch_path(monkeypatch):
     torch.testing.assert_close(runs[1.0, True][1], runs[1.0, False][1], rtol=1e-5, atol=1e-7)
     assert runs[1.0, True][0].tolist() == runs[1.0, False][0].tolist()
     assert runs[0.9, True][0].tolist() == runs[0.9, False][0].tolist()
-    assert runs[1.0, True][0].tolist() != runs[0.9, True][0].tolist() or not torch.equal(runs[1.0, True][1],
-                                                                                         runs[0.9, True][1])
+    assert not torch.equal(runs[1.0, True][1], runs[0.9, True][1])  # top-p was applied (by the torch slots)
 
 
 def _markov_weights(vocab: int, rank: int, dtype: torch.dtype, gen: torch.Generator):

@@ -23,10 +23,10 @@ which commits the same tokens the reference commits after proposing only the con
 normalize(max(p_a - q_a, 0)), or from p_a past the last counted slot), every draw an exponential race on device
 uniforms: no host read, static shapes (with the Triton draft at a plain temperature: ``MarkovSampler`` slots, and
 with ``DSPARK_REJECT_KERNEL=1`` the accept step in two launches, ``kernels.accept.SampledAccept``). Without CUDA
-graphs the draws come from ``torch.Generator(seed)``; with them from the default CUDA generator (graph-safe). Tested on CPU (chi-square against the target's distribution)
-and, captured in CUDA graphs with and without the Triton kernels, on an H200 (session 10,
-``test_static_cuda_graph_sampling_matches_the_targets_distribution``): ``bench_online``'s ``engine: auto`` picks it
-for sampling on CUDA.
+graphs the draws come from ``torch.Generator(seed)``; with them from the default CUDA generator (graph-safe).
+Tested on CPU (chi-square against the target's distribution) and, captured in CUDA graphs with and without the
+Triton kernels, on an H200 (session 10, ``test_static_cuda_graph_sampling_matches_the_targets_distribution``):
+``bench_online``'s ``engine: auto`` picks it for sampling on CUDA.
 
 ``tree_branches`` ((start, length), ...; ``dspark_core.decoding.tree``) adds side branches to the proposal: the
 draft's second-best token at depth ``start`` and its greedy continuation, verified in the same forward (up to

@@ -271,8 +271,8 @@ class MarkovSampler(MarkovArgmax):
 
     def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
         super().__init__(w1, w2)
-        np_p = triton.next_power_of_2(self.parts)
-        self.part = torch.empty(3 * np_p, device=w1.device, dtype=torch.float32)  # [3 P'] race best, max, mass
+        self.np_p = triton.next_power_of_2(self.parts)
+        self.part = torch.empty(3 * self.np_p, device=w1.device, dtype=torch.float32)  # [3 P'] race best, max, mass
         self.sample_lock = torch.zeros(1, device=w1.device, dtype=torch.int32)  # [1] zero between launches
 
     def sample(self, base: torch.Tensor, prev: torch.Tensor, race: torch.Tensor, q_row: torch.Tensor,
@@ -281,10 +281,9 @@ class MarkovSampler(MarkovArgmax):
         the scaled logits and ``stats [2]`` their (max, sum of exp(l - max)) until ``normalize``."""
         if not temperature > 0:
             raise ValueError(f"MarkovSampler.sample: temperature must be > 0; got {temperature!r}")
-        np_p = triton.next_power_of_2(self.parts)
         _markov_sample[(self.parts,)](base, self.w1, self.w2, prev, race, q_row, self.part, self.pi, self.sample_lock,
                                       out, stats, self.vocab, float(temperature), R=self.rank, BLOCK_V=BLOCK_V,
-                                      BLOCK_R=self.block_r, NP_P=np_p, PDL_ON=PDL, num_warps=4, **_LAUNCH)
+                                      BLOCK_R=self.block_r, NP_P=self.np_p, PDL_ON=PDL, num_warps=4, **_LAUNCH)
 
     def normalize(self, q: torch.Tensor, stats: torch.Tensor) -> None:
         """q [S, V] scaled logits -> probabilities, row r with ``stats[r] = (max, mass)``."""
