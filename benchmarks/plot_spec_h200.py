@@ -117,7 +117,10 @@ DOMAIN_RUNS = [("session10", "session 10: SmolLM2-135M on one H200, 30 held-out 
                              "T 0.7 with its speedup over the same-mode AR)"),
                ("session14", "session 14: session 13's draft trained on (3,087 more steps, same 2,640 answers), the "
                              "one-launch sampled Markov slot;\nlabels: speedup over the fastest AR, MAL (greedy; T 0.7 "
-                             "with its speedup over the fastest sampled AR)")]
+                             "with its speedup over the fastest sampled AR)"),
+               ("session15", "session 15: session 14's draft trained on (1,576 more steps) with all 7,920 train prompts "
+                             "answered (5,280 new);\nlabels: speedup over the fastest AR, MAL (greedy; "
+                             "T 0.7 with its speedup over the fastest sampled AR)")]
 
 
 def main() -> None:

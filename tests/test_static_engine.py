@@ -405,8 +405,8 @@ def test_static_cuda_graph_matches_ar(kernels):
 def test_static_cuda_graph_sampling_matches_the_targets_distribution(kernels, top_p, monkeypatch):
     """The sampling cycle captured in CUDA graphs (device RNG under capture): the same two-sample test as on
     CPU (first run on an H200 in session 10). top_p 1.0 with kernels: the one-launch sampled slots
-    (``MarkovSampler``) and the Triton accept step (``SampledAccept``, opt-in: switched on here); top_p 0.95
-    keeps the torch slots and accept step."""
+    (``MarkovSampler``) and the Triton accept step (``SampledAccept``, the default; switched on here whatever
+    DSPARK_REJECT_KERNEL says); top_p 0.95 keeps the torch slots and accept step."""
     import dspark_core.decoding.static_engine as static_engine
 
     monkeypatch.setattr(static_engine, "REJECT_KERNEL", True)
