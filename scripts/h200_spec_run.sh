@@ -53,9 +53,12 @@
 #   DSPARK_TRAIN_STEPS=N     train.total_steps = max_steps = N for every variant (the same data budget for each;
 #                            default: the profile's schedule cut by the time budget)
 #   DSPARK_BENCH_ONLINE=1    step bench_online: stages/bench_online.py for every variant on the held-out prompts
-#                            of every domain (no peers) -> summary.json; DSPARK_BENCH_ONLINE_ENGINE (default auto:
-#                            the static CUDA-graph engine greedy, the reference engine sampling; static: both static;
-#                            reference: both reference)
+#                            of every domain (no peers) -> summary.json, and the first variant's per-domain JSON
+#                            as bench_online_<variant>.json; DSPARK_BENCH_ONLINE_ENGINE (default auto: the static
+#                            CUDA-graph engine on CUDA, greedy and chain sampling; reference: the reference engine)
+#   DSPARK_BENCH_ONLINE_TREE="1:4,2:2,3:1,4:1"   that step decodes with this draft tree (bench_online.tree_branches,
+#                            greedy only: also_temperatures [], as the static engine's trees are greedy) into
+#                            reports/bench_online_tree/ -> bench_online_tree_<variant>.json
 #   Across device sessions (the machine keeps nothing; a 30-minute session holds ~150 s of training):
 #   DSPARK_RETURN=1          leave in OUT_DIR what the next session needs to continue: regen.tgz (after regenerate:
 #                            data/regen with the parts of a split the time budget cut) and, after train, the first
@@ -405,20 +408,30 @@ eval_all() {
 }
 bench_online_all() {  # the held-out prompts of every domain, the same engine for every variant, no peers
   [ "$BENCH_ONLINE" = 1 ] || { echo "(DSPARK_BENCH_ONLINE=0: skipped)"; return 0; }
-  "$PY" - "$SPEC_NEW_TOKENS" "$TINY" "${DSPARK_BENCH_ONLINE_ENGINE:-auto}" <<'EOF'
+  local tree="${DSPARK_BENCH_ONLINE_TREE:-}" name=bench_online
+  [ -z "$tree" ] || name=bench_online_tree
+  "$PY" - "$SPEC_NEW_TOKENS" "$TINY" "${DSPARK_BENCH_ONLINE_ENGINE:-auto}" "$tree" <<'EOF'
 import sys
 from pathlib import Path
 
 import yaml
 
 p = yaml.safe_load(Path("params.yaml").read_text())
-tiny = sys.argv[2] == "1"
+tiny, tree = sys.argv[2] == "1", sys.argv[4]
 p["bench_online"].update(max_prompts=1 if tiny else 30, peers=[], max_new_tokens=24 if tiny else int(sys.argv[1]),
                          engine=sys.argv[3], max_len=2048)
+if tree:  # "start:length,...": a greedy tree run beside the chain's reports
+    try:
+        branches = [[int(v) for v in part.split(":")] for part in tree.replace(" ", "").split(",") if part]
+    except ValueError:
+        sys.exit(f"DSPARK_BENCH_ONLINE_TREE={tree!r}: not start:length pairs separated by commas (e.g. 1:4,2:2)")
+    p["bench_online"].update(tree_branches=branches, also_temperatures=[], out_dir="reports/bench_online_tree")
 Path("params_bench.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
 EOF
   local v
   for v in "${VARIANTS[@]}"; do stage "bench_online@$v" --params params_bench.yaml; done
+  v="${VARIANTS[0]}"  # the first variant's per-domain figures (the others' overall ones are in summary.json)
+  [ ! -f "$WORK/reports/$name/$v.json" ] || cp "$WORK/reports/$name/$v.json" "$OUT_DIR/${name}_$v.json"
 }
 step train train_all
 step eval_offline eval_all

@@ -104,3 +104,17 @@ def test_a_run_continues_from_what_the_last_one_returned(tmp_path):
     assert stats2["prompts"] == stats1["prompts"] + stats1["skipped_prompts"] and not stats2.get("skipped_prompts")
     warm = json.loads((tmp_path / "w2/data/train/baseline/run_config.json").read_text())["config"]["warm_start"]
     assert warm["from_dir"] == str(tmp_path / "w2/init_draft") and warm["step"] == 0
+    # the next call benches that draft with a draft tree: greedy only, per-domain JSON returned beside the chain's
+    third = tmp_path / "out3"
+    subprocess.run(["bash", script, str(third), gguf], **run,
+                   env={**env, "DSPARK_FROM": "bench_online", "DSPARK_UNTIL": "bench_online", "DSPARK_BENCH_ONLINE": "1",
+                        "DSPARK_BENCH_ONLINE_TREE": "1:2, 2:1", "DSPARK_WORK": str(tmp_path / "w2")})
+    tree = json.loads((third / "bench_online_tree_baseline.json").read_text())
+    assert tree["setup"]["tree_branches"] == [[1, 2], [2, 1]] and not (third / "bench_online_baseline.json").exists()
+    domains = [k for k in tree if k not in ("setup", "overall")]
+    assert domains and all(tree[d]["identical"] and "at_temperature" not in tree[d] for d in domains)
+    bad = subprocess.run(["bash", script, str(tmp_path / "out4"), gguf], capture_output=True, text=True, cwd=ROOT,
+                         env={**env, "DSPARK_FROM": "bench_online", "DSPARK_UNTIL": "bench_online",
+                              "DSPARK_BENCH_ONLINE": "1", "DSPARK_BENCH_ONLINE_TREE": "1-2",
+                              "DSPARK_WORK": str(tmp_path / "w2")})
+    assert bad.returncode != 0 and "DSPARK_BENCH_ONLINE_TREE='1-2'" in bad.stdout + bad.stderr

@@ -524,7 +524,8 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
                         "num_threads": torch.get_num_threads(),
                         "compile": cfg.compile, "block_size": block, "aux_layer_ids": list(draft.aux_layer_ids),
                         "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
-                        "confidence_threshold": cfg.confidence_threshold, "max_new_tokens": cfg.max_new_tokens}
+                        "confidence_threshold": cfg.confidence_threshold, "max_new_tokens": cfg.max_new_tokens,
+                        "tree_branches": [list(b) for b in cfg.tree_branches]}
     if kernels:
         from dspark_core.kernels.decode import close_config_store, kernel_configs
 
