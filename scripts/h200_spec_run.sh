@@ -50,8 +50,8 @@
 #   DSPARK_UNTIL=STEP        stop after STEP (e.g. train: the next call continues with DSPARK_FROM=train)
 #   DSPARK_VARIANTS="baseline engram_markov ..."   variants (params.yaml `variants`) trained and evaluated on the same
 #                            cache, one after the other (default: baseline); the bench step decodes the first
-#   DSPARK_TRAIN_STEPS=N     train.total_steps = max_steps = N for every variant (the same data budget for each;
-#                            default: the profile's schedule cut by the time budget)
+#   DSPARK_TRAIN_STEPS=N     train.total_steps = max_steps = N for every variant (the same data budget for each,
+#                            lr_schedule steps; default: the profile's lr_schedule time, laid over the time budget)
 #   DSPARK_BENCH_ONLINE=1    step bench_online: stages/bench_online.py for every variant on the held-out prompts
 #                            of every domain (no peers) -> summary.json, and the first variant's per-domain JSON
 #                            as bench_online_<variant>.json; DSPARK_BENCH_ONLINE_ENGINE (default auto: the static
@@ -298,9 +298,10 @@ if tiny:
     over["cache"] = {"device": "cpu", "dtype": "float32", "batch_tokens": 4096, "max_length": 512}
     over["draft"] = {"num_anchors": 16}
     over["train"] = {"total_steps": 8, "max_steps": 8, "micro_batch_size": 4, "global_batch_size": 4,
-                     "checkpoint_every": 4, "log_every": 2, "precision": "fp32", "data_workers": 2}
-if steps:  # the same number of steps for every variant
-    over.setdefault("train", {}).update(total_steps=int(steps), max_steps=int(steps))
+                     "checkpoint_every": 4, "log_every": 2, "precision": "fp32", "data_workers": 2,
+                     "lr_schedule": "steps"}  # 8 steps end long before the budget
+if steps:  # the same number of steps (and schedule) for every variant
+    over.setdefault("train", {}).update(total_steps=int(steps), max_steps=int(steps), lr_schedule="steps")
 if nproc > 1:  # DDP: each rank keeps its micro-batch, the global batch grows with the ranks
     micro = over.get("train", {}).get("micro_batch_size", params["train"]["micro_batch_size"])
     over.setdefault("train", {}).update(global_batch_size=micro * nproc, nproc_per_node=nproc)

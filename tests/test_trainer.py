@@ -13,7 +13,7 @@ from torch import nn
 
 from dspark_core.config import ParamsError
 from dspark_core.train.task import TermSpec
-from dspark_core.train.trainer import TrainConfig, lr_factor, sample_indices, train
+from dspark_core.train.trainer import TrainConfig, lr_factor, lr_factor_by_time, sample_indices, train
 
 
 class ToyTask:
@@ -349,3 +349,91 @@ def test_prepare_step_runs_before_the_denominators(tmp_path):
     den = sum(b["m"].sum() for b in prepared)
     assert 0 < den < sum(b["m"].sum() for b in batches)  # the mask really depends on the model
     assert len(res.history) == 8 and all(h["loss"] > 0 for h in res.history)
+
+
+class _FakeClock:
+    """The trainer's clock (``trainer._now``) advancing one second a call -- two calls a step (its start and end)
+    and one when the loop starts, so a step lasts 2 s; ``crash_at``: raise on that call (a killed run)."""
+
+    def __init__(self, crash_at: int | None = None, rate: float = 1.0):
+        self.calls, self.crash_at, self.rate = 0, crash_at, rate
+
+    def __call__(self) -> float:
+        self.calls += 1
+        if self.calls == self.crash_at:
+            raise KeyboardInterrupt("killed")
+        return self.rate * (self.calls - 1)
+
+
+def test_time_schedule_ends_annealed_and_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """lr_schedule time: the warmup + cosine curve laid over the time budget, its clock started after the first
+    step -- brute force against the fake clock: step k ends at 2k + 2 s, so step k + 1 runs at
+    lr_factor_by_time(2k / (B - 2)). The budget stops the run, at min_lr_ratio; a run killed mid-way resumes from
+    its checkpoint with the seconds it had spent and ends with the same weights; a rerun trains nothing."""
+    from dspark_core.train import trainer
+    from dspark_core.train.trainer import lr_factor_by_time
+
+    budget = 42.0  # 21 steps of 2 s
+    cfg = _cfg(tmp_path / "full", total_steps=100, checkpoint_every=5, lr_schedule="time", time_budget_s=budget)
+    monkeypatch.setattr(trainer, "_now", _FakeClock())
+    full = train(ToyTask(), cfg, progress=False)
+    assert full.steps == 21
+    want = [0.0] + [cfg.lr * lr_factor_by_time(2 * k / (budget - 2), cfg) for k in range(20)]
+    assert [h["lr"] for h in full.history] == pytest.approx(want)
+    assert max(want) == pytest.approx(cfg.lr, rel=0.01) and want[-1] < 1.1 * cfg.min_lr_ratio * cfg.lr
+    assert "optimizer" in torch.load(tmp_path / "full/checkpoints/step_00000021/state.pt", weights_only=False)
+
+    killed = _cfg(tmp_path / "killed", total_steps=100, checkpoint_every=5, lr_schedule="time", time_budget_s=budget)
+    monkeypatch.setattr(trainer, "_now", _FakeClock(crash_at=26))  # during step 12: the last checkpoint is 10
+    with pytest.raises(KeyboardInterrupt):
+        train(ToyTask(), killed, progress=False)
+    monkeypatch.setattr(trainer, "_now", _FakeClock())
+    rest = train(ToyTask(), killed, progress=False)
+    assert rest.steps == 21 and [h["lr"] for h in rest.history] == pytest.approx(want[10:])
+    for (k, va), vb in zip(_params(full.model).items(), _params(rest.model).values()):
+        assert torch.equal(va, vb), k
+    assert train(ToyTask(), killed, progress=False).history == []  # the budget is spent
+
+
+def test_time_schedule_needs_a_budget(tmp_path):
+    with pytest.raises(ParamsError, match="lr_schedule: time.*time_budget_s"):
+        TrainConfig.from_dict({"lr_schedule": "time"})
+    with pytest.raises(ParamsError, match="lr_schedule"):
+        TrainConfig.from_dict({"lr_schedule": "cosine"})
+    cfg = TrainConfig.from_dict({"lr_schedule": "time", "time_budget_s": 5.0, "warmup_ratio": 0.2})
+    assert lr_factor_by_time(0.1, cfg) == pytest.approx(0.5)
+    assert lr_factor_by_time(0.2, cfg) == pytest.approx(1.0)
+    assert lr_factor_by_time(1.0, cfg) == pytest.approx(cfg.min_lr_ratio)
+    assert lr_factor_by_time(3.0, cfg) == pytest.approx(cfg.min_lr_ratio)  # past the budget (the last step)
+
+
+def _timed_worker(rank: int, world: int, port: int, out_dir: str, result_dir: str) -> None:
+    from dspark_core.train import trainer
+
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    trainer._now = _FakeClock(rate=1.5 if rank == 1 else 1.0)  # rank 1's clock runs ahead
+    res = train(ToyTask(), _cfg(Path(out_dir), total_steps=100, checkpoint_every=100, lr_schedule="time",
+                                time_budget_s=30.0), progress=False)
+    torch.save({"params": _params(res.model), "lr": [h["lr"] for h in res.history]},
+               Path(result_dir) / f"timed_{rank}.pt")
+    import torch.distributed as dist
+    dist.destroy_process_group()
+
+
+def test_time_schedule_is_the_same_on_every_rank(tmp_path, monkeypatch):
+    """Two processes whose clocks disagree: the trainer takes the slowest rank's seconds (the latest clock), so
+    both run the same lr and stop at the same step -- the run of one process on that clock."""
+    from dspark_core.train import trainer
+
+    monkeypatch.setattr(trainer, "_now", _FakeClock(rate=1.5))
+    one = train(ToyTask(), _cfg(tmp_path / "one", total_steps=100, checkpoint_every=100, lr_schedule="time",
+                                time_budget_s=30.0), progress=False)
+    mp.start_processes(_timed_worker, args=(2, _free_port(), str(tmp_path / "two"), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    ranks = [torch.load(tmp_path / f"timed_{r}.pt") for r in range(2)]
+    assert ranks[0]["lr"] == ranks[1]["lr"] == pytest.approx([h["lr"] for h in one.history])
+    assert len(one.history) == 10  # 3 s a step, 30 s
+    for (k, va), vb in zip(_params(one.model).items(), ranks[0]["params"].values()):
+        torch.testing.assert_close(va, vb, rtol=1e-5, atol=1e-6, msg=k)

@@ -38,7 +38,7 @@ from dspark_core.train.task import TrainTask
 class TrainConfig(Section):
     lr: float = 6e-4
     warmup_ratio: float = 0.04
-    total_steps: int = 1000          # length of the lr schedule
+    total_steps: int = 1000          # length of the lr schedule (lr_schedule: steps)
     max_steps: int | None = None     # stop here (default: total_steps)
     micro_batch_size: int = 4
     global_batch_size: int = 8
@@ -48,6 +48,9 @@ class TrainConfig(Section):
     eps: float = 1e-8
     grad_clip: float = 1.0           # 0 disables clipping
     min_lr_ratio: float = 0.1
+    # steps: warmup + cosine over total_steps | time: the same curve over time_budget_s (needs it), its clock
+    # started after the first step (compilation) -- a run that a time budget stops still ends annealed
+    lr_schedule: str = "steps"
     seed: int = 42
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
@@ -74,6 +77,9 @@ class TrainConfig(Section):
         require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1 and beta2 must be in [0, 1)")
         non_negative("grad_clip", self.grad_clip)
         require(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1]; got {self.min_lr_ratio}")
+        one_of("lr_schedule", self.lr_schedule, ("steps", "time"))
+        require(self.lr_schedule != "time" or self.time_budget_s is not None,
+                "lr_schedule: time spreads the lr schedule over time_budget_s, which is not set")
         positive("checkpoint_every", self.checkpoint_every)
         positive("keep_checkpoints", self.keep_checkpoints)
         positive("log_every", self.log_every)
@@ -115,6 +121,15 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     if warmup and step < warmup:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, cfg.total_steps - warmup))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def lr_factor_by_time(progress: float, cfg: TrainConfig) -> float:
+    """``lr_schedule: time``: lr_factor's curve over the spent fraction of the time budget -- linear warmup over
+    its first warmup_ratio, then cosine to min_lr_ratio at its end."""
+    if progress < cfg.warmup_ratio:
+        return progress / cfg.warmup_ratio
+    progress = min(1.0, (progress - cfg.warmup_ratio) / (1 - cfg.warmup_ratio))
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -197,8 +212,9 @@ def _set_rng_state(st: dict[str, Any]) -> None:
 
 
 def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, opt, sched, keep: int,
-                    optimizer: bool = True) -> Path:
-    """Write ``ckpt_root/step_{step:08d}`` atomically (temp dir + rename), then update ``latest.json``.
+                    optimizer: bool = True, clock: dict[str, float] | None = None) -> Path:
+    """Write ``ckpt_root/step_{step:08d}`` atomically (temp dir + rename), then update ``latest.json`` (with
+    ``clock``: the seconds a time-scheduled run has spent, see :func:`checkpoint_clock`).
 
     ``optimizer=False`` (the step that ends the lr schedule): no optimizer state -- nothing can continue a
     finished schedule (another ``total_steps`` is another run), and the state is twice the weights (AdamW);
@@ -216,10 +232,18 @@ def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, opt, sched, ke
     torch.save(state, tmp / "state.pt")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    write_json(ckpt_root / "latest.json", {"step": step, "dir": final.name})
+    write_json(ckpt_root / "latest.json", {"step": step, "dir": final.name, **(clock or {})})
     for old in sorted(ckpt_root.glob("step_*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def checkpoint_clock(ckpt_root: Path) -> dict[str, float]:
+    """What ``lr_schedule: time`` resumes from: ``{"spent_s", "origin_s"}`` of the latest checkpoint (the run's
+    seconds so far, and where its schedule's clock started), or {} when there is none."""
+    latest = ckpt_root / "latest.json"
+    info = read_json(latest) if latest.is_file() else {}
+    return {k: float(info[k]) for k in ("spent_s", "origin_s") if k in info}
 
 
 def load_checkpoint(ckpt_root: Path, model: nn.Module, opt, sched, total_steps: int | None = None) -> int:
@@ -349,9 +373,11 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
     """Run (or resume) training of ``task`` until ``cfg.stop_step``. Returns the (unwrapped) model.
 
     ``time_budget_s`` (off by default): stop after the first step that ends that many seconds after the
-    loop started (compilation included), with a checkpoint, as if ``max_steps`` were that step; the lr
-    schedule is not stretched. ``TrainResult.steps`` is the step reached. ``checkpoints=False`` (benchmarks)
-    neither resumes from nor writes checkpoints. ``log_step_offset``: added to the logged step (the curves of a
+    loop started (compilation included), with a checkpoint, as if ``max_steps`` were that step. With
+    ``lr_schedule: steps`` the lr schedule is not stretched; with ``time`` it is laid over the budget (its clock
+    started after the first step), and the budget spans resumes: a resumed run has what the crashed one left.
+    ``TrainResult.steps`` is the step reached. ``checkpoints=False`` (benchmarks) neither resumes from nor writes
+    checkpoints. ``log_step_offset``: added to the logged step (the curves of a
     run warm-started at that step use cumulative steps; the schedule and the checkpoints count from 0)."""
     time_budget_s = cfg.time_budget_s if time_budget_s is None else time_budget_s
     if time_budget_s is not None and not time_budget_s > 0:
@@ -365,14 +391,22 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
     if not params:
         raise ValueError(f"task {task.name!r}: the model has no trainable parameters")
     opt = build_optimizer(task, model, cfg, device, d)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    by_time = cfg.lr_schedule == "time"
+    if by_time and time_budget_s is None:
+        raise ValueError("train: lr_schedule time spreads the lr schedule over time_budget_s, which is not set")
+    clock = {"progress": 0.0}  # lr_schedule time: the spent fraction of the budget, after the first step
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, (lambda s: lr_factor_by_time(clock["progress"], cfg)) if by_time else (lambda s: lr_factor(s, cfg)))
     ckpt_root = Path(cfg.out_dir) / "checkpoints"
     start = load_checkpoint(ckpt_root, model, opt, sched, cfg.total_steps) if checkpoints else 0
+    resumed = checkpoint_clock(ckpt_root) if checkpoints and by_time else {}
+    spent0, origin = resumed.get("spent_s", 0.0), resumed.get("origin_s")  # steps: each call has the whole budget
+    stop_step = start if by_time and spent0 >= time_budget_s else cfg.stop_step  # a spent budget: nothing to do
     wrapped: nn.Module = model
     if d.world_size > 1:
         wrapped = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
-    if start < cfg.stop_step and len(task.train_dataset()) <= 0:
+    if start < stop_step and len(task.train_dataset()) <= 0:
         raise ValueError("the training dataset is empty")
     stream = step_batch_stream(task, cfg, d, start, pin_memory=device.type == "cuda")
     history: list[dict[str, float]] = []
@@ -380,10 +414,10 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
     if progress and d.is_main:
         from tqdm.auto import tqdm
         bar = tqdm(total=cfg.stop_step, initial=start, desc=f"train {task.name}", unit="step")
-    t_loop = time.perf_counter()
+    t_loop = _now()
     last = start
-    for step in range(start, cfg.stop_step):
-        t0 = time.perf_counter()
+    for step in range(start, stop_step):
+        t0 = _now()
         batches = [_to(b, device) for b in next(stream)]
         if hasattr(task, "prepare_step"):  # model-dependent supervision, decided before the denominators
             with torch.no_grad(), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
@@ -403,17 +437,19 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
         opt.step()
         opt.zero_grad(set_to_none=True)
         lr = sched.get_last_lr()[0]
+        row = _step_metrics(task, sums_acc, dens, d, device)  # reads the step's sums: the device has finished it
+        now = _now()
+        out_of_time, spent = False, 0.0
+        if time_budget_s is not None:
+            spent = _max_over_ranks(spent0 + now - t_loop, d, device)  # every rank: the same lr, the same stop
+            out_of_time = spent >= time_budget_s
+            if by_time:
+                origin = spent if origin is None else origin  # the schedule's clock starts after the first step
+                clock["progress"] = (spent - origin) / max(time_budget_s - origin, 1e-9)
         sched.step()
-        row = _step_metrics(task, sums_acc, dens, d, device)
-        row.update(lr=lr, grad_norm=grad_norm, step_s=time.perf_counter() - t0)
+        row.update(lr=lr, grad_norm=grad_norm, step_s=now - t0)
         history.append(row)
         done = last = step + 1
-        out_of_time = False
-        if time_budget_s is not None:
-            out_of_time = time.perf_counter() - t_loop >= time_budget_s
-            if d.world_size > 1:  # every rank stops at the same step
-                flag = torch.tensor([float(out_of_time)], device=device)
-                out_of_time = bool(_all_reduce_(flag, d).item() > 0)
         final = done == cfg.stop_step or out_of_time
         if d.is_main:
             if live is not None and (done % cfg.log_every == 0 or final):
@@ -429,7 +465,8 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
         if checkpoints and (done % cfg.checkpoint_every == 0 or final):
             if d.is_main:
                 save_checkpoint(ckpt_root, done, model, opt, sched, cfg.keep_checkpoints,
-                                optimizer=done < cfg.total_steps)
+                                optimizer=done < cfg.total_steps,
+                                clock={"spent_s": spent, "origin_s": origin} if by_time else None)
             if d.world_size > 1:
                 dist.barrier()
         if out_of_time and done < cfg.stop_step:
@@ -441,6 +478,18 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
         bar.close()
     del stream  # stops DataLoader workers (a time budget can leave steps unread)
     return TrainResult(model=model, steps=last, history=history)
+
+
+def _now() -> float:  # the trainer's clock (time budgets, step_s); tests replace it
+    return time.perf_counter()
+
+
+def _max_over_ranks(value: float, d: Dist, device) -> float:
+    if d.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
 
 
 class _null:
