@@ -71,9 +71,10 @@ def plot_accept(runs: list[tuple[str, dict]], out: Path) -> None:
     _save(fig, out)
 
 
-def plot_domains(bench: dict, out: Path, title: str) -> None:
+def plot_domains(bench: dict, out: Path, title: str, tree: dict | None = None) -> None:
     """Per domain: AR tokens/s in each small-GEMM mode and speculative (greedy) tokens/s, annotated with the speedup
-    over the fastest AR and the MAL (greedy, and at each sampling temperature of the run)."""
+    over the fastest AR and the MAL (greedy, and at each sampling temperature of the run); ``tree``: a greedy
+    draft-tree run of the same prompts (``bench_online_tree_<variant>.json``), one more bar, annotated alike."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -81,8 +82,8 @@ def plot_domains(bench: dict, out: Path, title: str) -> None:
 
     names = [n for n in bench if n not in ("setup", "overall")] + ["overall"]
     modes = sorted(bench["overall"].get("ar_tokens_per_s_by_mode") or {"ar": None})
-    width = 0.8 / (len(modes) + 1)
-    fig, ax = plt.subplots(figsize=(9, 3.8))
+    width = 0.8 / (len(modes) + 1 + (tree is not None))
+    fig, ax = plt.subplots(figsize=(13 if tree is not None else 9, 3.8))
     for j, mode in enumerate(modes):
         ar = [(bench[n].get("ar_tokens_per_s_by_mode") or {}).get(mode, bench[n]["ar_tokens_per_s"]) for n in names]
         ax.bar([i + (j - len(modes) / 2) * width for i in range(len(names))], ar, width, label=f"AR ({mode})")
@@ -93,7 +94,18 @@ def plot_domains(bench: dict, out: Path, title: str) -> None:
         temps = (bench[n].get("at_temperature") or {}).items()
         hot = "".join(f"\nT{k} MAL {v['mal']:.2f} {_gain(v)}" for k, v in temps)
         gain = bench[n].get("speedup_vs_fastest_ar", bench[n]["speedup"])
-        ax.text(x, t, f"{gain:.2f}x\nMAL {bench[n]['mal']:.2f}{hot}", ha="center", va="bottom", fontsize=7)
+        ax.text(x + width / 2 if tree is not None else x, t, f"{gain:.2f}x\nMAL {bench[n]['mal']:.2f}{hot}",
+                ha="right" if tree is not None else "center", va="bottom", fontsize=7)  # a tree bar to the right
+    if tree is not None:
+        branches = ",".join(f"{a}:{b}" for a, b in tree["setup"].get("tree_branches") or [])
+        xt = [x + width for x in xs]
+        spec_tree = [tree[n]["tokens_per_s"] for n in names]
+        ax.bar(xt, spec_tree, width, label=f"speculative tree {branches} (greedy)")
+        for x, n, t in zip(xt, names, spec_tree):
+            gain = tree[n].get("speedup_vs_fastest_ar", tree[n]["speedup"])
+            ax.text(x, 0.98 * t, f"{gain:.2f}x\nMAL\n{tree[n]['mal']:.2f}", ha="center", va="top", fontsize=7,
+                    color="white")  # inside the bar: the chain's label beside it is wide
+        spec = spec + spec_tree
     ax.set_xticks(range(len(names)), names, fontsize=8)
     ax.set_ylabel("decode tokens/s (batch 1, bf16)")
     ax.set_ylim(0, max(spec + [bench[n]["ar_tokens_per_s"] for n in names]) * 1.45)
@@ -120,6 +132,9 @@ DOMAIN_RUNS = [("session10", "session 10: SmolLM2-135M on one H200, 30 held-out 
                              "with its speedup over the fastest sampled AR)"),
                ("session15", "session 15: session 14's draft trained on (1,576 more steps) with all 7,920 train prompts "
                              "answered (5,280 new);\nlabels: speedup over the fastest AR, MAL (greedy; "
+                             "T 0.7 with its speedup over the fastest sampled AR)"),
+               ("session16", "session 16: session 15's draft trained on (3,700 more steps, lr_schedule time: ends "
+                             "annealed), the sampled accept kernel;\nlabels: speedup over the fastest AR, MAL (greedy; "
                              "T 0.7 with its speedup over the fastest sampled AR)")]
 
 
@@ -134,9 +149,10 @@ def main() -> None:
         print(f"{label:>16}: MAL {s['mal']:.2f} | {s['tokens_per_s']:.1f} vs AR {s['ar_tokens_per_s']:.1f} tokens/s "
               f"= {s['speedup']:.2f}x | identical {s['identical']}")
     for folder, title in DOMAIN_RUNS:
-        domains = args.dir / folder / "bench_online_baseline.json"
+        domains, tree = (args.dir / folder / f"bench_online{kind}_baseline.json" for kind in ("", "_tree"))
         if domains.is_file():
-            plot_domains(json.loads(domains.read_text()), domains.parent / "domains.png", title)
+            plot_domains(json.loads(domains.read_text()), domains.parent / "domains.png", title,
+                         json.loads(tree.read_text()) if tree.is_file() else None)
 
 
 if __name__ == "__main__":

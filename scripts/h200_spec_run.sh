@@ -422,10 +422,11 @@ tiny, tree = sys.argv[2] == "1", sys.argv[4]
 p["bench_online"].update(max_prompts=1 if tiny else 30, peers=[], max_new_tokens=24 if tiny else int(sys.argv[1]),
                          engine=sys.argv[3], max_len=2048)
 if tree:  # "start:length,...": a greedy tree run beside the chain's reports
+    from dspark_core.decoding.tree import parse_branches
     try:
-        branches = [[int(v) for v in part.split(":")] for part in tree.replace(" ", "").split(",") if part]
-    except ValueError:
-        sys.exit(f"DSPARK_BENCH_ONLINE_TREE={tree!r}: not start:length pairs separated by commas (e.g. 1:4,2:2)")
+        branches = [list(b) for b in parse_branches(tree)]
+    except ValueError as e:
+        sys.exit(f"DSPARK_BENCH_ONLINE_TREE={tree!r}: not start:length pairs separated by commas (e.g. 1:4,2:2): {e}")
     p["bench_online"].update(tree_branches=branches, also_temperatures=[], out_dir="reports/bench_online_tree")
 Path("params_bench.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
 EOF

@@ -1,4 +1,5 @@
-"""Helpers shared by the tests of dspark_core.decoding: a one-thread fixture and a chi-square goodness of fit."""
+"""Helpers shared by the tests of dspark_core.decoding: a one-thread fixture, the kernel tuner off, and a chi-square
+goodness of fit."""
 
 from __future__ import annotations
 
@@ -14,6 +15,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def untuned_kernels(monkeypatch):
+    """The kernel tuner off: every product on its first candidate. What the decoding tests check (greedy identity,
+    the sampled distribution) must hold for any fixed configuration; each kernel family is checked on its own in
+    test_kernels.py, the tuner in test_tuner_times_from_dram_copies. Tuning ~50 candidates for each tiny shape
+    made the GPU runs outlast their budget (H200: test_static_engine.py printed nothing in 320 s with the tuner on
+    and passed in 101 s with it off, session 12; test_tree.py's kernel cases ran past 100 s each, session 15)."""
+    from dspark_core.kernels import decode, triton_ok
+
+    if triton_ok("cuda" if torch.cuda.is_available() else "cpu"):
+        monkeypatch.setattr(decode, "TUNE", False)
 
 
 def chisquare_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:

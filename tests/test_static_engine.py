@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from _decoding_utils import assert_partial_acceptance, fit_draft_to_target, greedy_continuations
-from _decoding_utils import one_thread  # noqa: F401 (fixture)
+from _decoding_utils import one_thread, untuned_kernels  # noqa: F401 (fixtures)
 from dspark_core.draft import DraftConfig, DSparkDraft
 from dspark_core.decoding.ar import ARDecoder
 from dspark_core.decoding.engine import SpeculativeDecoder
@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from dspark_core.kernels import triton_ok  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "untuned_kernels")
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 BLOCK = 4
@@ -36,19 +36,6 @@ MAX_NEW = 40
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 FIT_STEPS = 50  # training steps of the drafts of the identity tests: partly right (1 < MAL < BLOCK + 1)
 needs_triton = pytest.mark.skipif(not triton_ok(DEVICE), reason="needs Triton on CUDA or TRITON_INTERPRET=1")
-
-
-@pytest.fixture(autouse=True)
-def _untuned_kernels(monkeypatch):
-    """The kernel tuner off: every product on its first candidate. What this file checks (greedy identity, the
-    sampled distribution) must hold for any fixed configuration; each kernel family is checked on its own in
-    test_kernels.py, the tuner in test_tuner_times_from_dram_copies. Tuning ~50 candidates for each tiny shape
-    made this file's GPU run outlast its budget (H200, session 12: the CUDA-graph / kernel tests printed nothing
-    in 320 s with the tuner on, and passed in 101 s with it off)."""
-    if triton_ok(DEVICE):
-        from dspark_core.kernels import decode
-
-        monkeypatch.setattr(decode, "TUNE", False)
 
 
 def _setup(family: str, block: int = BLOCK, seed: int = 0, vocab: int = 16, layers: int = 6, aux=(0, 2, 4),

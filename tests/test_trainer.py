@@ -368,10 +368,9 @@ class _FakeClock:
 def test_time_schedule_ends_annealed_and_resumes_where_it_stopped(tmp_path, monkeypatch):
     """lr_schedule time: the warmup + cosine curve laid over the time budget, its clock started after the first
     step -- brute force against the fake clock: step k ends at 2k + 2 s, so step k + 1 runs at
-    lr_factor_by_time(2k / (B - 2)). The budget stops the run, at min_lr_ratio; a run killed mid-way resumes from
+    lr_factor_by_time(2k / (B - 2)). The budget stops the run with its last step below 1.1x the minimum lr; a run killed mid-way resumes from
     its checkpoint with the seconds it had spent and ends with the same weights; a rerun trains nothing."""
     from dspark_core.train import trainer
-    from dspark_core.train.trainer import lr_factor_by_time
 
     budget = 42.0  # 21 steps of 2 s
     cfg = _cfg(tmp_path / "full", total_steps=100, checkpoint_every=5, lr_schedule="time", time_budget_s=budget)
@@ -400,6 +399,9 @@ def test_time_schedule_needs_a_budget(tmp_path):
         TrainConfig.from_dict({"lr_schedule": "time"})
     with pytest.raises(ParamsError, match="lr_schedule"):
         TrainConfig.from_dict({"lr_schedule": "cosine"})
+    with pytest.raises(ValueError, match="lr_schedule: time.*time_budget_s"):  # built directly, refused by train()
+        train(ToyTask(), TrainConfig(lr_schedule="time", out_dir=str(tmp_path)), progress=False)
+    assert not (tmp_path / "checkpoints").exists()
     cfg = TrainConfig.from_dict({"lr_schedule": "time", "time_budget_s": 5.0, "warmup_ratio": 0.2})
     assert lr_factor_by_time(0.1, cfg) == pytest.approx(0.5)
     assert lr_factor_by_time(0.2, cfg) == pytest.approx(1.0)

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from _decoding_utils import assert_partial_acceptance, fit_draft_to_target, greedy_continuations
-from _decoding_utils import one_thread  # noqa: F401 (fixture)
+from _decoding_utils import one_thread, untuned_kernels  # noqa: F401 (fixtures)
 from dspark_core.decoding.tree import TreeLayout, parse_branches, top2_reference, tree_accept_reference
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from dspark_core.kernels import triton_ok  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "untuned_kernels")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not triton_ok(DEVICE), reason="needs Triton on CUDA or TRITON_INTERPRET=1")
 LAYOUTS = [((1, 3), (2, 1), (3, 1), (4, 1)), ((1, 7),), ((3, 2), (1, 1))]

@@ -120,8 +120,7 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     warmup = int(round(cfg.warmup_ratio * cfg.total_steps))
     if warmup and step < warmup:
         return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, cfg.total_steps - warmup))
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return _cosine((step - warmup) / max(1, cfg.total_steps - warmup), cfg)
 
 
 def lr_factor_by_time(progress: float, cfg: TrainConfig) -> float:
@@ -129,7 +128,12 @@ def lr_factor_by_time(progress: float, cfg: TrainConfig) -> float:
     its first warmup_ratio, then cosine to min_lr_ratio at its end."""
     if progress < cfg.warmup_ratio:
         return progress / cfg.warmup_ratio
-    progress = min(1.0, (progress - cfg.warmup_ratio) / (1 - cfg.warmup_ratio))
+    return _cosine((progress - cfg.warmup_ratio) / (1 - cfg.warmup_ratio), cfg)
+
+
+def _cosine(progress: float, cfg: TrainConfig) -> float:
+    """The decay after warmup: cosine from 1 at progress 0 to min_lr_ratio at progress >= 1."""
+    progress = min(1.0, progress)
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -379,6 +383,7 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
     ``TrainResult.steps`` is the step reached. ``checkpoints=False`` (benchmarks) neither resumes from nor writes
     checkpoints. ``log_step_offset``: added to the logged step (the curves of a
     run warm-started at that step use cumulative steps; the schedule and the checkpoints count from 0)."""
+    cfg.validate()  # a TrainConfig built directly (not from params) is checked too
     time_budget_s = cfg.time_budget_s if time_budget_s is None else time_budget_s
     if time_budget_s is not None and not time_budget_s > 0:
         raise ValueError(f"train: time budget must be > 0 seconds; got {time_budget_s!r}")
@@ -392,8 +397,6 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
         raise ValueError(f"task {task.name!r}: the model has no trainable parameters")
     opt = build_optimizer(task, model, cfg, device, d)
     by_time = cfg.lr_schedule == "time"
-    if by_time and time_budget_s is None:
-        raise ValueError("train: lr_schedule time spreads the lr schedule over time_budget_s, which is not set")
     clock = {"progress": 0.0}  # lr_schedule time: the spent fraction of the budget, after the first step
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, (lambda s: lr_factor_by_time(clock["progress"], cfg)) if by_time else (lambda s: lr_factor(s, cfg)))
