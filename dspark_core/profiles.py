@@ -5,7 +5,9 @@
     dvc exp run $(dspark profile args seed004_qwen3_4b)   # or run it as a DVC experiment, params.yaml untouched
 
 A profile is a nested mapping with the same sections as params.yaml; its leaves replace params.yaml's.
-Every key must already exist in params.yaml (a typo is an error, not a silent new key).
+Every key must already exist in params.yaml (a typo is an error, not a silent new key). A parameter whose
+value is a mapping of names (:data:`WHOLE_VALUES`: ``prepare.train_mix``, keyed by source) is one leaf,
+replaced whole: its keys are data (a source absent from the profile's mix is not kept from params.yaml's).
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
+import json
+
 import yaml
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+WHOLE_VALUES = frozenset({"prepare.train_mix", "prepare.eval_sources"})  # mappings of names, set whole
 
 
 def available(profiles_dir: Path = PROFILES_DIR) -> list[str]:
@@ -36,7 +41,7 @@ def load_profile(name: str, profiles_dir: Path = PROFILES_DIR) -> dict[str, Any]
 def leaves(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
     for k, v in tree.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
+        if isinstance(v, dict) and v and key not in WHOLE_VALUES:
             yield from leaves(v, key + ".")
         else:
             yield key, v
@@ -80,6 +85,9 @@ def exp_run_args(name: str, profiles_dir: Path = PROFILES_DIR) -> list[str]:
     """``-S key=value`` arguments for ``dvc exp run`` (values as YAML flow scalars/lists)."""
     out = []
     for key, value in leaves(load_profile(name, profiles_dir)):
+        if isinstance(value, dict):  # a whole mapping: JSON, which YAML reads, in order and without spaces
+            out += ["-S", f"{key}={json.dumps(value, separators=(',', ':'))}"]
+            continue
         text = yaml.safe_dump(value, default_flow_style=True).strip()
         if text.endswith("\n..."):
             text = text[: -len("\n...")]

@@ -64,8 +64,15 @@
 #                            data/regen with the parts of a split the time budget cut) and, after train, the first
 #                            variant's final draft in bf16 as draft_config.json + draft_model.safetensors.part_*
 #                            (15 MiB parts: what comes back from the device is at most 16 MiB a file, 8 files)
-#   DSPARK_REGEN_FROM=FILE   a regen.tgz of an earlier session, unpacked before regenerate: the answers in it are kept
-#                            (same prompts, target and settings) and only the prompts still missing are answered
+#                            regen.tgz comes back as regen.tgz.part_* when larger than DSPARK_REGEN_PART_SIZE (15m)
+#   DSPARK_REGEN_FROM=FILE   a regen.tgz (or the FILE.part_* of one) of an earlier session, unpacked before
+#                            regenerate: the answers in it are kept
+#                            (same target and settings; a prompt set that grew keeps them too) and only the prompts
+#                            still missing are answered
+#   DSPARK_REGEN_FROM_PARAMS=FILE   the params.yaml those answers were made with (DSPARK_RETURN leaves it beside
+#                            them), for a regen.tgz of a session before 17 with another prompt set: prepare runs
+#                            with it first, and its answers, checked against those prompts by their key, are marked
+#                            reusable (mark_answers_reusable: nothing answered); then prepare with this run's params
 #   DSPARK_INIT_DRAFT=DIR    train the first variant from that saved draft (config.json + model.safetensors, or the
 #                            draft_config.json + draft_model.safetensors.part_* that DSPARK_RETURN left):
 #                            variants.<v>.warm_start.from_dir (a new lr schedule from its weights)
@@ -92,7 +99,16 @@ BENCH_ONLINE="${DSPARK_BENCH_ONLINE:-0}"
 RETURN="${DSPARK_RETURN:-0}"
 REGEN_FROM="${DSPARK_REGEN_FROM:-}"
 INIT_DRAFT="${DSPARK_INIT_DRAFT:-}"
+REGEN_FROM_PARAMS="${DSPARK_REGEN_FROM_PARAMS:-}"
+REGEN_PART_SIZE="${DSPARK_REGEN_PART_SIZE:-15m}"
 [ -z "$REGEN_FROM" ] || REGEN_FROM="$(cd "$(dirname "$REGEN_FROM")" && pwd)/$(basename "$REGEN_FROM")"
+[ -z "$REGEN_FROM_PARAMS" ] || REGEN_FROM_PARAMS="$(cd "$(dirname "$REGEN_FROM_PARAMS")" && pwd)/$(basename "$REGEN_FROM_PARAMS")"
+if [ -n "$REGEN_FROM" ] && [ ! -f "$REGEN_FROM" ] && ! compgen -G "$REGEN_FROM.part_*" > /dev/null; then
+  echo "DSPARK_REGEN_FROM=$REGEN_FROM: neither that file nor its .part_* files exist"; exit 2
+fi
+if [ -n "$REGEN_FROM_PARAMS" ] && { [ -z "$REGEN_FROM" ] || [ ! -f "$REGEN_FROM_PARAMS" ]; }; then
+  echo "DSPARK_REGEN_FROM_PARAMS=$REGEN_FROM_PARAMS: needs DSPARK_REGEN_FROM and an existing params file"; exit 2
+fi
 [ -z "$INIT_DRAFT" ] || INIT_DRAFT="$(cd "$INIT_DRAFT" && pwd)"
 if [ "$TINY" = "1" ]; then
   REGEN_BUDGET_S="${DSPARK_REGEN_BUDGET_S:-600}"; TRAIN_BUDGET_S="${DSPARK_TRAIN_BUDGET_S:-600}"
@@ -354,7 +370,16 @@ step prepare stage prepare
 regenerate_all() {  # greedy answers (params.yaml) and, with DSPARK_REGEN_SAMPLED=1, sampled ones on cuda:1 at once
   if [ -n "$REGEN_FROM" ]; then
     echo "--- DSPARK_REGEN_FROM: the answers of $REGEN_FROM"
-    tar xzf "$REGEN_FROM" -C "$WORK"
+    if [ -f "$REGEN_FROM" ]; then tar xzf "$REGEN_FROM" -C "$WORK"
+    else cat "$REGEN_FROM".part_* | tar xz -C "$WORK"; fi  # returned in parts
+    if [ -n "$REGEN_FROM_PARAMS" ]; then  # an older stage's answers: checked on their own prompts, marked reusable
+      echo "--- DSPARK_REGEN_FROM_PARAMS: the answers checked on the prompts of $REGEN_FROM_PARAMS"
+      stage prepare --params "$REGEN_FROM_PARAMS"
+      "$PY" -c 'import sys; from pathlib import Path
+from dspark_core.data.regenerate import RegenerateConfig, mark_answers_reusable
+print(mark_answers_reusable(RegenerateConfig.load(Path(sys.argv[1]), "regenerate")))' "$REGEN_FROM_PARAMS"
+      stage prepare  # this run's prompts again
+    fi
   fi
   if [ "$REGEN_SAMPLED" != 1 ]; then
     stage regenerate
@@ -372,8 +397,14 @@ regenerate_all() {  # greedy answers (params.yaml) and, with DSPARK_REGEN_SAMPLE
 }
 return_regen() {  # DSPARK_RETURN=1: the answers so far (and the parts a time budget left) for the next session
   [ "$RETURN" = 1 ] || return 0
-  tar czf "$OUT_DIR/regen.tgz" -C "$WORK" data/regen
-  echo "--- DSPARK_RETURN: $OUT_DIR/regen.tgz ($(du -k "$OUT_DIR/regen.tgz" | cut -f1) KiB)"
+  tar czf "$WORK/regen.tgz" -C "$WORK" data/regen
+  rm -f "$OUT_DIR"/regen.tgz "$OUT_DIR"/regen.tgz.part_*
+  if [ "$(stat -c %s "$WORK/regen.tgz")" -le "$(numfmt --from=iec "${REGEN_PART_SIZE^^}")" ]; then
+    cp "$WORK/regen.tgz" "$OUT_DIR/regen.tgz"
+  else  # what comes back from the device is at most 16 MiB a file
+    split -b "$REGEN_PART_SIZE" "$WORK/regen.tgz" "$OUT_DIR/regen.tgz.part_"
+  fi
+  echo "--- DSPARK_RETURN: $(du -k "$WORK/regen.tgz" | cut -f1) KiB -> $(cd "$OUT_DIR" && ls regen.tgz* | tr '\n' ' ')"
 }
 return_draft() {  # DSPARK_RETURN=1: the first variant's final draft in bf16, in parts that come back from the device
   [ "$RETURN" = 1 ] || return 0

@@ -21,6 +21,11 @@ sharegpt                   chat              ShareGPT first user turns, mostly A
                                              eval drawn from it, disjoint)
 =========================  ================  ===========================================================
 
+``more/`` (train-only ``jsonl:`` sources, gzip): ``gsm_symbolic_variants_more`` (variants ``--variants`` ..
+``--variants + --more-variants - 1``) and ``sharegpt_more`` (the next ``--more-sharegpt`` prompts of the same
+ShareGPT pool). Files of their own: a longer registry file would be shuffled anew by ``prepare`` and so change
+its draws, eval sets included.
+
 The GSM split (seeded, deterministic): the package's 100 GSM-Symbolic templates, each made from one GSM8K *test*
 problem (``id_orig`` = its test index), are shuffled with ``--seed``; ``--eval-templates`` (30) are held out and
 only their original questions are saved for ``gsm8k_symbolic`` (eval-only). Training never sees a held-out template
@@ -61,6 +66,41 @@ def mostly_ascii(text: str, min_ratio: float = 0.97) -> bool:
     return sum(c.isascii() for c in text) >= min_ratio * len(text)
 
 
+def more_variants(templates, train_ids, args, instr: str, sampler, seen: set, originals: set) -> list[Prompt]:
+    """Variants k = variants .. variants + more_variants - 1 of each train template and language, none equal (in
+    normalised text) to a variant already drawn or to a GSM8K question: the snapshot's variants go on, in a file
+    of its own so that the registry source's pool (and so the draws of earlier runs) stays as it was."""
+    out = []
+    for i in train_ids:
+        for lang in GSM_LANGS:
+            for k in range(args.variants, args.variants + args.more_variants):
+                q = sampler.sample(templates[lang][i], random.Random(f"{args.seed}:{lang}:{i}:{k}"))
+                key = None if q is None else normalize_text(q)
+                if key is None or key in seen or key in originals:
+                    continue
+                seen.add(key)
+                out.append(Prompt(f"gsm_symbolic_variants_more:{lang}:{i}:{k}", "gsm_symbolic_variants_more",
+                                  (gsm_prompt(q, instr),), "math_word", GSM_GROUP.format(i)))
+    return out
+
+
+def write_jsonl_gz(path: Path, prompts: list[Prompt]) -> None:
+    """Records ``{"id", "domain", "group"?, "turns"}`` for a ``jsonl:`` source (ids without the source prefix:
+    the reader prefixes the file's name), gzip-compressed with no time stamp (the same bytes on every run)."""
+    import gzip
+    import io
+
+    buf = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0) as gz:
+        for p in prompts:
+            rec = {"id": p.id.split(":", 1)[1], "domain": p.domain}
+            if p.group is not None:
+                rec["group"] = p.group
+            rec["turns"] = list(p.turns)
+            gz.write((json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8"))
+    path.write_bytes(buf.getvalue())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out-dir", type=Path, default=ROOT / "scripts" / "h200_data")
@@ -68,6 +108,11 @@ def main() -> None:
     ap.add_argument("--eval-templates", type=int, default=30)
     ap.add_argument("--variants", type=int, default=24, help="symbolic variants per train template and language")
     ap.add_argument("--sharegpt", type=int, default=4600, help="ShareGPT prompts saved (train + held-out eval)")
+    ap.add_argument("--more-variants", type=int, default=36,
+                    help="train-only file more/gsm_symbolic_variants_more.jsonl.gz: variants k = variants .. "
+                         "variants + this - 1 of each train template and language")
+    ap.add_argument("--more-sharegpt", type=int, default=4000,
+                    help="train-only file more/sharegpt_more.jsonl.gz: the next ShareGPT prompts of the same pool")
     ap.add_argument("--max-chars", type=int, default=1200, help="longest ShareGPT prompt kept")
     ap.add_argument("--max-prompt-chars", type=int, default=1500,
                     help="longest code / competition prompt kept (the profile's prepare.max_prompt_chars)")
@@ -95,7 +140,7 @@ def main() -> None:
     for i in train_ids:
         for lang in GSM_LANGS:
             got = 0
-            for k in range(args.variants):
+            for k in range(args.variants):  # (the loop of the extras below repeats this one on later k)
                 q = sampler.sample(templates[lang][i], random.Random(f"{args.seed}:{lang}:{i}:{k}"))
                 if q is None:
                     continue
@@ -109,10 +154,13 @@ def main() -> None:
             if got == 0:
                 dead.append(f"{lang}/{i}")
     pools["gsm_symbolic_variants"] = math
+    more = {"gsm_symbolic_variants_more": more_variants(templates, train_ids, args, instr, sampler, seen, originals)}
     gsm_s = time.perf_counter() - t0
 
-    pools["sharegpt"] = candidate_pool((p for p in iter_sharegpt() if mostly_ascii(p.turns[0])), args.max_chars,
-                                       limit=4 * args.sharegpt, seed=args.seed)[: args.sharegpt]
+    chat = candidate_pool((p for p in iter_sharegpt() if mostly_ascii(p.turns[0])), args.max_chars,
+                          limit=4 * (args.sharegpt + args.more_sharegpt), seed=args.seed)
+    pools["sharegpt"] = chat[: args.sharegpt]
+    more["sharegpt_more"] = chat[args.sharegpt: args.sharegpt + args.more_sharegpt]
     short = args.max_prompt_chars
     pools["codeio"] = [p for p in iter_codeio() if len(p.turns[0]) <= short]
     pools["humaneval"] = list(iter_humaneval())
@@ -121,6 +169,7 @@ def main() -> None:
 
     # the guarantees, checked on what is written: no eval-only prompt or evaluated problem in a training pool
     train = [p for name, ps in pools.items() if not REGISTRY[name].eval_only for p in ps]
+    train += [p for ps in more.values() for p in ps]
     evals = [p for name, ps in pools.items() if REGISTRY[name].eval_only for p in ps]
     check_no_overlap(train, evals)
     eval_questions = {normalize_text(templates[lang][i].question) for lang in GSM_LANGS for i in eval_ids}
@@ -134,6 +183,9 @@ def main() -> None:
         stale.unlink()
     for name, ps in pools.items():
         write_snapshot(args.out_dir / f"{name}.jsonl", ps)
+    (args.out_dir / "more").mkdir(exist_ok=True)
+    for name, ps in more.items():
+        write_jsonl_gz(args.out_dir / "more" / f"{name}.jsonl.gz", ps)
     (args.out_dir / "eval_gsm8k.jsonl").write_text(  # for benchmarks/bench_decode.py --prompts
         "".join(json.dumps({"id": f"gsm8k_test_{p.id.split(':')[1]}", "turns": list(p.turns)}, ensure_ascii=False)
                 + "\n" for p in pools["gsm8k_symbolic"]))
@@ -141,9 +193,11 @@ def main() -> None:
                                                 "competition_instruction": opts.competition_instruction},
             "eval_template_ids_orig": eval_ids, "train_template_ids_orig": train_ids,
             "variants_per_template_and_lang": args.variants, "templates_without_variants": dead,
-            "sources": {name: len(ps) for name, ps in pools.items()}}
+            "sources": {name: len(ps) for name, ps in pools.items()},
+            "more_variants_per_template_and_lang": args.more_variants, "more_sharegpt": args.more_sharegpt,
+            "more": {f"more/{name}.jsonl.gz": len(ps) for name, ps in more.items()}}
     (args.out_dir / "split.json").write_text(json.dumps(info, indent=1) + "\n")
-    print(json.dumps(info["sources"], indent=1), f"\n(gsm generation {gsm_s:.1f} s)")
+    print(json.dumps(info["sources"] | info["more"], indent=1), f"\n(gsm generation {gsm_s:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -75,8 +75,9 @@ def test_sampled_answers_are_merged_after_the_greedy_ones(tmp_path, monkeypatch)
 @pytest.mark.slow
 def test_a_run_continues_from_what_the_last_one_returned(tmp_path):
     """Across device sessions (CPU smoke scale): a run with DSPARK_RETURN=1 and a 1-second regenerate budget answers
-    one batch and leaves regen.tgz + the final draft in bf16 parts; a run on a fresh work dir with
-    DSPARK_REGEN_FROM / DSPARK_INIT_DRAFT keeps those answers (answers only the rest) and trains from that draft."""
+    one batch and leaves regen.tgz (in parts) + the final draft in bf16 parts; a run on a fresh work dir with
+    DSPARK_REGEN_FROM / DSPARK_INIT_DRAFT (and DSPARK_REGEN_FROM_PARAMS, the first run's params: the answers checked
+    on their own prompts) keeps those answers (answers only the rest) and trains from that draft."""
     import json
     import os
     import sys
@@ -90,15 +91,20 @@ def test_a_run_continues_from_what_the_last_one_returned(tmp_path):
     script = str(ROOT / "scripts" / "h200_spec_run.sh")
     run = {"check": True, "capture_output": True, "text": True, "cwd": ROOT}
     subprocess.run(["bash", script, str(first), gguf], **run,
-                   env={**env, "DSPARK_RETURN": "1", "DSPARK_REGEN_BUDGET_S": "1", "DSPARK_WORK": str(tmp_path / "w1")})
+                   env={**env, "DSPARK_RETURN": "1", "DSPARK_REGEN_BUDGET_S": "1", "DSPARK_WORK": str(tmp_path / "w1"),
+                        "DSPARK_REGEN_PART_SIZE": "4k"})  # the answers come back in parts (15m on the device)
     parts = sorted(first.glob("draft_model.safetensors.part_*"))
-    assert (first / "regen.tgz").is_file() and (first / "draft_config.json").is_file() and len(parts) >= 1
+    regen_parts = sorted(first.glob("regen.tgz.part_*"))
+    assert len(regen_parts) >= 2 and all(p.stat().st_size <= 4096 for p in regen_parts)
+    assert not (first / "regen.tgz").exists() and (first / "draft_config.json").is_file() and len(parts) >= 1
     assert all(p.stat().st_size <= 15 << 20 for p in parts)  # what comes back from the device: <= 16 MiB a file
     stats1 = json.loads((tmp_path / "w1/reports/regenerate_stats.json").read_text())["splits"]["train"]
     assert stats1["generated_now"] > 0 and stats1["skipped_prompts"] > 0  # one batch answered, the rest left
-    subprocess.run(["bash", script, str(second), gguf], **run,
-                   env={**env, "DSPARK_REGEN_FROM": str(first / "regen.tgz"), "DSPARK_INIT_DRAFT": str(first),
-                        "DSPARK_WORK": str(tmp_path / "w2")})
+    cont = subprocess.run(["bash", script, str(second), gguf], **run,
+                          env={**env, "DSPARK_REGEN_FROM": str(first / "regen.tgz"), "DSPARK_INIT_DRAFT": str(first),
+                               "DSPARK_REGEN_FROM_PARAMS": str(first / "params.yaml"), "DSPARK_WORK": str(tmp_path / "w2")})
+    # the first run's eval split was whole: current for its own prompts (its train split was cut: left as it is)
+    assert "{'eval': 'reusable already', 'train': 'not current for these prompts: left as it is'}" in cont.stdout
     stats2 = json.loads((tmp_path / "w2/reports/regenerate_stats.json").read_text())["splits"]["train"]
     assert stats2["generated_now"] == stats1["skipped_prompts"]  # only the missing ones
     assert stats2["prompts"] == stats1["prompts"] + stats1["skipped_prompts"] and not stats2.get("skipped_prompts")

@@ -48,3 +48,17 @@ def test_unknown_profile_key_is_refused(tmp_path):
     shutil.copy(ROOT / "params.yaml", params)
     with pytest.raises(ValueError, match="train.lrr"):
         apply_profile("bad", params, profiles_dir=tmp_path)
+
+
+def test_a_mix_is_replaced_whole(tmp_path):
+    """prepare.train_mix is keyed by source: a profile's mix replaces params.yaml's (no source of it is kept), in
+    the profile's order (the order the sources are drawn in), also as a `dvc exp run -S` argument."""
+    (tmp_path / "mix.yaml").write_text("prepare:\n  train_mix:\n    codeio: 2\n    jsonl:data/my.v2.jsonl.gz: 1\n")
+    params = tmp_path / "params.yaml"
+    shutil.copy(ROOT / "params.yaml", params)
+    assert len(yaml.safe_load(params.read_text())["prepare"]["train_mix"]) > 2
+    apply_profile("mix", params, profiles_dir=tmp_path)
+    assert list(yaml.safe_load(params.read_text())["prepare"]["train_mix"].items()) == [
+        ("codeio", 2), ("jsonl:data/my.v2.jsonl.gz", 1)]
+    assert exp_run_args("mix", profiles_dir=tmp_path) == [
+        "-S", 'prepare.train_mix={"codeio":2,"jsonl:data/my.v2.jsonl.gz":1}']

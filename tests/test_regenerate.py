@@ -18,7 +18,8 @@ import dspark_core.data.regenerate as regen
 from dspark_core.config import ParamsError
 from dspark_core.data.backends import finalize_response
 from dspark_core.data.prompts import Prompt, write_prompts
-from dspark_core.data.regenerate import RegenerateConfig, chat_prompt, read_regen, run_regenerate
+from dspark_core.data.regenerate import (RegenerateConfig, chat_prompt, mark_answers_reusable, read_regen,
+                                         run_regenerate)
 from dspark_core.target import FINGERPRINT_FILE, TargetConfig, load_target, run_target
 from dspark_core.testing import save_tiny_target
 
@@ -206,6 +207,67 @@ def test_stale_parts_are_discarded(tiny, tmp_path, monkeypatch):
     run_regenerate(_cfg(target, prompts, out, batch_size=2, max_new_tokens=5))   # other settings
     assert sum(len(b) for b in made[0].batches) == len(QUESTIONS)
     assert all(len(r["response_ids"]) <= 5 for r in read_regen(out / "eval.parquet"))
+
+
+def _write_eval(prompts: Path, items: list[tuple[str, str]]) -> None:
+    write_prompts(prompts / "eval.parquet", [Prompt(i, "test", (t,)) for i, t in items])
+
+
+def test_another_prompt_set_keeps_the_answers_it_can(tiny, tmp_path, monkeypatch):
+    """Prompts added, one dropped, one reworded: only the new and the reworded prompts are answered, the
+    others keep their rows, and the split equals a run from scratch on the new set. Other settings keep nothing;
+    a final file of the older stage (no row key) is kept only once a run on its own prompts has marked it."""
+    target, _ = tiny
+    prompts, out = tmp_path / "prompts", tmp_path / "out"
+    first = [(f"q:{i}", QUESTIONS[i]) for i in range(4)]
+    second = first[:2] + [("q:2", "Name a fruit."), ("q:4", QUESTIONS[4]), ("q:5", QUESTIONS[5])]  # q:3 dropped
+    _write_eval(prompts, first)
+    cfg = _cfg(target, prompts, out, batch_size=2)
+    run_regenerate(cfg)
+    before = {r["id"]: r for r in read_regen(out / "eval.parquet")}
+
+    _write_eval(prompts, second)
+    made = _patch_backend(monkeypatch)
+    stats = run_regenerate(cfg)
+    assert sorted(i for b in made[0].batches for i in b) == ["q:2", "q:4", "q:5"]
+    assert stats["splits"]["eval"]["kept_answers"] == 2 and stats["splits"]["eval"]["generated_now"] == 3
+    rows = read_regen(out / "eval.parquet")
+    assert [r["id"] for r in rows] == [i for i, _ in second] and rows[:2] == [before["q:0"], before["q:1"]]
+    monkeypatch.setattr(regen, "make_backend", _REAL_MAKE_BACKEND)
+    run_regenerate(_cfg(target, prompts, tmp_path / "scratch", batch_size=2))
+    assert [(r["prompt_ids"], r["response_ids"]) for r in rows] == [
+        (r["prompt_ids"], r["response_ids"]) for r in read_regen(tmp_path / "scratch" / "eval.parquet")]
+    assert not (out / "parts").exists()
+
+    _write_eval(prompts, first)  # other settings: nothing is kept
+    made = _patch_backend(monkeypatch)
+    stats = run_regenerate(_cfg(target, prompts, out, batch_size=2, max_new_tokens=5))
+    assert sum(len(b) for b in made[0].batches) == 4 and stats["splits"]["eval"]["kept_answers"] == 0
+
+    # the older stage's file: the settings key alone, which names its own prompts file
+    rows = regen._read_rows(out / "eval.parquet")
+    regen._write_rows(out / "eval.parquet", rows, regen._file_key(out / "eval.parquet"))
+    short = _cfg(target, prompts, out, batch_size=2, max_new_tokens=5)
+    _write_eval(prompts, second)
+    made = _patch_backend(monkeypatch)
+    assert run_regenerate(short)["splits"]["eval"]["kept_answers"] == 0  # not checked: answered again
+    assert sum(len(b) for b in made[0].batches) == 5
+    rows = regen._read_rows(out / "eval.parquet")
+    regen._write_rows(out / "eval.parquet", rows, regen._file_key(out / "eval.parquet"))
+    _write_eval(prompts, first)
+    assert mark_answers_reusable(short) == {"eval": "not current for these prompts: left as it is"}
+    assert regen._file_key(out / "eval.parquet", regen.ROW_KEY_METADATA) is None
+    _write_eval(prompts, second)
+    made = _patch_backend(monkeypatch)
+    assert mark_answers_reusable(short) == {"eval": "marked reusable"}   # its own prompts, checked by its key
+    assert mark_answers_reusable(short) == {"eval": "reusable already"} and made == []
+    assert regen._read_rows(out / "eval.parquet") == rows
+    run_regenerate(short)                     # the same by a run: current, nothing answered
+    assert made == [] and regen._file_key(out / "eval.parquet", regen.ROW_KEY_METADATA)
+    _write_eval(prompts, first)
+    made = _patch_backend(monkeypatch)
+    assert run_regenerate(short)["splits"]["eval"]["kept_answers"] == 2  # q:0, q:1 (q:2 reworded, q:3 new)
+    assert sorted(i for b in made[0].batches for i in b) == ["q:2", "q:3"]
 
 
 def test_sampling_is_seeded(tiny, tmp_path):

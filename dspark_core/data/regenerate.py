@@ -13,11 +13,18 @@ exactly ``max_new_tokens`` ids ('length'). ``response_text`` is ``response_ids``
 special tokens; ``prompt_text`` is the chat-templated prompt.
 
 Resumable: each finished batch is written atomically as a small parquet under
-``{out_dir}/parts/{split}/``; a restarted run skips the ids found there (parts written under other
-settings -- another target, sampling params, prompts -- are discarded). The final parquet is
-assembled in prompt order at the end and the parts are removed; a final parquet written under the
-same settings makes the split a no-op (so ``persist: true`` in dvc.yaml is safe). ``stats_path``
-records tokens and tokens/s per split.
+``{out_dir}/parts/{split}/``; a restarted run skips the prompts answered there (parts written under other
+settings -- another target, sampling params, system prompt, backend, dtype -- are discarded). The final
+parquet is assembled in prompt order at the end and the parts are removed; a final parquet written under the
+same settings for the same prompts makes the split a no-op (so ``persist: true`` in dvc.yaml is safe).
+``stats_path`` records tokens and tokens/s per split.
+
+Another prompt set (a source added, ``n_train`` raised): the answers of the split's earlier final parquet
+that were made under the same settings are kept (``kept_answers`` in the stats) and only the prompts without
+one are answered. An answer is kept for a prompt with the same id *and* the same ``prompt_ids`` (a prompt
+whose text or chat template changed is answered again). A final parquet of an older version of this stage
+(no row key) is kept only for its own prompts; a run on those prompts, or :func:`mark_answers_reusable`,
+marks it reusable (checked by its settings key).
 
 Time budget (``run_regenerate(cfg, time_budget_s=...)``, ``stages/regenerate.py --time-budget-s``; off by
 default): no new batch starts once that many seconds have passed since the stage started (the batch in
@@ -53,7 +60,8 @@ log = logging.getLogger(__name__)
 
 PARTS_DIR = "parts"
 META_FILE = "meta.json"
-KEY_METADATA = b"dspark_regen_key"
+KEY_METADATA = b"dspark_regen_key"          # the settings and the prompts file: the split is done
+ROW_KEY_METADATA = b"dspark_regen_row_key"  # the settings alone: each row answers its own prompt
 COLUMNS = ("id", "source", "prompt_ids", "response_ids", "prompt_text", "response_text", "backend",
            "finish_reason")
 
@@ -169,11 +177,12 @@ def _schema():
                       ("response_text", pa.string()), ("backend", pa.string()), ("finish_reason", pa.string())])
 
 
-def _write_rows(path: Path, rows: list[dict], key: str | None = None) -> None:
+def _write_rows(path: Path, rows: list[dict], key: str | None = None, row_key: str | None = None) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = _schema().with_metadata({KEY_METADATA: key.encode()}) if key else _schema()
+    meta = {k: v.encode() for k, v in ((KEY_METADATA, key), (ROW_KEY_METADATA, row_key)) if v}
+    schema = _schema().with_metadata(meta) if meta else _schema()
     table = pa.Table.from_pylist(rows, schema=schema)
     with atomic_path(path, ".parquet") as tmp:
         pq.write_table(table, tmp)
@@ -185,15 +194,28 @@ def _read_rows(path: Path) -> list[dict]:
     return pq.read_table(path).to_pylist()
 
 
-def _file_key(path: Path) -> str | None:
+def _file_key(path: Path, name: bytes = KEY_METADATA) -> str | None:
     import pyarrow.parquet as pq
 
     meta = pq.read_schema(path).metadata or {}
-    return meta.get(KEY_METADATA, b"").decode() or None
+    return meta.get(name, b"").decode() or None
+
+
+def _answered(rows: list[dict], requests: Sequence[Request]) -> dict[str, dict]:
+    """{id: row} of the rows that answer one of ``requests``: the same id and the same prompt ids (the first
+    such row of an id wins)."""
+    want = {r.id: list(r.prompt_ids) for r in requests}
+    out: dict[str, dict] = {}
+    for row in rows:
+        rid = row["id"]
+        if rid in want and rid not in out and list(row["prompt_ids"]) == want[rid]:
+            out[rid] = row
+    return out
 
 
 class PartStore:
-    """Finished batches of one split, one atomically written parquet each, tied to a settings key."""
+    """Finished batches of one split, one atomically written parquet each, tied to a settings key (the row key:
+    parts stay valid when the prompt set changes; the rows are matched to the prompts when read)."""
 
     def __init__(self, root: Path, key: str):
         self.root, self.key = root, key
@@ -209,9 +231,6 @@ class PartStore:
 
     def rows(self) -> list[dict]:
         return [row for f in self._files() for row in _read_rows(f)]
-
-    def done_ids(self) -> set[str]:
-        return {r["id"] for r in self.rows()}
 
     def write(self, rows: list[dict]) -> None:
         files = self._files()
@@ -264,9 +283,16 @@ def make_backend(cfg: RegenerateConfig, tok, eos_ids: Sequence[int], max_model_l
 # the stage
 # ----------------------------------------------------------------------------------------------
 def _settings_key(cfg: RegenerateConfig, fingerprint: str, prompts_file: Path) -> str:
-    """What makes a generated row valid: target, prompts, template inputs, sampling, backend, dtype."""
+    """What makes a split's final file current: target, prompts, template inputs, sampling, backend, dtype."""
     return sha256_json({"target": fingerprint, "prompts": sha256_file(prompts_file),
                         "sampling": dataclasses.asdict(cfg.sampling), "seed": cfg.seed,
+                        "system_prompt": cfg.system_prompt, "backend": cfg.backend, "dtype": cfg.dtype})[:16]
+
+
+def _row_key(cfg: RegenerateConfig, fingerprint: str) -> str:
+    """What makes one answer valid, whatever the other prompts are: the settings key less the prompts file (the
+    prompt itself is checked row by row, see :func:`_answered`)."""
+    return sha256_json({"target": fingerprint, "sampling": dataclasses.asdict(cfg.sampling), "seed": cfg.seed,
                         "system_prompt": cfg.system_prompt, "backend": cfg.backend, "dtype": cfg.dtype})[:16]
 
 
@@ -280,7 +306,7 @@ def generate_split(requests: Sequence[Request], sources: dict[str, str], store: 
     counters when some were left)."""
     from tqdm.auto import tqdm
 
-    done = store.done_ids()
+    done = set(_answered(store.rows(), requests))
     todo = sorted((r for r in requests if r.id not in done), key=lambda r: -len(r.prompt_ids))
     stats = {"generated": 0, "new_tokens": 0, "seconds": 0.0, "stopped_early": False}
     if not todo:
@@ -311,19 +337,30 @@ def generate_split(requests: Sequence[Request], sources: dict[str, str], store: 
     return stats
 
 
-def assemble(requests: Sequence[Request], rows: list[dict], path: Path, key: str,
+def assemble(requests: Sequence[Request], rows: list[dict], path: Path, key: str, row_key: str | None = None,
              allow_missing: bool = False) -> list[dict]:
     """Write the split's rows in prompt order to ``path`` (atomic); every request must have a row unless
     ``allow_missing`` (a run cut by its time budget: the answered ones, at least one)."""
-    by_id = {}
-    for r in rows:
-        by_id.setdefault(r["id"], r)
+    by_id = _answered(rows, requests)
     missing = [r.id for r in requests if r.id not in by_id]
     if missing and (not allow_missing or len(missing) == len(requests)):
         raise RuntimeError(f"{path}: {len(missing)} prompts have no generation (first: {missing[0]!r})")
     ordered = [by_id[r.id] for r in requests if r.id in by_id]
-    _write_rows(path, ordered, key)
+    _write_rows(path, ordered, key, row_key)
     return ordered
+
+
+def keep_earlier_answers(final: Path, row_key: str, requests: Sequence[Request], store: PartStore) -> int:
+    """The answers in an earlier final parquet of the split that were made under the same settings (its row key)
+    and answer one of ``requests`` go into ``store`` as one part (those it has not already); returns how many."""
+    if not final.is_file() or _file_key(final, ROW_KEY_METADATA) != row_key:
+        return 0
+    have = _answered(store.rows(), requests)
+    rows = [row for rid, row in _answered(_read_rows(final), requests).items() if rid not in have]
+    if rows:
+        store.write(rows)
+        log.info("regenerate: %d answers of %s kept for the new prompt set", len(rows), final)
+    return len(rows)
 
 
 def _final_is_current(path: Path, key: str, requests: Sequence[Request]) -> bool:
@@ -334,25 +371,15 @@ def _final_is_current(path: Path, key: str, requests: Sequence[Request]) -> bool
     return pq.read_table(path, columns=["id"]).column("id").to_pylist() == [r.id for r in requests]
 
 
-def run_regenerate(cfg: RegenerateConfig, time_budget_s: float | None = None) -> dict:
-    """The ``regenerate`` stage. Returns (and writes to ``stats_path``) per-split counters.
-
-    ``time_budget_s``: start no batch after that many seconds from now (see the module docstring)."""
+def _plans(cfg: RegenerateConfig):
+    """(tokenizer, target fingerprint, {split: (requests, {id: source}, settings key)}) of the prompts files."""
     from transformers import AutoTokenizer
-
-    time_budget_s = cfg.time_budget_s if time_budget_s is None else time_budget_s
-    if time_budget_s is not None and not time_budget_s > 0:
-        raise ValueError(f"regenerate: time budget must be > 0 seconds; got {time_budget_s!r}")
-    deadline = None if time_budget_s is None else time.perf_counter() + time_budget_s
 
     from dspark_core.target import read_fingerprint, validate_hf_dir
 
     model_cfg = validate_hf_dir(cfg.target_dir)
     fingerprint = read_fingerprint(cfg.target_dir)["fingerprint"]
     tok = AutoTokenizer.from_pretrained(cfg.target_dir, local_files_only=True)
-    eos_ids = eos_token_ids(tok, cfg.target_dir)
-    out_dir = Path(cfg.out_dir)
-
     plans = {}
     for split in cfg.splits:
         prompts_file = Path(cfg.prompts_dir) / f"{split}.parquet"
@@ -362,6 +389,43 @@ def run_regenerate(cfg: RegenerateConfig, time_budget_s: float | None = None) ->
         requests = build_requests(prompts, tok, cfg.system_prompt, cfg.seed)
         check_lengths(requests, cfg.max_new_tokens, model_cfg.get("max_position_embeddings"), str(prompts_file))
         plans[split] = (requests, {p.id: p.source for p in prompts}, _settings_key(cfg, fingerprint, prompts_file))
+    return tok, fingerprint, plans
+
+
+def mark_answers_reusable(cfg: RegenerateConfig) -> dict[str, str]:
+    """Answers of an older version of this stage (a final parquet without a row key) for another prompt set: each
+    split whose final parquet is current for the prompts in ``cfg.prompts_dir`` -- checked by its settings key --
+    gets the row key, so that a run on a new prompt set keeps its answers. Answers nothing, loads no model, leaves
+    a file that is not current as it is. Returns ``{split: what was found}``."""
+    _, fingerprint, plans = _plans(cfg)
+    row_key = _row_key(cfg, fingerprint)
+    found = {}
+    for split, (requests, _, key) in plans.items():
+        final = Path(cfg.out_dir) / f"{split}.parquet"
+        if not _final_is_current(final, key, requests):
+            found[split] = "not current for these prompts: left as it is"
+        elif _file_key(final, ROW_KEY_METADATA) == row_key:
+            found[split] = "reusable already"
+        else:
+            _write_rows(final, _read_rows(final), key, row_key)
+            found[split] = "marked reusable"
+        log.info("regenerate: %s: %s", final, found[split])
+    return found
+
+
+def run_regenerate(cfg: RegenerateConfig, time_budget_s: float | None = None) -> dict:
+    """The ``regenerate`` stage. Returns (and writes to ``stats_path``) per-split counters.
+
+    ``time_budget_s``: start no batch after that many seconds from now (see the module docstring)."""
+    time_budget_s = cfg.time_budget_s if time_budget_s is None else time_budget_s
+    if time_budget_s is not None and not time_budget_s > 0:
+        raise ValueError(f"regenerate: time budget must be > 0 seconds; got {time_budget_s!r}")
+    deadline = None if time_budget_s is None else time.perf_counter() + time_budget_s
+
+    tok, fingerprint, plans = _plans(cfg)
+    eos_ids = eos_token_ids(tok, cfg.target_dir)
+    out_dir = Path(cfg.out_dir)
+    row_key = _row_key(cfg, fingerprint)
 
     longest = max(len(r.prompt_ids) for reqs, _, _ in plans.values() for r in reqs)
     backend: list[Backend] = []
@@ -377,12 +441,17 @@ def run_regenerate(cfg: RegenerateConfig, time_budget_s: float | None = None) ->
             final = out_dir / f"{split}.parquet"
             if _final_is_current(final, key, requests):
                 log.info("regenerate: %s is up to date", final)
-                rows, counters = _read_rows(final), {"generated": 0, "new_tokens": 0, "seconds": 0.0}
+                rows, counters = _read_rows(final), {"generated": 0, "new_tokens": 0, "seconds": 0.0, "kept": 0}
+                if _file_key(final, ROW_KEY_METADATA) != row_key:  # an older stage's file, checked by its key:
+                    _write_rows(final, rows, key, row_key)           # reusable for another prompt set now
             else:
-                store = PartStore(out_dir / PARTS_DIR / split, key)
+                store = PartStore(out_dir / PARTS_DIR / split, row_key)
+                kept = keep_earlier_answers(final, row_key, requests, store)
                 counters = generate_split(requests, sources, store, get_backend, tok, eos_ids, cfg,
                                           desc=f"regenerate {split}", deadline=deadline)
-                rows = assemble(requests, store.rows(), final, key, allow_missing=counters["stopped_early"])
+                counters["kept"] = kept
+                rows = assemble(requests, store.rows(), final, key, row_key,
+                                allow_missing=counters["stopped_early"])
                 if len(rows) == len(requests):
                     store.remove()
             stats["splits"][split] = _split_stats(rows, counters, len(requests))
@@ -402,6 +471,7 @@ def _split_stats(rows: list[dict], counters: dict, num_requests: int | None = No
         "finish_stop": sum(r["finish_reason"] == "stop" for r in rows),
         "finish_length": sum(r["finish_reason"] == "length" for r in rows),
         "generated_now": counters["generated"],
+        "kept_answers": counters.get("kept", 0),  # from the split's earlier final file (another prompt set)
         "new_tokens_now": counters["new_tokens"],
         "generate_seconds": round(secs, 3),
         "tokens_per_s": round(counters["new_tokens"] / secs, 2) if secs > 0 else None,
@@ -427,5 +497,5 @@ def read_regen(path: str | Path) -> list[dict]:
     return rows
 
 
-__all__ = ["RegenerateConfig", "run_regenerate", "chat_prompt", "build_requests", "eos_token_ids",
-           "make_backend", "generate_split", "PartStore", "read_regen", "COLUMNS"]
+__all__ = ["RegenerateConfig", "run_regenerate", "mark_answers_reusable", "chat_prompt", "build_requests",
+           "eos_token_ids", "make_backend", "generate_split", "PartStore", "read_regen", "COLUMNS"]

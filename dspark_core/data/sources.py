@@ -456,36 +456,47 @@ def _starts_conversation(record_id: str) -> bool:
 # ----------------------------------------------------------------------------------------------
 def jsonl_path(spec: str | Path) -> Path:
     """The file of a ``jsonl:`` source: as given (relative to the working directory), else relative to the repo
-    root (profiles name the repo's files so); the ``.jsonl`` suffix may be left out."""
+    root (profiles name the repo's files so); the ``.jsonl`` (or ``.jsonl.gz``: gzip) suffix may be left out."""
     path = Path(spec)
     candidates = [path] if path.is_absolute() else [path, REPO_ROOT / path]
     for c in candidates:
-        for p in (c, c.with_name(c.name + ".jsonl")):
+        for p in (c, c.with_name(c.name + ".jsonl"), c.with_name(c.name + ".jsonl.gz")):
             if p.is_file():
                 return p
     return path
 
 
 def iter_jsonl(path: str | Path, source: str | None = None) -> Iterator[Prompt]:
-    """Records of a JSONL file: a ``turns`` list of non-empty strings, optional ``id``, ``domain`` (one of
-    :data:`DOMAINS`, default ``chat``) and ``group`` (the upstream problem, see the module docstring)."""
+    """Records of a JSONL file (gzip-compressed when its name ends in ``.gz``): a ``turns`` list of non-empty
+    strings, optional ``id``, ``domain`` (one of :data:`DOMAINS`, default ``chat``) and ``group`` (the upstream
+    problem, see the module docstring)."""
     given = path
     path = jsonl_path(path)
     source = source or f"{JSONL_PREFIX}{given}"
     if not path.is_file():
         raise ValueError(f"{source}: file {given} not found")
     ids: set[str] = set()
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            p = _jsonl_record(line, path, lineno, source)
-            if p.id in ids:
-                raise ValueError(f"{path}:{lineno}: duplicate id {p.id.split(':', 1)[1]!r}")
-            ids.add(p.id)
-            yield p
+    for lineno, line in _lines(path):
+        if not line.strip():
+            continue
+        p = _jsonl_record(line, path, lineno, source)
+        if p.id in ids:
+            raise ValueError(f"{path}:{lineno}: duplicate id {p.id.split(':', 1)[1]!r}")
+        ids.add(p.id)
+        yield p
     if not ids:
         raise ValueError(f"{path}: the file is empty (no JSON records)")
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a text file, gunzipped when its name ends in ``.gz``; a damaged file is named."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as fh:
+            yield from enumerate(fh, 1)
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot be read as {'gzip-compressed ' if path.suffix == '.gz' else ''}UTF-8 "
+                         f"text ({e})") from None
 
 
 def _jsonl_record(line: str, path: Path, lineno: int, source: str) -> Prompt:
@@ -507,7 +518,8 @@ def _jsonl_record(line: str, path: Path, lineno: int, source: str) -> Prompt:
     if group is not None and not isinstance(group, str):
         raise ValueError(f"{path}:{lineno}: field 'group' must be a string, got {group!r}")
     rid = rec.get("id", lineno)
-    return Prompt(f"{path.stem}:{rid}", source, tuple(t.strip() for t in turns), domain, group)
+    stem = Path(path.name.removesuffix(".gz")).stem  # "name" of name.jsonl and of name.jsonl.gz
+    return Prompt(f"{stem}:{rid}", source, tuple(t.strip() for t in turns), domain, group)
 
 
 # ----------------------------------------------------------------------------------------------
