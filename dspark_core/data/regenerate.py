@@ -282,18 +282,21 @@ def make_backend(cfg: RegenerateConfig, tok, eos_ids: Sequence[int], max_model_l
 # ----------------------------------------------------------------------------------------------
 # the stage
 # ----------------------------------------------------------------------------------------------
+def _settings(cfg: RegenerateConfig, fingerprint: str) -> dict:
+    """What an answer depends on besides its prompt: target, template inputs, sampling, backend, dtype."""
+    return {"target": fingerprint, "sampling": dataclasses.asdict(cfg.sampling), "seed": cfg.seed,
+            "system_prompt": cfg.system_prompt, "backend": cfg.backend, "dtype": cfg.dtype}
+
+
 def _settings_key(cfg: RegenerateConfig, fingerprint: str, prompts_file: Path) -> str:
-    """What makes a split's final file current: target, prompts, template inputs, sampling, backend, dtype."""
-    return sha256_json({"target": fingerprint, "prompts": sha256_file(prompts_file),
-                        "sampling": dataclasses.asdict(cfg.sampling), "seed": cfg.seed,
-                        "system_prompt": cfg.system_prompt, "backend": cfg.backend, "dtype": cfg.dtype})[:16]
+    """What makes a split's final file current: the settings and the prompts file."""
+    return sha256_json({**_settings(cfg, fingerprint), "prompts": sha256_file(prompts_file)})[:16]
 
 
 def _row_key(cfg: RegenerateConfig, fingerprint: str) -> str:
-    """What makes one answer valid, whatever the other prompts are: the settings key less the prompts file (the
-    prompt itself is checked row by row, see :func:`_answered`)."""
-    return sha256_json({"target": fingerprint, "sampling": dataclasses.asdict(cfg.sampling), "seed": cfg.seed,
-                        "system_prompt": cfg.system_prompt, "backend": cfg.backend, "dtype": cfg.dtype})[:16]
+    """What makes one answer valid, whatever the other prompts are: the settings alone (the prompt itself is
+    checked row by row, see :func:`_answered`)."""
+    return sha256_json(_settings(cfg, fingerprint))[:16]
 
 
 def generate_split(requests: Sequence[Request], sources: dict[str, str], store: PartStore,
