@@ -12,10 +12,9 @@ replaced whole: its keys are data (a source absent from the profile's mix is not
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Iterator
-
-import json
 
 import yaml
 
@@ -82,11 +81,18 @@ def apply_profile(name: str, params_path: Path = Path("params.yaml"), profiles_d
 
 
 def exp_run_args(name: str, profiles_dir: Path = PROFILES_DIR) -> list[str]:
-    """``-S key=value`` arguments for ``dvc exp run`` (values as YAML flow scalars/lists)."""
+    """``-S key=value`` arguments for ``dvc exp run`` (values as YAML flow scalars/lists).
+
+    A whole value (:data:`WHOLE_VALUES`) becomes ``-S ~key -S +key=VALUE``: DVC merges a mapping into the one in
+    params.yaml, so it is deleted and added anew. VALUE is in Hydra's override grammar (DVC parses ``-S`` so),
+    which has no quoted mapping keys: ``train_mix``, keyed by source names such as ``jsonl:path.gz``, goes as the
+    ``[[source, weight], ...]`` list that ``prepare`` also reads."""
     out = []
     for key, value in leaves(load_profile(name, profiles_dir)):
-        if isinstance(value, dict):  # a whole mapping: JSON, which YAML reads, in order and without spaces
-            out += ["-S", f"{key}={json.dumps(value, separators=(',', ':'))}"]
+        if key in WHOLE_VALUES:
+            if key == "prepare.train_mix" and isinstance(value, dict):
+                value = [[source, weight] for source, weight in value.items()]
+            out += ["-S", f"~{key}", "-S", f"+{key}={_hydra(value, key)}"]
             continue
         text = yaml.safe_dump(value, default_flow_style=True).strip()
         if text.endswith("\n..."):
@@ -94,3 +100,19 @@ def exp_run_args(name: str, profiles_dir: Path = PROFILES_DIR) -> list[str]:
         text = text.removesuffix("...").strip().replace(", ", ",")  # one shell word per value
         out += ["-S", f"{key}={text}"]
     return out
+
+
+def _hydra(value: Any, key: str) -> str:
+    """``value`` in Hydra's override grammar: strings quoted, no spaces (one shell word)."""
+    if isinstance(value, dict):
+        bad = [k for k in value if not (isinstance(k, str) and re.fullmatch(r"[A-Za-z_]\w*", k))]
+        if bad:
+            raise ValueError(f"{key}: key {bad[0]!r} cannot be written as a `dvc exp run -S` mapping key")
+        return "{" + ",".join(f"{k}:{_hydra(v, key)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_hydra(v, key) for v in value) + "]"
+    if isinstance(value, str):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return repr(value)

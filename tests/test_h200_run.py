@@ -102,7 +102,8 @@ def test_a_run_continues_from_what_the_last_one_returned(tmp_path):
     assert stats1["generated_now"] > 0 and stats1["skipped_prompts"] > 0  # one batch answered, the rest left
     cont = subprocess.run(["bash", script, str(second), gguf], **run,
                           env={**env, "DSPARK_REGEN_FROM": str(first / "regen.tgz"), "DSPARK_INIT_DRAFT": str(first),
-                               "DSPARK_REGEN_FROM_PARAMS": str(first / "params.yaml"), "DSPARK_WORK": str(tmp_path / "w2")})
+                               "DSPARK_REGEN_FROM_PARAMS": str(first / "params.yaml"),
+                               "DSPARK_WORK": str(tmp_path / "w2")})
     # the first run's eval split was whole: current for its own prompts (its train split was cut: left as it is)
     assert "{'eval': 'reusable already', 'train': 'not current for these prompts: left as it is'}" in cont.stdout
     stats2 = json.loads((tmp_path / "w2/reports/regenerate_stats.json").read_text())["splits"]["train"]

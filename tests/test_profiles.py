@@ -10,7 +10,8 @@ import yaml
 
 from dspark_core.draft.stage import variant_configs
 from dspark_core.dmtd.config import DMTDConfig
-from dspark_core.profiles import apply_profile, available, exp_run_args, leaves, load_profile
+from dspark_core.data.prompts import PrepareConfig
+from dspark_core.profiles import WHOLE_VALUES, apply_profile, available, exp_run_args, leaves, load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,13 +34,28 @@ def test_profile_applies_and_validates(name, tmp_path):
     DMTDConfig.load(params, "dmtd")
 
 
+def _parse_overrides(args: list[str]) -> dict:
+    """What `dvc exp run` makes of the -S arguments: Hydra's override parser, which DVC uses."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    assert args[::2] == ["-S"] * (len(args) // 2) and all(" " not in a for a in args)
+    out = {}
+    for o in OverridesParser.create().parse_overrides(args[1::2]):
+        out[(o.type.name, o.key_or_group)] = o.value()
+    return out
+
+
 @pytest.mark.parametrize("name", available())
 def test_exp_run_args_parse_back(name):
-    args = exp_run_args(name)
-    pairs = dict(a.split("=", 1) for a in args[1::2])
+    parsed = _parse_overrides(exp_run_args(name))
     for key, value in leaves(load_profile(name)):
-        assert yaml.safe_load(pairs[key]) == value, key
-        assert " " not in pairs[key]
+        if key in WHOLE_VALUES:  # deleted, then added whole (DVC would merge a mapping into params.yaml's)
+            assert ("DEL", key) in parsed
+            got = parsed[("ADD", key)]
+            assert (dict(got) if key == "prepare.train_mix" else got) == value, key
+            assert yaml.safe_load(yaml.safe_dump(got)) == got
+        else:
+            assert parsed[("CHANGE", key)] == value, key
 
 
 def test_unknown_profile_key_is_refused(tmp_path):
@@ -60,5 +76,13 @@ def test_a_mix_is_replaced_whole(tmp_path):
     apply_profile("mix", params, profiles_dir=tmp_path)
     assert list(yaml.safe_load(params.read_text())["prepare"]["train_mix"].items()) == [
         ("codeio", 2), ("jsonl:data/my.v2.jsonl.gz", 1)]
-    assert exp_run_args("mix", profiles_dir=tmp_path) == [
-        "-S", 'prepare.train_mix={"codeio":2,"jsonl:data/my.v2.jsonl.gz":1}']
+    # as `dvc exp run` arguments (session 16, by hand: `dvc exp run -S ~prepare.train_mix -S
+    # "+prepare.train_mix=[[codeio,3],['jsonl:scripts/h200_data/more/sharegpt_more.jsonl.gz',1]]" prepare` in a
+    # clone drew 12 + 4 prompts from those two; a JSON mapping is refused by DVC's parser, and a Hydra mapping is
+    # merged into params.yaml's, keeping its other sources)
+    args = exp_run_args("mix", profiles_dir=tmp_path)
+    assert args == ["-S", "~prepare.train_mix",
+                    "-S", "+prepare.train_mix=[['codeio',2],['jsonl:data/my.v2.jsonl.gz',1]]"]
+    assert _parse_overrides(args)[("ADD", "prepare.train_mix")] == [["codeio", 2], ["jsonl:data/my.v2.jsonl.gz", 1]]
+    cfg = PrepareConfig.from_dict({"train_mix": [["codeio", 2], ["jsonl:data/my.v2.jsonl.gz", 1]]})
+    assert cfg.mix() == [("codeio", 2), ("jsonl:data/my.v2.jsonl.gz", 1)]  # prepare reads the pairs
