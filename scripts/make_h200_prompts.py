@@ -66,39 +66,20 @@ def mostly_ascii(text: str, min_ratio: float = 0.97) -> bool:
     return sum(c.isascii() for c in text) >= min_ratio * len(text)
 
 
-def more_variants(templates, train_ids, args, instr: str, sampler, seen: set, originals: set) -> list[Prompt]:
-    """Variants k = variants .. variants + more_variants - 1 of each train template and language, none equal (in
-    normalised text) to a variant already drawn or to a GSM8K question: the snapshot's variants go on, in a file
-    of its own so that the registry source's pool (and so the draws of earlier runs) stays as it was."""
+def gsm_variants(template, i: int, lang: str, ks: range, source: str, args, instr: str, sampler, seen: set,
+                 originals: set) -> list[Prompt]:
+    """Variants k in ``ks`` of train template ``i`` in ``lang``, none equal (in normalised text) to a variant
+    already drawn (``seen``, updated) or to a GSM8K test question (``originals``), verbatim or nearly."""
     out = []
-    for i in train_ids:
-        for lang in GSM_LANGS:
-            for k in range(args.variants, args.variants + args.more_variants):
-                q = sampler.sample(templates[lang][i], random.Random(f"{args.seed}:{lang}:{i}:{k}"))
-                key = None if q is None else normalize_text(q)
-                if key is None or key in seen or key in originals:
-                    continue
-                seen.add(key)
-                out.append(Prompt(f"gsm_symbolic_variants_more:{lang}:{i}:{k}", "gsm_symbolic_variants_more",
-                                  (gsm_prompt(q, instr),), "math_word", GSM_GROUP.format(i)))
+    for k in ks:
+        q = sampler.sample(template, random.Random(f"{args.seed}:{lang}:{i}:{k}"))
+        key = None if q is None else normalize_text(q)
+        if key is None or key in seen or key in originals:
+            continue
+        seen.add(key)
+        out.append(Prompt(f"{source}:{lang}:{i}:{k}", source, (gsm_prompt(q, instr),), "math_word",
+                          GSM_GROUP.format(i)))
     return out
-
-
-def write_jsonl_gz(path: Path, prompts: list[Prompt]) -> None:
-    """Records ``{"id", "domain", "group"?, "turns"}`` for a ``jsonl:`` source (ids without the source prefix:
-    the reader prefixes the file's name), gzip-compressed with no time stamp (the same bytes on every run)."""
-    import gzip
-    import io
-
-    buf = io.BytesIO()
-    with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0) as gz:
-        for p in prompts:
-            rec = {"id": p.id.split(":", 1)[1], "domain": p.domain}
-            if p.group is not None:
-                rec["group"] = p.group
-            rec["turns"] = list(p.turns)
-            gz.write((json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8"))
-    path.write_bytes(buf.getvalue())
 
 
 def main() -> None:
@@ -136,25 +117,17 @@ def main() -> None:
     originals = {normalize_text(templates[lang][i].question) for lang in GSM_LANGS for i in ids}
 
     sampler = GsmVariantSampler()
-    math, seen, dead = [], set(), []
-    for i in train_ids:
-        for lang in GSM_LANGS:
-            got = 0
-            for k in range(args.variants):  # (the loop of the extras below repeats this one on later k)
-                q = sampler.sample(templates[lang][i], random.Random(f"{args.seed}:{lang}:{i}:{k}"))
-                if q is None:
-                    continue
-                key = normalize_text(q)
-                if key in seen or key in originals:  # never a GSM8K test question, verbatim or nearly
-                    continue
-                seen.add(key)
-                got += 1
-                math.append(Prompt(f"gsm_symbolic_variants:{lang}:{i}:{k}", "gsm_symbolic_variants",
-                                   (gsm_prompt(q, instr),), "math_word", GSM_GROUP.format(i)))
-            if got == 0:
-                dead.append(f"{lang}/{i}")
+    math, extra, seen, dead = [], [], set(), []
+    first, later = range(args.variants), range(args.variants, args.variants + args.more_variants)
+    for ks, name, out in ((first, "gsm_symbolic_variants", math), (later, "gsm_symbolic_variants_more", extra)):
+        for i in train_ids:  # every template's first variants before any later one (the order `seen` grows in)
+            for lang in GSM_LANGS:
+                got = gsm_variants(templates[lang][i], i, lang, ks, name, args, instr, sampler, seen, originals)
+                if not got and ks is first:
+                    dead.append(f"{lang}/{i}")
+                out += got
     pools["gsm_symbolic_variants"] = math
-    more = {"gsm_symbolic_variants_more": more_variants(templates, train_ids, args, instr, sampler, seen, originals)}
+    more = {"gsm_symbolic_variants_more": extra}
     gsm_s = time.perf_counter() - t0
 
     chat = candidate_pool((p for p in iter_sharegpt() if mostly_ascii(p.turns[0])), args.max_chars,
@@ -184,8 +157,8 @@ def main() -> None:
     for name, ps in pools.items():
         write_snapshot(args.out_dir / f"{name}.jsonl", ps)
     (args.out_dir / "more").mkdir(exist_ok=True)
-    for name, ps in more.items():
-        write_jsonl_gz(args.out_dir / "more" / f"{name}.jsonl.gz", ps)
+    for name, ps in more.items():  # jsonl: sources (the reader names ids by the file)
+        write_snapshot(args.out_dir / "more" / f"{name}.jsonl.gz", ps, bare_ids=True)
     (args.out_dir / "eval_gsm8k.jsonl").write_text(  # for benchmarks/bench_decode.py --prompts
         "".join(json.dumps({"id": f"gsm8k_test_{p.id.split(':')[1]}", "turns": list(p.turns)}, ensure_ascii=False)
                 + "\n" for p in pools["gsm8k_symbolic"]))

@@ -548,16 +548,20 @@ def snapshot_options(snapshot_dir: str | Path) -> dict[str, Any]:
     return opts
 
 
-def write_snapshot(path: Path, prompts: list[Prompt]) -> None:
-    """One registry source's prompts as JSONL records ``{"id", "domain", "group"?, "turns"}``."""
+def write_snapshot(path: Path, prompts: list[Prompt], bare_ids: bool = False) -> None:
+    """Prompts as JSONL records ``{"id", "domain", "group"?, "turns"}``: a registry source's snapshot, or with
+    ``bare_ids`` (the ids without their ``source:`` prefix, which the reader puts back as the file's name) a file
+    for a ``jsonl:`` source. A name ending in ``.gz``: gzip-compressed without a time stamp (the same bytes on
+    every run)."""
     lines = []
     for p in prompts:
-        rec: dict[str, Any] = {"id": p.id, "domain": p.domain}
+        rec: dict[str, Any] = {"id": p.id.split(":", 1)[1] if bare_ids else p.id, "domain": p.domain}
         if p.group is not None:
             rec["group"] = p.group
         rec["turns"] = list(p.turns)
         lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
-    path.write_text("".join(lines), encoding="utf-8")
+    data = "".join(lines).encode("utf-8")
+    path.write_bytes(gzip.compress(data, mtime=0) if path.suffix == ".gz" else data)
 
 
 def iter_snapshot(snapshot_dir: str | Path, source: str) -> Iterator[Prompt]:
