@@ -135,6 +135,9 @@ DOMAIN_RUNS = [("session10", "session 10: SmolLM2-135M on one H200, 30 held-out 
                              "T 0.7 with its speedup over the fastest sampled AR)"),
                ("session16", "session 16: session 15's draft trained on (3,700 more steps, lr_schedule time: ends "
                              "annealed), the sampled accept kernel;\nlabels: speedup over the fastest AR, MAL (greedy; "
+                             "T 0.7 with its speedup over the fastest sampled AR)"),
+               ("session17", "session 17: a new draft from scratch (3,273 steps, lr_schedule time) on 13,740 of the "
+                             "19,234 train prompts (four domains);\nlabels: speedup over the fastest AR, MAL (greedy; "
                              "T 0.7 with its speedup over the fastest sampled AR)")]
 
 

