@@ -60,6 +60,11 @@ def build(tmp: Path, target: Path, regen_path: Path, **kw) -> Path:
     return tmp / "train.zarr"
 
 
+def store_files(path: Path) -> dict[str, bytes]:
+    """Every file of a store by its path inside it: what DVC hashes."""
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
+
+
 def store_arrays(path: Path) -> dict[str, np.ndarray]:
     group = open_store(path)
     return {name: group[name][:] for name in group.array_keys()}
@@ -97,6 +102,15 @@ def test_roundtrip_equals_direct_forward_exactly(tmp_path, targets, regen, famil
         assert torch.equal(item["last_hidden"], hs[-1][0].to(torch.bfloat16))
         assert torch.equal(item["last_hidden"], model.model(item["input_ids"][None]).last_hidden_state[0]
                            .detach().to(torch.bfloat16))
+
+
+def test_a_rebuild_gives_the_same_bytes(tmp_path, bf16_store, targets, regen):
+    """The same inputs make a byte-identical store (no build time or id left in it), so DVC's hash of a re-run
+    cache stage is unchanged and the stages after it are not re-run; the build's time is in the stats."""
+    again = build(tmp_path, targets["qwen3"], regen)
+    assert store_files(again) == store_files(bf16_store)
+    manifest = read_manifest(again)
+    assert "compute_seconds" not in manifest and "build_id" not in manifest
 
 
 def test_padded_batches_match_single_forwards(bf16_store, targets):
@@ -257,8 +271,9 @@ def test_run_cache_writes_stores_and_stats(tmp_path, targets):
         m = read_manifest(Path(cfg.out_dir) / f"{split}.zarr")
         assert m["model_fingerprint"] == read_fingerprint(targets["llama"])["fingerprint"]
         assert m["num_hidden_layers"] == 6 and m["hidden_size"] == 64 and m["vocab_size"] == 272
-    again = run_cache(cfg)  # complete stores are kept as they are
-    assert again["num_tokens"] == n_tok and again["compute_seconds"] == stats["compute_seconds"]
+    again = run_cache(cfg)  # complete stores are kept as they are: nothing computed this time
+    assert again["num_tokens"] == n_tok and again["compute_seconds"] == 0.0 and again["tokens_per_s"] is None
+    assert all(again["splits"][s]["reused"] and not stats["splits"][s]["reused"] for s in ("train", "eval"))
 
 
 def test_verify_exact_on_bf16_and_detects_corruption(tmp_path, targets, regen):
@@ -386,6 +401,7 @@ def test_sharded_build_equals_one_process_and_resumes(tmp_path, bf16_store, targ
     got, want = store_arrays(dest), store_arrays(bf16_store)
     for name in want:
         assert np.array_equal(got[name], want[name]), name
+    assert store_files(dest) == store_files(bf16_store)  # the build id is gone: the one-process store's bytes
     assert verify_cache(dest, targets["qwen3"], n_samples=4, seed=1)["exact"]  # the recomputed bits
 
 

@@ -38,6 +38,9 @@ def test_hf_dir_source_is_linked_unchanged(tiny_src, tmp_path, link):
     assert json.loads((out / FINGERPRINT_FILE).read_text()) == fp
     info = json.loads((out / INFO_FILE).read_text())
     assert info["source"] == "hf_dir" and info["fingerprint"] == fp["fingerprint"]
+    again = tmp_path / "again"  # the same inputs, the same bytes (no wall time): DVC's hash does not change
+    run_target(TargetConfig(source="hf_dir", path=str(tiny_src), out_dir=str(again), hf_dir_link=link))
+    assert {f.name: f.read_bytes() for f in again.iterdir()} == {f.name: f.read_bytes() for f in out.iterdir()}
     src_model, _ = load_target(tiny_src)
     model, tok = load_target(out)
     ids = tok("hello world", add_special_tokens=False)["input_ids"]

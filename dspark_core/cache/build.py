@@ -161,18 +161,18 @@ def build_store(model: torch.nn.Module, fingerprint: str, cfg: CacheConfig, sour
     if dist.world_size > 1:
         return _build_sharded(model, cfg, samples, manifest, dest, force, rebuild_stale, on_commit, dist)
     group = open_for_build(dest, manifest, samples, force, rebuild_stale)
-    if not group.attrs["complete"]:
-        _fill(group, samples, model, cfg, dest.stem, on_commit)
-    return store_stats(dest)
+    if group.attrs["complete"]:  # kept as it is (DVC's persist: a re-run whose store matches): nothing computed
+        return store_stats(dest)
+    return store_stats(dest, _fill(group, samples, model, cfg, dest.stem, on_commit))
 
 
 # -- one store, several processes ------------------------------------------------------------------
 # Rank r owns the chunk-aligned token window shard_window(...) of every array: it forwards the batches (of the
 # single-process plan, so the numbers are the same bits) holding those tokens and writes whole chunks of its
 # window only, so no two ranks ever write one chunk file. Progress goes to a file per rank beside the store
-# (``<store>.shard<r>of<W>.json``, tied to the build_id rank 0 gives the store -- only sharded builds have one, so
-# a one-process store is byte for byte what it was), never to the shared zarr.json; rank 0 creates
-# the store first and marks it complete after every shard reports its whole window.
+# (``<store>.shard<r>of<W>.json``, tied to the build_id rank 0 gives the store while it is incomplete), never to
+# the shared zarr.json; rank 0 creates the store first and marks it complete after every shard reports its whole
+# window, dropping the build_id: a complete store is byte for byte the one-process store.
 def shard_window(total_tokens: int, chunk: int, rank: int, world: int) -> tuple[int, int]:
     """Tokens [lo, hi) of rank ``rank`` of ``world``: whole chunks, balanced; the last rank ends at the total."""
     n_chunks = -(-total_tokens // chunk)
@@ -230,9 +230,9 @@ def fill_shard(group, samples: TokenSamples, model: torch.nn.Module, cfg: CacheC
                 on_commit(written)
 
 
-def finalize_shards(group, dest: Path, offsets: np.ndarray, world: int) -> None:
+def finalize_shards(group, dest: Path, offsets: np.ndarray, world: int) -> float:
     """Rank 0, after every rank's fill: check each shard reported its whole window, then mark the store
-    complete (compute_seconds = the slowest rank's) and drop the progress files."""
+    complete and drop the progress files. Returns the build's compute seconds (the slowest rank's)."""
     total, chunk = int(offsets[-1]), int(group.attrs["chunk_tokens"])
     seconds = 0.0
     for rank in range(world):
@@ -245,8 +245,10 @@ def finalize_shards(group, dest: Path, offsets: np.ndarray, world: int) -> None:
                                "rerun the cache stage with the same number of processes to finish it")
         seconds = max(seconds, float(state.get("compute_seconds", 0.0)))
     commit(group, offsets, total, seconds, complete=True)
+    del group.attrs["build_id"]  # it only tied the progress files: the store is now a one-process store's bytes
     for rank in range(world):
         shard_progress_path(dest, rank, world).unlink(missing_ok=True)
+    return seconds
 
 
 def _build_sharded(model, cfg: CacheConfig, samples: TokenSamples, manifest: dict[str, Any], dest: Path,
@@ -258,15 +260,17 @@ def _build_sharded(model, cfg: CacheConfig, samples: TokenSamples, manifest: dic
     if not group.attrs["complete"]:
         fill_shard(group, samples, model, cfg, dest, dist.rank, dist.world_size, on_commit)
     dist.barrier()  # every shard written
+    seconds = None  # rank 0's stats are the ones written
     if dist.is_main and not open_store(dest).attrs["complete"]:
-        finalize_shards(group, dest, samples.offsets, dist.world_size)
+        seconds = finalize_shards(group, dest, samples.offsets, dist.world_size)
     dist.barrier()  # complete before anyone reads it
-    return store_stats(dest)
+    return store_stats(dest, seconds)
 
 
 def _fill(group, samples: TokenSamples, model: torch.nn.Module, cfg: CacheConfig, label: str,
-          on_commit: Callable[[int], None] | None) -> None:
-    """Forward and append every batch from the first uncommitted sample on, committing after each."""
+          on_commit: Callable[[int], None] | None) -> float:
+    """Forward and append every batch from the first uncommitted sample on, committing after each. Returns the
+    build's compute seconds, an interrupted build's before this run included."""
     done, offs = int(group.attrs["committed_samples"]), samples.offsets
     plan = plan_batches(samples.lengths.tolist(), cfg.batch_tokens)
     todo = [b for b in plan if b[1] > done]  # the batch holding the first uncommitted sample is redone whole
@@ -283,9 +287,11 @@ def _fill(group, samples: TokenSamples, model: torch.nn.Module, cfg: CacheConfig
             bar.update(int(offs[end] - offs[start]))
             if on_commit is not None:
                 on_commit(done)
-    done = commit(group, offs, writer.flush(final=True), seconds0 + time.perf_counter() - t0, complete=True)
+    seconds = seconds0 + time.perf_counter() - t0
+    done = commit(group, offs, writer.flush(final=True), seconds, complete=True)
     if on_commit is not None:
         on_commit(done)
+    return seconds
 
 
 def run_cache(cfg: CacheConfig, force: bool = False, rebuild_stale: bool = False) -> dict[str, Any]:

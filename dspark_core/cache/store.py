@@ -276,10 +276,16 @@ class HiddenWriter:
 
 def commit(group: zarr.Group, offsets: np.ndarray, written_tokens: int, compute_seconds: float,
            complete: bool = False) -> int:
-    """Record as done every sample whose tokens all lie below ``written_tokens``; returns their count."""
+    """Record as done every sample whose tokens all lie below ``written_tokens``; returns their count.
+
+    ``compute_seconds`` (the build's time so far, kept for a resumed build) is dropped when the store is complete:
+    a complete store's bytes depend on its inputs alone, so a stage re-run that makes the same hidden states
+    leaves DVC's hash, and the stages after it, as they were. The build's time goes to the stage's stats."""
     n_done = int(np.searchsorted(offsets, written_tokens, side="right")) - 1
     group.attrs.update({"committed_samples": n_done, "committed_tokens": int(offsets[n_done]),
                         "compute_seconds": float(compute_seconds), "complete": bool(complete)})
+    if complete:
+        del group.attrs["compute_seconds"]
     return n_done
 
 
@@ -288,8 +294,10 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def store_stats(path: str | Path) -> dict[str, Any]:
-    """Stored bytes per token (whole store and per array) against raw bf16, from the files on disk."""
+def store_stats(path: str | Path, compute_seconds: float | None = None) -> dict[str, Any]:
+    """Stored bytes per token (whole store and per array) against raw bf16, from the files on disk; tokens/s
+    from ``compute_seconds``, the build's forward time. None: a store found complete and kept, nothing computed
+    (``reused``, compute_seconds 0, tokens_per_s None; the time of the build that made it is not in the store)."""
     path = Path(path)
     m = read_manifest(path)
     t, k, h = int(m["num_tokens"]), len(m["aux_layer_ids"]), int(m["hidden_size"])
@@ -302,8 +310,9 @@ def store_stats(path: str | Path) -> dict[str, Any]:
     hidden_raw = raw_per_array["aux_hidden"] + raw_per_array["last_hidden"]
     total = _dir_bytes(path) / t
     raw = sum(raw_per_array.values())
-    seconds = float(m["compute_seconds"])
+    seconds = float(compute_seconds or 0.0)
     return {
+        "reused": compute_seconds is None,
         "bytes_per_token": total, "raw_bf16_bytes_per_token": raw, "compression_ratio": total / raw,
         "hidden_bytes_per_token": hidden_stored, "hidden_raw_bf16_bytes_per_token": hidden_raw,
         "hidden_compression_ratio": hidden_stored / hidden_raw,
