@@ -6,7 +6,8 @@ import torch
 
 from dspark_core.draft.config import DraftConfig
 from dspark_core.draft.model import DSparkDraft
-from dspark_core.draft.variants import build_draft, param_counts
+from dspark_core.draft.model import build_draft
+from dspark_core.draft.variants import param_counts
 
 # Seed 000's draft: 3 layers, hidden 2560, FFN 9728, 24 / 2 heads of 256, Markov rank 256, aux layers 45-47.
 SEED000_DRAFT = dict(num_draft_layers=3, block_size=7, markov_rank=256, num_attention_heads=24, num_key_value_heads=2,

@@ -142,3 +142,30 @@ def test_dspark_core_has_no_import_cycle() -> None:
     cycles = find_cycles(graph)
     if cycles:
         pytest.fail("\n".join(_describe(c, graph) for c in cycles))
+
+
+def test_every_variant_registers_its_kind() -> None:
+    from dspark_core.draft.model import DSparkDraft, draft_class, draft_kinds
+    from dspark_core.draft.task import DSparkTask, task_class
+    from dspark_core.draft.variants.reranker import RerankerTask
+
+    assert draft_kinds() == ("baseline", "engram_markov", "engram_mask_gated", "engram_mask_replace",
+                             "draft_memory", "reranker")
+    for kind in draft_kinds():
+        cls = draft_class(kind)
+        assert issubclass(cls, DSparkDraft) and cls.kind == kind
+    assert task_class("reranker") is RerankerTask and task_class("engram_markov") is DSparkTask
+
+
+def test_a_new_variant_is_one_class_statement() -> None:
+    from dspark_core.draft.model import DRAFT_CLASSES, DSparkDraft, draft_class
+
+    class ProbeDraft(DSparkDraft, kind="probe_kind"):
+        pass
+
+    try:
+        assert draft_class("probe_kind") is ProbeDraft
+        with pytest.raises(ValueError, match="'probe_kind' is registered twice: .*ProbeDraft and .*OtherDraft"):
+            type("OtherDraft", (DSparkDraft,), {}, kind="probe_kind")
+    finally:
+        DRAFT_CLASSES.pop("probe_kind")

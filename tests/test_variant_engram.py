@@ -13,7 +13,7 @@ from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.draft.config import DraftConfig, EngramConfig
 from dspark_core.draft.model import DSparkDraft, load_draft, save_draft
 from dspark_core.draft.synthetic import items_from_target
-from dspark_core.draft.variants import build_draft
+from dspark_core.draft.model import build_draft, draft_class
 from dspark_core.draft.variants.engram import (EngramTable, build_frozen_table, is_prime, read_frozen_table,
                                                table_primes, write_frozen_table)
 from dspark_core.testing import tiny_model
@@ -229,8 +229,8 @@ def test_frozen_draft_loads_its_table_and_trains_nothing_of_it(tmp_path):
 def test_bad_engram_params_are_named():
     from dspark_core.config import ParamsError
 
-    with pytest.raises(ParamsError, match="draft.kind must be one of"):
-        DraftConfig.from_dict({"kind": "engram"}, prefix="draft.")
+    with pytest.raises(ParamsError, match="draft.kind must be one of baseline, engram_markov.*; got 'engram'"):
+        draft_class(DraftConfig.from_dict({"kind": "engram"}, prefix="draft.").kind)
     with pytest.raises(ParamsError, match="draft.engram.orders must be strictly increasing"):
         DraftConfig.from_dict({"engram": {"orders": [3, 2]}}, prefix="draft.")
     with pytest.raises(ParamsError, match="draft.engram.source must be one of"):

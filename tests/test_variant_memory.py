@@ -13,7 +13,7 @@ from dspark_core.cache.dataset import CacheCollator
 from dspark_core.draft.anchors import add_anchor_fields, block_targets
 from dspark_core.draft.config import DraftConfig, LossConfig, MemoryConfig
 from dspark_core.draft.synthetic import items_from_target
-from dspark_core.draft.variants import build_draft
+from dspark_core.draft.model import build_draft
 from dspark_core.draft.variants.memory import MEMORY_KEYS, DraftMemory, first_mismatch, memory_slots, transition
 from dspark_core.testing import tiny_model
 

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from dspark_core.draft.config import DRAFT_KINDS, DraftConfig, LossConfig
-from dspark_core.draft.model import load_draft
+from dspark_core.draft.config import DraftConfig, LossConfig
+from dspark_core.draft.model import draft_kinds, load_draft
 from dspark_core.draft.synthetic import items_from_target
-from dspark_core.draft.variants import task_class
+from dspark_core.draft.task import task_class
 from dspark_core.testing import tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -21,7 +21,7 @@ AUX = (0, 2, 4)
 S = 4
 
 
-@pytest.mark.parametrize("kind", DRAFT_KINDS)
+@pytest.mark.parametrize("kind", draft_kinds())
 def test_kind_trains_and_decodes_on_cuda(kind, tmp_path):
     from dspark_core.decoding.ar import ARDecoder
     from dspark_core.decoding.engine import SpeculativeDecoder

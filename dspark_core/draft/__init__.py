@@ -7,6 +7,7 @@ from dspark_core.draft.config import DraftConfig, LossConfig
 from dspark_core.draft.inference import ContextCache, DraftProposal
 from dspark_core.draft.model import DSparkDraft, ExtraKV, load_draft, save_draft
 from dspark_core.draft.task import DSparkTask, DSparkTrainModel
+from dspark_core.draft import variants  # noqa: E402,F401  (last: registers every draft.kind)
 
 __all__ = ["ContextCache", "DSparkDraft", "DSparkTask", "DSparkTrainModel", "DraftConfig", "DraftProposal",
            "ExtraKV", "LossConfig", "load_draft", "save_draft"]

@@ -1,4 +1,4 @@
-"""The DSpark draft (seed 004 sections 2-3, seed 000 "Baseline 架构"), its save/load.
+"""The DSpark draft (the DSpark paper's baseline draft, as built by DeepSpec), its variant registry, its save/load.
 
 Shape legend: B batch, L tokens, A anchors, S slots (block_size), Q = A*S block tokens, K aux layers,
 Ht target hidden, H draft hidden, V vocab, r Markov rank, E extra K/V entries, nq / nkv heads, d head dim.
@@ -17,7 +17,7 @@ Architecture (built from the target's HF config, Qwen3 / Qwen2 / Llama):
 - final RMSNorm -> ``h_1..h_S``; frozen LM head of the target (+ H -> Ht projection when widths differ);
 - vanilla Markov head and confidence head (``heads.py``).
 
-Variant hooks (seed 000), one overridable method each, so a variant subclasses ``DSparkDraft``, adds its
+Variant hooks, one overridable method each, so a variant subclasses ``DSparkDraft``, adds its
 module in ``__init__`` and overrides one method:
 
 1. :meth:`DSparkDraft.block_inputs` -- the block's input embeddings (Engram-MASK replaces / gates the
@@ -32,6 +32,11 @@ module in ``__init__`` and overrides one method:
 
 ``extras`` is a mapping the hooks read their inputs from: the training batch itself (variant tensors
 are extra batch keys), or what the engine passes to ``propose``. The baseline ignores it.
+
+A variant registers itself by its class statement, ``class MyDraft(DSparkDraft, kind="my_kind")``, in its
+own file under ``dspark_core/draft/variants/`` (imported by that package, which ``dspark_core.draft``
+imports): ``draft.kind: my_kind`` in params.yaml then selects it (:func:`draft_class`). This module never
+imports a variant.
 """
 
 from __future__ import annotations
@@ -41,13 +46,14 @@ import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from dspark_core.config import ParamsError
 from dspark_core.draft import inference
 from dspark_core.draft.attention import AttentionMask, attend, build_attention_mask
 from dspark_core.draft.config import DraftConfig
@@ -192,9 +198,18 @@ class DSparkDraft(nn.Module):
 
     ``token_history``: how many trailing committed tokens (through the anchor) a variant reads at inference;
     the engine then passes ``extras = {"input_ids": [B, n], "anchors": [B, 1]}`` (0: no extras, the baseline).
+
+    ``kind``: the ``draft.kind`` that selects the class; a subclass names its own in the class statement
+    (``class MyDraft(DSparkDraft, kind="my_kind")``), which registers it.
     """
 
     token_history = 0
+    kind: ClassVar[str] = "baseline"
+
+    def __init_subclass__(cls, kind: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if kind is not None:
+            register_draft(cls, kind)
 
     def __init__(self, cfg: DraftConfig, target_config: Any, embed_weight: torch.Tensor,
                  lm_head_weight: torch.Tensor, *, aux_layer_ids: Any, target_fingerprint: str | None = None) -> None:
@@ -425,6 +440,40 @@ class DSparkDraft(nn.Module):
         return self.norm(x)
 
 
+# draft.kind -> class, filled by the class statements (the baseline below, the variants in their files)
+DRAFT_CLASSES: dict[str, type[DSparkDraft]] = {}
+
+
+def register_draft(cls: type[DSparkDraft], kind: str) -> None:
+    """Select ``cls`` by ``draft.kind: kind``; a kind names one class."""
+    old = DRAFT_CLASSES.get(kind)
+    if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise ValueError(f"draft.kind {kind!r} is registered twice: {old.__qualname__} and {cls.__qualname__}")
+    cls.kind = kind
+    DRAFT_CLASSES[kind] = cls
+
+
+register_draft(DSparkDraft, "baseline")
+
+
+def draft_kinds() -> tuple[str, ...]:
+    """Every registered ``draft.kind``, in registration order."""
+    return tuple(DRAFT_CLASSES)
+
+
+def draft_class(kind: str) -> type[DSparkDraft]:
+    """The draft class registered as ``draft.kind``."""
+    if kind not in DRAFT_CLASSES:
+        raise ParamsError(f"draft.kind must be one of {', '.join(DRAFT_CLASSES)}; got {kind!r}")
+    return DRAFT_CLASSES[kind]
+
+
+def build_draft(cfg: DraftConfig, target_config: Any, embed_weight: Any, lm_head_weight: Any,
+                **kwargs: Any) -> DSparkDraft:
+    """A draft of class ``draft_class(cfg.kind)`` (same arguments as ``DSparkDraft``)."""
+    return draft_class(cfg.kind)(cfg, target_config, embed_weight, lm_head_weight, **kwargs)
+
+
 def _layer_step(layer: DraftLayer, x: torch.Tensor, c: torch.Tensor, ctx_rope: Rope, extra_states: torch.Tensor | None,
                 extra_rope: Rope | None, blk_rope: Rope, mask: AttentionMask) -> torch.Tensor:
     """One layer of the training forward (a function, so it can be recomputed by activation checkpointing)."""
@@ -524,8 +573,6 @@ def load_draft(path: str | Path, target_model: nn.Module, expected_fingerprint: 
     if expected_fingerprint is not None and saved.get("fingerprint") not in (None, expected_fingerprint):
         raise ValueError(f"{src}: draft trained on target fingerprint {saved['fingerprint']}, {given} has "
                          f"fingerprint {expected_fingerprint}; retrain the draft on this target")
-    from dspark_core.draft.variants import build_draft
-
     lm = target_model.get_output_embeddings().weight
     draft = build_draft(cfg, tc, target_model.get_input_embeddings().weight, lm,
                         aux_layer_ids=info["aux_layer_ids"], target_fingerprint=saved.get("fingerprint"))

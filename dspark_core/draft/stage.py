@@ -65,7 +65,7 @@ def warm_start_checkpoint(params: Path, variant: str) -> tuple[WarmStartConfig, 
 
 def run_train_stage(params: Path, variant: str, time_budget_s: float | None = None) -> None:
     from dspark_core.cache.dataset import CacheDataset
-    from dspark_core.draft.variants import task_class
+    from dspark_core.draft.task import task_class
     from dspark_core.train.run import run_training
 
     check_variant_dag(params)

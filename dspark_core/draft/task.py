@@ -22,8 +22,7 @@ from torch import nn
 from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.draft.config import DraftConfig, LossConfig
 from dspark_core.draft.loss import dspark_sums, slot_weights
-from dspark_core.draft.model import DSparkDraft
-from dspark_core.draft.variants import build_draft
+from dspark_core.draft.model import DSparkDraft, build_draft, draft_class
 from dspark_core.metrics import block_counts
 from dspark_core.train.task import TermSpec
 
@@ -96,6 +95,16 @@ def draft_denominators(slot_valid: torch.Tensor, gamma: float) -> dict[str, torc
     return dens
 
 
+# draft.kind -> its training task, for the kinds with loss terms of their own (the rest train DSparkTask)
+TASK_CLASSES: dict[str, type["DSparkTask"]] = {}
+
+
+def task_class(kind: str) -> type["DSparkTask"]:
+    """The training task of ``draft.kind``: ``DSparkTask``, or a variant's subclass adding its loss terms."""
+    draft_class(kind)  # an unknown kind is refused here, by name
+    return TASK_CLASSES.get(kind, DSparkTask)
+
+
 class DSparkTask:
     """The DSpark baseline training task.
 
@@ -105,6 +114,15 @@ class DSparkTask:
     """
 
     name = "dspark"
+
+    def __init_subclass__(cls, kind: str | None = None, **kwargs: Any) -> None:
+        """``class MyTask(DSparkTask, kind="my_kind")``: the training task of ``draft.kind: my_kind``."""
+        super().__init_subclass__(**kwargs)
+        if kind is not None:
+            old = TASK_CLASSES.get(kind)
+            if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+                raise ValueError(f"draft.kind {kind!r} has two tasks: {old.__qualname__} and {cls.__qualname__}")
+            TASK_CLASSES[kind] = cls
 
     def __init__(self, draft_cfg: DraftConfig, loss_cfg: LossConfig, *, target_config: Any,
                  embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, aux_layer_ids: Sequence[int],

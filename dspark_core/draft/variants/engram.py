@@ -204,7 +204,7 @@ class EngramDraft(DSparkDraft):
         return e.to(self.compute_dtype)
 
 
-class EngramMarkovDraft(EngramDraft):
+class EngramMarkovDraft(EngramDraft, kind="engram_markov"):
     """Engram-Markov: ``m_i = W1[t_{i-1}] + g_i v_i`` (module docstring)."""
 
     def _build_variant(self, target_config: Any) -> None:
@@ -243,7 +243,7 @@ class EngramMarkovDraft(EngramDraft):
         return base + (g * v).to(base.dtype)
 
 
-class EngramMaskGatedDraft(EngramDraft):
+class EngramMaskGatedDraft(EngramDraft, kind="engram_mask_gated"):
     """Engram-MASK gated: slot j >= 1 input ``E(MASK) + tanh(theta_j) RMSNorm(P e_{a-1})``."""
 
     def _build_variant(self, target_config: Any) -> None:
@@ -259,7 +259,7 @@ class EngramMaskGatedDraft(EngramDraft):
         return torch.cat([x[:, :, :1], mask], dim=2)
 
 
-class EngramMaskReplaceDraft(EngramDraft):
+class EngramMaskReplaceDraft(EngramDraft, kind="engram_mask_replace"):
     """Engram-MASK replace: slots 1..S-1 are ``RMSNorm(P e_{a-1})``; the anchor keeps its embedding."""
 
     def _build_variant(self, target_config: Any) -> None:
@@ -351,6 +351,3 @@ def read_frozen_table(path: str, layout: dict[str, Any], fingerprint: str | None
                              f"is {fingerprint}); rerun engram_build")
         return [fh.get_tensor(f"table_{k}") for k in range(len(layout["rows"]))]
 
-
-KINDS = {"engram_markov": EngramMarkovDraft, "engram_mask_gated": EngramMaskGatedDraft,
-         "engram_mask_replace": EngramMaskReplaceDraft}

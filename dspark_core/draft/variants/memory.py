@@ -114,7 +114,7 @@ class MemoryCache(inference.ContextCache):
                 "memory_valid": torch.ones(pos.shape, dtype=torch.bool, device=kept.device)}
 
 
-class DraftMemory(DSparkDraft):
+class DraftMemory(DSparkDraft, kind="draft_memory"):
     """The baseline plus the memory adapter ``RMSNorm_gamma(P .)`` (hooks 3 and 5; see the module docstring)."""
 
     def __init__(self, cfg: DraftConfig, target_config: Any, embed_weight: torch.Tensor,

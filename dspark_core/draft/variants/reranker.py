@@ -128,7 +128,7 @@ def reranked_choice(scores: torch.Tensor, cand: torch.Tensor, dspark: torch.Tens
     return cand.gather(-1, best).squeeze(-1)
 
 
-class RerankerDraft(DSparkDraft):
+class RerankerDraft(DSparkDraft, kind="reranker"):
     """DSpark + the prefix reranker (hook ``score_candidates``); training supervision in ``prepare_batch``."""
 
     chunk_slots = 512  # slots whose full-vocabulary logits exist at once in prepare_batch
@@ -320,7 +320,7 @@ class RerankerTrainModel(DSparkTrainModel):
         return {**sums, **rank}  # tau_prob, accept_rate@i: of the reranked distribution
 
 
-class RerankerTask(DSparkTask):
+class RerankerTask(DSparkTask, kind="reranker"):
     """DSparkTask + the rank term ``rank_alpha * rank / rank_weight`` (``rank_weight``: the slot weights of the hit
     slots, known after ``prepare_step``) and the reranker's training metrics."""
 
