@@ -84,7 +84,7 @@ def test_fused_linear_matches_reference(dtype, n, invariant, gemm, variant, monk
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_qk_norm_rope_cache_matches_reference(dtype, qk_norm):
     from dspark_core.kernels.decode import qk_norm_rope_cache
-    from dspark_core.decoding.target_runner import _rope, rms_norm
+    from dspark_core.ops import apply_rope as _rope, rms_norm
 
     g = torch.Generator().manual_seed(1)
     n, hq, hkv, d, m = 3, 4, 2, 16, 40

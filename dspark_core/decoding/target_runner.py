@@ -56,6 +56,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
+from dspark_core.ops import apply_rope, rms_norm
+
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 _UNSUPPORTED_ROPE = ("dynamic", "longrope")  # their tables depend on the sequence length
 
@@ -110,23 +112,6 @@ def _layer_weights(layer: torch.nn.Module) -> LayerWeights:
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: normalise in float32, cast back, scale."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, h, n, D], cos/sin [n, D]."""
-    return x * cos + _rotate_half(x) * sin
-
-
 def attention_inputs(x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, spec: _Spec
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [B, n, H] -> q [B, Hq, n, D], k / v [B, Hkv, n, D] (input norm, projections, Qwen3 q/k norm, RoPE)."""
@@ -138,8 +123,8 @@ def attention_inputs(x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: t
     if w.q_norm is not None:
         q = rms_norm(q, w.q_norm, spec.eps)
         k = rms_norm(k, w.k_norm, spec.eps)
-    q = _rope(q.transpose(1, 2), cos, sin)  # [B, Hq, n, D]
-    k = _rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, n, D]
+    q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, n, D]
+    k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, n, D]
     return q, k, v.transpose(1, 2)
 
 

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dspark_core.ops import rms_norm
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_TOKENS = 16  # the widest step these kernels take (verify of a 15-token proposal)
 
@@ -859,8 +861,6 @@ def fused_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
 def fused_linear_reference(x, w, bias=None, *, norm_weight=None, eps=0.0, gated=False, residual=None):
     """The same computation in plain torch (HF's module order and roundings)."""
     import torch.nn.functional as F
-
-    from dspark_core.decoding.target_runner import rms_norm
 
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
