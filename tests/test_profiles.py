@@ -86,3 +86,17 @@ def test_a_mix_is_replaced_whole(tmp_path):
     assert _parse_overrides(args)[("ADD", "prepare.train_mix")] == [["codeio", 2], ["jsonl:data/my.v2.jsonl.gz", 1]]
     cfg = PrepareConfig.from_dict({"train_mix": [["codeio", 2], ["jsonl:data/my.v2.jsonl.gz", 1]]})
     assert cfg.mix() == [("codeio", 2), ("jsonl:data/my.v2.jsonl.gz", 1)]  # prepare reads the pairs
+
+
+@pytest.mark.parametrize("name", [None, *available()])
+def test_every_variant_of_every_profile_uses_the_frozen_engram_table(name, tmp_path):
+    """The targets have no Engram module, so the table is the frozen one engram_build makes; trainable is an
+    ablation a user asks for, never a default."""
+    params = tmp_path / "params.yaml"
+    shutil.copy(ROOT / "params.yaml", params)
+    if name is not None:
+        apply_profile(name, params)
+    variants = yaml.safe_load(params.read_text())["variants"]
+    for variant in [v for v in variants if isinstance(variants[v], dict)] or ["baseline"]:
+        draft, _, _ = variant_configs(params, variant)
+        assert draft.engram.source == "frozen", (name, variant)

@@ -137,6 +137,21 @@ def test_prefix_kv_grows_in_the_block_and_is_cleared_each_cycle():
         torch.testing.assert_close(r[:, 0], full[:, i], rtol=0, atol=1e-6)
 
 
+def test_prefix_kv_is_keyed_by_path_across_tree_branches():
+    """Breadth-first over a tree (siblings at one depth, then their children): each r_i equals a fresh causal
+    encoding of that very path, though the cache last held a sibling's prefix of the same length."""
+    target = tiny_model("qwen3")
+    draft = _draft(target).eval()
+    a, x, z, y, w = 3, 5, 7, 11, 13
+    paths = [[a], [a, x], [a, z], [a, x, y], [a, z, w], [a, x, w], [a, x, y, z], [a, z, w, y], [a, x, y, w]]
+    with torch.no_grad():
+        for path in paths:
+            prefix = torch.tensor([path, path[:1] + path[1:][::-1]])  # [2, slot+1]: two rows, two paths
+            got = draft._block_prefix_state(prefix, prefix.shape[1] - 1)  # [2, w]
+            want, _ = draft.reranker.encoder(draft.markov.features(prefix))  # [2, slot+1, w]
+            torch.testing.assert_close(got, want[:, -1], rtol=0, atol=1e-6, msg=f"path {path}")
+
+
 # -- zero-init equivalence ----------------------------------------------------------------------------------
 def _baseline_with_same_weights(model, variant):
     cfg = DraftConfig(**{**variant.cfg.to_dict(), "kind": "baseline", "reranker": SMALL})

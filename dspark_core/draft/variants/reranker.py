@@ -1,4 +1,4 @@
-"""The prefix reranker of seed 000: Markov top-K candidates rescored from the block's chosen prefix.
+"""The prefix reranker of the DSpark variants: Markov top-K candidates rescored from the block's chosen prefix.
 
 Shape legend: B batch, A anchors, S slots (block_size), N valid slots, n slots of a chunk, K candidates (top_k),
 T prefix positions, w reranker width, nh reranker heads, d = w / nh, H draft hidden, Ht target hidden,
@@ -141,7 +141,8 @@ class RerankerDraft(DSparkDraft, kind="reranker"):
         self.reranker = PrefixReranker(self.hidden_size, cfg.markov_rank, cfg.reranker, cfg.block_size)
         self.reranker.reset_parameters(float(getattr(target_config, "initializer_range", 0.02)))
         self.top_k = min(cfg.reranker.top_k, self.vocab_size)
-        self._prefix_kv: KV | None = None  # inference: the block's prefix K/V (cleared at slot 0)
+        # inference: the encoded prefix tokens [B, T] and their K/V, reused only by a path that starts with them
+        self._prefix_kv: tuple[torch.Tensor, KV] | None = None
         self.timing, self.rerank_s = False, 0.0
 
     def variant_params(self) -> dict[str, nn.Parameter]:
@@ -168,13 +169,18 @@ class RerankerDraft(DSparkDraft, kind="reranker"):
         return r.view(*prev_tokens.shape, -1)
 
     def _block_prefix_state(self, prefix: torch.Tensor, slot: int) -> torch.Tensor:
-        """Inference: r of the last position of ``prefix [B, slot+1]``, growing the block's K/V by one token (the
-        whole prefix again when the cache does not continue it, e.g. at slot 0 of a new block)."""
-        kv = self._prefix_kv
-        fresh = slot == 0 or kv is None or kv[0].shape[2] != slot or kv[0].shape[0] != prefix.shape[0]
-        tokens = prefix if fresh else prefix[:, -1:]
-        r, self._prefix_kv = self.reranker.encoder(self.markov.features(tokens), 0 if fresh else slot,
-                                                   None if fresh else kv)
+        """Inference: r of the last position of ``prefix [B, slot+1]``. The cached K/V is keyed by the tokens it
+        encoded, not by their count: it is reused (cut to ``slot`` positions) only when ``prefix[:, :slot]`` is
+        its first ``slot`` tokens, so a sibling branch of a draft tree never reads another branch's K/V; any
+        other prefix is encoded whole."""
+        cached = self._prefix_kv
+        fresh = slot == 0 or cached is None or not _continues(cached[0], prefix[:, :slot])
+        if fresh:
+            r, kv = self.reranker.encoder(self.markov.features(prefix))
+        else:
+            k, v = (t[:, :, :slot] for t in cached[1])  # [B, nh, slot, d]
+            r, kv = self.reranker.encoder(self.markov.features(prefix[:, -1:]), slot, (k, v))
+        self._prefix_kv = (prefix.clone(), kv)
         return r[:, -1]  # [B, w]
 
     def score_candidates(self, logits: torch.Tensor, hidden: torch.Tensor, prefix: torch.Tensor, slot: int,
@@ -295,6 +301,12 @@ def rerank_metric_sums(out: Mapping[str, torch.Tensor], batch: Mapping[str, torc
                                                                                                  batch)}
 
 
+def _continues(encoded: torch.Tensor, path: torch.Tensor) -> bool:
+    """Whether the encoded tokens [B, T] begin with ``path [B, S]`` (S <= T) in every row."""
+    return encoded.shape[0] == path.shape[0] and encoded.shape[1] >= path.shape[1] and bool(
+        torch.equal(encoded[:, :path.shape[1]], path))
+
+
 def _matched_prefix(choice: torch.Tensor, idx: tuple, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Sum over valid blocks of the length of the leading run of greedy choices equal to the reference tokens."""
     sv = batch["slot_valid"].bool()
@@ -304,8 +316,8 @@ def _matched_prefix(choice: torch.Tensor, idx: tuple, batch: Mapping[str, torch.
 
 
 class RerankerTrainModel(DSparkTrainModel):
-    """Draft + DSpark loss + the rank loss; ``tau_prob`` and ``accept_rate@i`` of the reranked distribution (seed
-    000), ``tau_prob_before_rerank`` of the full-vocabulary one."""
+    """Draft + DSpark loss + the rank loss; ``tau_prob`` and ``accept_rate@i`` of the reranked distribution,
+    ``tau_prob_before_rerank`` of the full-vocabulary one."""
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         hidden = self.draft.forward_train(batch["input_ids"], batch["aux_hidden"], batch["anchors"],
@@ -347,7 +359,7 @@ class RerankerTask(DSparkTask, kind="reranker"):
 def offline_sums(draft: RerankerDraft, hidden: torch.Tensor, batch: Mapping[str, torch.Tensor]
                  ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """eval_offline's reranker metrics ``{name: (numerator, denominator)}`` on the prepared batch: ``tau_prob`` and
-    ``accept_rate@i`` of the reranked distribution (seed 000), ``tau_prob_before_rerank``, ``rerank_tau_gain``,
+    ``accept_rate@i`` of the reranked distribution, ``tau_prob_before_rerank``, ``rerank_tau_gain``,
     ``candidate_recall``, ``target_agreement`` (before / after / ``rerank_target_agreement_gain``) and the
     teacher-forced matched prefix (before / after / ``rerank_teacher_forced_prefix_gain``)."""
     sums = rerank_metric_sums(draft.rank_outputs(hidden, batch), batch)
