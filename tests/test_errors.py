@@ -384,7 +384,8 @@ CASES = [
          r"data/cache/train.zarr: truncated cache store: 1 of 2 chunk\(s\) of aux_hidden are missing \(the first holds "
          rf"tokens 256..{N_TOKENS - 1}\)", TRAIN_OUT),
     Case("cache/damaged_chunk", damaged_chunk,
-         r"data/cache/train.zarr: sample \d+ \(tokens \d+..\d+\) cannot be read \(.*\); the store is damaged",
+         r"data/cache/train.zarr: sample \d+ \(tokens \d+..\d+\) cannot be read: chunk last_hidden/c/0/0 \(tokens "
+         r"0..255\) fails its CRC-32C checksum; the store is damaged; rebuild it with `dvc repro -f cache`",
          TRAIN_OUT),
     Case("cache/manifest_more_samples", manifest_says_more,
          rf"data/cache/train.zarr: the manifest says 9 samples / {N_TOKENS} tokens, but its offsets hold 6 samples / "
