@@ -53,12 +53,18 @@ def profile_args(name: str) -> None:
 
 @cache_app.command("verify")
 def cache_verify(store: Path, target: Path = typer.Option(Path("data/target")),
-                 n: int = typer.Option(4, "-n", help="samples to recompute"), seed: int = 0) -> None:
-    """Recompute N random samples of STORE with the target and compare."""
+                 n: int = typer.Option(4, "-n", help="samples to recompute (0: chunk checksums only)"),
+                 seed: int = 0) -> None:
+    """Check every chunk's checksum of STORE, recompute N random samples with the target and compare."""
+    from dspark_core.cache.store import REBUILD_HINT, describe_bad_chunks
     from dspark_core.cache.verify import verify_cache
 
     report = verify_cache(store, target, n_samples=n, seed=seed)
     typer.echo(json.dumps(report, indent=2, default=str))
+    bad = report["chunks"]["bad"]
+    if bad:
+        typer.echo(f"{store}: {len(bad)} of {report['chunks']['checked']} chunk(s) damaged: "
+                   f"{describe_bad_chunks(bad)}; {REBUILD_HINT}", err=True)
     if not report.get("ok", False):
         raise typer.Exit(1)
 
@@ -97,5 +103,12 @@ def stages_run(targets: list[str] = typer.Argument(None, help="stages (and what 
         typer.echo(f"{name}\t{seconds}")
 
 
+def main() -> None:
+    """The ``dspark`` entry point: a user error is one line on stderr and exit status 2."""
+    from dspark_core.errors import run_stage
+
+    run_stage(app)
+
+
 if __name__ == "__main__":
-    app()
+    main()

@@ -19,11 +19,27 @@ from typing import Any, TypeVar
 
 import yaml
 
+from dspark_core.errors import UserError
+
 T = TypeVar("T", bound="Section")
 
 
-class ParamsError(ValueError):
+class ParamsError(UserError):
     """A bad value in params.yaml (or another config file); the message names file and field."""
+
+
+def read_yaml(path: str | Path) -> Any:
+    """The YAML document of ``path`` ({} when empty); a syntax error is a ParamsError naming the line."""
+    try:
+        with Path(path).open(encoding="utf-8") as fh:
+            return yaml.safe_load(fh) or {}
+    except UnicodeDecodeError as e:
+        raise ParamsError(f"{path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ParamsError(f"{path}:{where}: YAML syntax error ({what}); fix that line") from None
 
 
 def _where(src: str, field: str) -> str:
@@ -69,8 +85,7 @@ class Section:
         path = Path(path)
         if not path.is_file():
             raise ParamsError(f"{path}: params file not found")
-        with path.open() as fh:
-            doc = yaml.safe_load(fh) or {}
+        doc = read_yaml(path)
         cur: Any = doc
         for part in section.split("."):
             if not isinstance(cur, dict) or part not in cur:
@@ -153,20 +168,20 @@ def _coerce(tp: Any, value: Any, src: str, field: str) -> Any:
 def require(cond: bool, msg: str) -> None:
     """Raise ``ValueError(msg)`` unless ``cond``. Use in ``validate()``; never ``assert``."""
     if not cond:
-        raise ValueError(msg)
+        raise UserError(msg)
 
 
 def one_of(name: str, value: Any, choices: typing.Iterable[Any]) -> None:
     choices = tuple(choices)
     if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+        raise UserError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}")
 
 
 def positive(name: str, value: float) -> None:
     if not value > 0:
-        raise ValueError(f"{name} must be > 0; got {value!r}")
+        raise UserError(f"{name} must be > 0; got {value!r}")
 
 
 def non_negative(name: str, value: float) -> None:
     if not value >= 0:
-        raise ValueError(f"{name} must be >= 0; got {value!r}")
+        raise UserError(f"{name} must be >= 0; got {value!r}")

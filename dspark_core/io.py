@@ -10,6 +10,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from dspark_core.errors import UserError
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path, suffix: str = "") -> Iterator[Path]:
@@ -47,7 +49,7 @@ def read_json(path: str | Path) -> Any:
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: file not found") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+        raise UserError(f"{path}: not valid JSON ({e})") from None
 
 
 def _json_default(x: Any) -> Any:
@@ -68,8 +70,8 @@ def package_dir(package: str, field: str | None = None) -> Path:
         spec = None
     if spec is None or not spec.submodule_search_locations:
         where = f"{field}: " if field else ""
-        raise ValueError(f"{where}package {package!r} is not installed "
-                         f"(pip install --no-deps {package.replace('_', '-')})")
+        raise UserError(f"{where}package {package!r} is not installed "
+                        f"(pip install --no-deps {package.replace('_', '-')})")
     return Path(next(iter(spec.submodule_search_locations)))
 
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-import yaml
+from dspark_core.config import read_yaml
+from dspark_core.errors import EXIT_USER_ERROR, UserError
 
 _VAR = re.compile(r"\$\{\s*([^}]+?)\s*\}")
 
@@ -38,7 +39,7 @@ def _lookup(ctx: dict[str, Any], dotted: str, where: str) -> Any:
     cur: Any = ctx
     for part in dotted.split("."):
         if not isinstance(cur, dict) or part not in cur:
-            raise ValueError(f"dvc.yaml {where}: ${{{dotted}}} is not defined (params.yaml or foreach)")
+            raise UserError(f"dvc.yaml {where}: ${{{dotted}}} is not defined (params.yaml or foreach)")
         cur = cur[part]
     return cur
 
@@ -65,15 +66,14 @@ def _paths(entries: Any) -> tuple[str, ...]:
 
 def _stage(name: str, body: dict[str, Any]) -> Stage:
     if "cmd" not in body:
-        raise ValueError(f"dvc.yaml stage {name}: no cmd")
+        raise UserError(f"dvc.yaml stage {name}: no cmd")
     outs = _paths(body.get("outs")) + _paths(body.get("metrics")) + _paths(body.get("plots"))
     return Stage(name, str(body["cmd"]), _paths(body.get("deps")), outs)
 
 
 def load_stages(dvc_yaml: str | Path = "dvc.yaml", params: str | Path = "params.yaml") -> list[Stage]:
     """Every stage of ``dvc_yaml`` (foreach expanded), in file order."""
-    doc = yaml.safe_load(Path(dvc_yaml).read_text()) or {}
-    ctx = yaml.safe_load(Path(params).read_text()) or {}
+    doc, ctx = read_yaml(dvc_yaml), read_yaml(params)
     stages = []
     for name, body in (doc.get("stages") or {}).items():
         if "foreach" not in body:
@@ -97,7 +97,7 @@ def plan(stages: Sequence[Stage], targets: Sequence[str] = ()) -> list[Stage]:
     by_name = {s.name: s for s in stages}
     unknown = [t for t in targets if t not in by_name]
     if unknown:
-        raise ValueError(f"unknown stage(s) {unknown}; dvc.yaml has: {', '.join(by_name)}")
+        raise UserError(f"unknown stage(s) {unknown}; dvc.yaml has: {', '.join(by_name)}")
     parents = {s.name: [p.name for p in stages if p is not s and any(_produces(o, d) for o in p.outs
                                                                     for d in s.deps)] for s in stages}
     order: list[str] = []
@@ -107,7 +107,7 @@ def plan(stages: Sequence[Stage], targets: Sequence[str] = ()) -> list[Stage]:
         if state.get(n) == "done":
             return
         if state.get(n) == "open":
-            raise ValueError(f"dvc.yaml: dependency cycle {' -> '.join(chain + (n,))}")
+            raise UserError(f"dvc.yaml: dependency cycle {' -> '.join(chain + (n,))}")
         state[n] = "open"
         for p in parents[n]:
             visit(p, chain + (n,))
@@ -122,7 +122,8 @@ def plan(stages: Sequence[Stage], targets: Sequence[str] = ()) -> list[Stage]:
 def run(stages: Sequence[Stage], params: str | Path = "params.yaml", cwd: str | Path = ".",
         dry: bool = False) -> list[tuple[str, float]]:
     """Run each stage's command in ``cwd`` (``python`` is this interpreter); ``--params`` is added when
-    ``params`` is not ``params.yaml``. Stops at the first failure (``CalledProcessError``). Returns wall times."""
+    ``params`` is not ``params.yaml``. Stops at the first failure (a user error: ``UserError``, else
+    ``CalledProcessError``). Returns wall times."""
     times = []
     for i, s in enumerate(stages, 1):
         argv = shlex.split(s.cmd)
@@ -134,7 +135,11 @@ def run(stages: Sequence[Stage], params: str | Path = "params.yaml", cwd: str | 
         if dry:
             continue
         t = time.perf_counter()
-        subprocess.run(argv, cwd=cwd, check=True)
+        rc = subprocess.run(argv, cwd=cwd).returncode
+        if rc == EXIT_USER_ERROR:  # the stage has printed what to fix
+            raise UserError(f"stage {s.name} stopped on the error above (exit status {rc})")
+        if rc:
+            raise subprocess.CalledProcessError(rc, argv)
         times.append((s.name, round(time.perf_counter() - t, 1)))
         print(f"=== stage {s.name} done in {times[-1][1]} s", flush=True)
     return times

@@ -18,6 +18,8 @@ from typing import Any, Iterator
 
 import yaml
 
+from dspark_core.errors import UserError
+
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 WHOLE_VALUES = frozenset({"prepare.train_mix", "prepare.eval_sources"})  # mappings of names, set whole
 
@@ -29,10 +31,10 @@ def available(profiles_dir: Path = PROFILES_DIR) -> list[str]:
 def load_profile(name: str, profiles_dir: Path = PROFILES_DIR) -> dict[str, Any]:
     path = profiles_dir / f"{name}.yaml"
     if not path.is_file():
-        raise ValueError(f"profile {name!r} not found in {profiles_dir} (have: {', '.join(available(profiles_dir))})")
+        raise UserError(f"profile {name!r} not found in {profiles_dir} (have: {', '.join(available(profiles_dir))})")
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: a profile must be a mapping of params.yaml sections")
+        raise UserError(f"{path}: a profile must be a mapping of params.yaml sections")
     data.pop("description", None)
     return data
 
@@ -51,7 +53,7 @@ def _check_keys(profile: dict[str, Any], params: dict[str, Any], src: str) -> No
         cur: Any = params
         for part in key.split("."):
             if not isinstance(cur, dict) or part not in cur:
-                raise ValueError(f"{src}: profile key {key!r} does not exist in params.yaml")
+                raise UserError(f"{src}: profile key {key!r} does not exist in params.yaml")
             cur = cur[part]
 
 
@@ -107,7 +109,7 @@ def _hydra(value: Any, key: str) -> str:
     if isinstance(value, dict):
         bad = [k for k in value if not (isinstance(k, str) and re.fullmatch(r"[A-Za-z_]\w*", k))]
         if bad:
-            raise ValueError(f"{key}: key {bad[0]!r} cannot be written as a `dvc exp run -S` mapping key")
+            raise UserError(f"{key}: key {bad[0]!r} cannot be written as a `dvc exp run -S` mapping key")
         return "{" + ",".join(f"{k}:{_hydra(v, key)}" for k, v in value.items()) + "}"
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(_hydra(v, key) for v in value) + "]"

@@ -176,9 +176,9 @@ def write_headlines(metrics: dict[str, dict[str, Any]], out_dir: Path) -> None:
 
 
 def run_report(params: str | Path, root: Path = REPORTS) -> None:
-    import yaml
+    from dspark_core.config import read_yaml
 
-    doc = yaml.safe_load(Path(params).read_text()) or {}
+    doc = read_yaml(params)
     variants = list((doc.get("variants") or {}).keys())
     dmtd_variants = list((doc.get("dmtd") or {}).get("variants") or [])
     dspark, dmtd = dspark_rows(variants, root), dmtd_rows(dmtd_variants, root)

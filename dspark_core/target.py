@@ -48,6 +48,7 @@ from typing import Iterator
 import torch
 
 from dspark_core.config import Section, one_of, require
+from dspark_core.errors import UserError
 from dspark_core.io import package_dir, read_json, sha256_file, sha256_json, write_json
 
 log = logging.getLogger(__name__)
@@ -97,9 +98,9 @@ class TargetConfig(Section):
 # ----------------------------------------------------------------------------------------------
 def _read_model_config(path: Path) -> dict:
     if not path.is_dir():
-        raise ValueError(f"{path}: target directory not found (run the target stage: `dvc repro target`)")
+        raise UserError(f"{path}: target directory not found (run the target stage: `dvc repro target`)")
     if not (path / "config.json").is_file():
-        raise ValueError(f"{path}: not a Hugging Face model directory (no config.json)")
+        raise UserError(f"{path}: not a Hugging Face model directory (no config.json)")
     return read_json(path / "config.json")
 
 
@@ -108,7 +109,7 @@ def _check_dir(path: Path) -> dict:
     cfg = _read_model_config(path)
     mt = cfg.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
+        raise UserError(
             f"{path / 'config.json'}: model_type {mt!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
@@ -121,7 +122,7 @@ def compute_fingerprint(path: str | Path) -> dict[str, str]:
     cfg = {k: v for k, v in cfg.items() if k not in _VOLATILE_CONFIG_KEYS}
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
-        raise ValueError(f"{path}: no *.safetensors weights found")
+        raise UserError(f"{path}: no *.safetensors weights found")
     w_hash = sha256_json({w.name: sha256_file(w) for w in weights})
     c_hash = sha256_json(cfg)
     return {"config_sha256": c_hash, "weights_sha256": w_hash, "fingerprint": sha256_json([c_hash, w_hash])[:16]}
@@ -145,7 +146,7 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
     if name not in table:
-        raise ValueError(f"dtype must be one of {', '.join(table)}; got {name!r}")
+        raise UserError(f"dtype must be one of {', '.join(table)}; got {name!r}")
     return table[name]
 
 
@@ -193,11 +194,11 @@ def check_gguf_file(path: str | Path) -> Path:
     """``path`` as an existing GGUF file (magic bytes checked); ValueError naming ``target.path`` otherwise."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise ValueError(f"target.path: GGUF file {str(path)!r} not found (source gguf_file)")
+        raise UserError(f"target.path: GGUF file {str(path)!r} not found (source gguf_file)")
     with path.open("rb") as fh:
         magic = fh.read(4)
     if magic != b"GGUF":
-        raise ValueError(f"target.path: {str(path)!r} is not a GGUF file (starts with {magic!r}, not b'GGUF')")
+        raise UserError(f"target.path: {str(path)!r} is not a GGUF file (starts with {magic!r}, not b'GGUF')")
     return path.resolve()
 
 
@@ -207,12 +208,12 @@ def find_package_gguf(package: str, gguf_file: str | None = None) -> Path:
     if gguf_file is not None:
         f = pkg_dir / gguf_file
         if not f.is_file():
-            raise ValueError(f"target.gguf_file: {gguf_file!r} not found in {pkg_dir}")
+            raise UserError(f"target.gguf_file: {gguf_file!r} not found in {pkg_dir}")
         return f
     found = sorted(pkg_dir.rglob("*.gguf"))
     if len(found) != 1:
-        raise ValueError(f"target.gguf_package: expected exactly one *.gguf in {pkg_dir}, found "
-                         f"{[str(f.relative_to(pkg_dir)) for f in found]}; set target.gguf_file")
+        raise UserError(f"target.gguf_package: expected exactly one *.gguf in {pkg_dir}, found "
+                        f"{[str(f.relative_to(pkg_dir)) for f in found]}; set target.gguf_file")
     return found[0]
 
 
@@ -228,7 +229,7 @@ def _strip_gguf_quantizer(model) -> None:
     bad = [n for n, m in model.named_modules()
            if type(m).__module__.startswith(("transformers.integrations", "bitsandbytes", "gguf"))]
     if bad:
-        raise ValueError(f"GGUF model still holds quantised modules after loading: {bad[:3]}")
+        raise UserError(f"GGUF model still holds quantised modules after loading: {bad[:3]}")
 
 
 def load_gguf(gguf_path: str | Path, dtype: str | torch.dtype = "float32"):
@@ -263,14 +264,14 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str | torch.
     model, tok = load_gguf(gguf_path, dtype="float32")
     _check_model_type(model.config.model_type, str(gguf_path))
     if tok.chat_template is None:
-        raise ValueError(f"{gguf_path}: the GGUF tokenizer has no chat template")
+        raise UserError(f"{gguf_path}: the GGUF tokenizer has no chat template")
     _save_plain(model, tok, Path(out_dir), resolve_dtype(dtype))
 
 
 def _check_model_type(model_type: str, where: str) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{where}: model_type {model_type!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise UserError(f"{where}: model_type {model_type!r} is not supported "
+                        f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
 
 
 def _has_chat_template(path: Path) -> bool:
@@ -284,14 +285,14 @@ def validate_hf_dir(path: str | Path) -> dict:
     """Check that ``path`` is a usable target dir; return its config.json. ValueError names what is missing."""
     path = Path(path)
     if not path.is_dir():
-        raise ValueError(f"target.path: {path} is not a directory")
+        raise UserError(f"target.path: {path} is not a directory")
     cfg = _check_dir(path)
     if not list(path.glob("*.safetensors")):
-        raise ValueError(f"{path}: no *.safetensors weights (convert .bin checkpoints to safetensors first)")
+        raise UserError(f"{path}: no *.safetensors weights (convert .bin checkpoints to safetensors first)")
     if not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
-        raise ValueError(f"{path}: no tokenizer (tokenizer.json / tokenizer_config.json)")
+        raise UserError(f"{path}: no tokenizer (tokenizer.json / tokenizer_config.json)")
     if not _has_chat_template(path):
-        raise ValueError(f"{path}: the tokenizer has no chat template (regenerate needs one)")
+        raise UserError(f"{path}: the tokenizer has no chat template (regenerate needs one)")
     return cfg
 
 

@@ -19,9 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from dspark_core.config import ParamsError
+from dspark_core.config import ParamsError, read_yaml
 
 VARIANT_SECTIONS = ("draft", "loss", "train", "warm_start")
 
@@ -30,7 +28,7 @@ def _read(params: str | Path) -> dict[str, Any]:
     path = Path(params)
     if not path.is_file():
         raise ParamsError(f"{path}: params file not found")
-    return yaml.safe_load(path.read_text()) or {}
+    return read_yaml(path)
 
 
 def variant_overrides(params: str | Path, name: str) -> dict[str, Any]:

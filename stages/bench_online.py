@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from dspark_core.decoding.bench_online import run_bench_online_stage
+from dspark_core.errors import run_stage
 
 
 def main(variant: str = typer.Option("baseline", help="a key of `variants` in params.yaml"),
@@ -15,4 +16,4 @@ def main(variant: str = typer.Option("baseline", help="a key of `variants` in pa
 
 
 if __name__ == "__main__":
-    typer.run(main)
+    run_stage(main)  # a user error: one line on stderr, exit status 2

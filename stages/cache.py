@@ -7,6 +7,7 @@ import typer
 
 from dspark_core.cache import CacheConfig, run_cache
 from dspark_core.dist import relaunch_under_torchrun, shutdown_distributed
+from dspark_core.errors import run_stage
 
 
 def main(params: Path = typer.Option(Path("params.yaml"), help="params file"),
@@ -25,4 +26,4 @@ def main(params: Path = typer.Option(Path("params.yaml"), help="params file"),
 
 
 if __name__ == "__main__":
-    typer.run(main)
+    run_stage(main)  # a user error: one line on stderr, exit status 2

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from dspark_core.dmtd.stage import run_dmtd_eval_stage
+from dspark_core.errors import run_stage
 
 
 def main(variant: str = typer.Option(..., help="one of dmtd.variants in params.yaml"),
@@ -16,4 +17,4 @@ def main(variant: str = typer.Option(..., help="one of dmtd.variants in params.y
 
 
 if __name__ == "__main__":
-    typer.run(main)
+    run_stage(main)  # a user error: one line on stderr, exit status 2

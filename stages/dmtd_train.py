@@ -11,6 +11,7 @@ import typer
 
 from dspark_core.dist import relaunch_under_torchrun, shutdown_distributed
 from dspark_core.dmtd.stage import dmtd_configs, run_dmtd_train_stage
+from dspark_core.errors import run_stage
 
 
 def main(variant: str = typer.Option(..., help="one of dmtd.variants in params.yaml"),
@@ -23,4 +24,4 @@ def main(variant: str = typer.Option(..., help="one of dmtd.variants in params.y
 
 
 if __name__ == "__main__":
-    typer.run(main)
+    run_stage(main)  # a user error: one line on stderr, exit status 2

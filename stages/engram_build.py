@@ -6,6 +6,7 @@ from pathlib import Path
 import typer
 
 from dspark_core.draft.stage import run_engram_build_stage
+from dspark_core.errors import run_stage
 
 
 def main(params: Path = typer.Option(Path("params.yaml"), help="params file")) -> None:
@@ -15,4 +16,4 @@ def main(params: Path = typer.Option(Path("params.yaml"), help="params file")) -
 
 
 if __name__ == "__main__":
-    typer.run(main)
+    run_stage(main)  # a user error: one line on stderr, exit status 2

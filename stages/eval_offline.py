@@ -6,6 +6,7 @@ from pathlib import Path
 import typer
 
 from dspark_core.draft.stage import run_eval_offline_stage
+from dspark_core.errors import run_stage
 
 
 def main(variant: str = typer.Option("baseline", help="a key of `variants` in params.yaml"),
@@ -14,4 +15,4 @@ def main(variant: str = typer.Option("baseline", help="a key of `variants` in pa
 
 
 if __name__ == "__main__":
-    typer.run(main)
+    run_stage(main)  # a user error: one line on stderr, exit status 2

@@ -5,6 +5,7 @@ from pathlib import Path
 import typer
 
 from dspark_core.data.regenerate import RegenerateConfig, run_regenerate
+from dspark_core.errors import run_stage
 
 
 def main(params: Path = typer.Option(Path("params.yaml"), help="params file")) -> None:
@@ -13,4 +14,4 @@ def main(params: Path = typer.Option(Path("params.yaml"), help="params file")) -
 
 
 if __name__ == "__main__":  # vLLM spawns workers: the engine must be built under this guard
-    typer.run(main)
+    run_stage(main)  # a user error: one line on stderr, exit status 2

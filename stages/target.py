@@ -4,6 +4,7 @@ from pathlib import Path
 
 import typer
 
+from dspark_core.errors import run_stage
 from dspark_core.target import TargetConfig, run_target
 
 
@@ -12,4 +13,4 @@ def main(params: Path = typer.Option(Path("params.yaml"), help="params file")) -
 
 
 if __name__ == "__main__":
-    typer.run(main)
+    run_stage(main)  # a user error: one line on stderr, exit status 2

@@ -13,6 +13,7 @@ import typer
 
 from dspark_core.dist import relaunch_under_torchrun, shutdown_distributed
 from dspark_core.draft.stage import run_train_stage, variant_configs
+from dspark_core.errors import run_stage
 
 
 def main(variant: str = typer.Option("baseline", help="a key of `variants` in params.yaml"),
@@ -26,4 +27,4 @@ def main(variant: str = typer.Option("baseline", help="a key of `variants` in pa
 
 
 if __name__ == "__main__":
-    typer.run(main)
+    run_stage(main)  # a user error: one line on stderr, exit status 2

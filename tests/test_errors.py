@@ -205,6 +205,25 @@ def damaged_chunk(p: Project):
     return train()
 
 
+def flipped_chunk(call: Callable[[], Any], split: str = "train"):
+    """300 bytes flipped inside an aux_hidden chunk (the same size: only its checksum tells)."""
+    def setup(p: Project):
+        if split == "eval":  # eval_offline reads the trained draft
+            p.put("draft", "data/train/baseline/final")
+        f = p.root / f"data/cache/{split}.zarr/aux_hidden/c/0/0/0"
+        b = bytearray(f.read_bytes())
+        for i in range(100, 400):
+            b[i] ^= 0x5A
+        f.write_bytes(bytes(b))
+        return call
+    return setup
+
+
+def yaml_syntax(p: Project):
+    (p.root / "params.yaml").write_text("train:\n  lr: 1.0e-3\n  total_steps: [2\n")
+    return train()
+
+
 def manifest_says_more(p: Project):
     g = p.store()
     g.attrs["num_samples"] = len(LENGTHS) + 3
@@ -384,8 +403,15 @@ CASES = [
          r"data/cache/train.zarr: truncated cache store: 1 of 2 chunk\(s\) of aux_hidden are missing \(the first holds "
          rf"tokens 256..{N_TOKENS - 1}\)", TRAIN_OUT),
     Case("cache/damaged_chunk", damaged_chunk,
-         r"data/cache/train.zarr: sample \d+ \(tokens \d+..\d+\) cannot be read \(.*\); the store is damaged",
+         r"data/cache/train.zarr: sample \d+ \(tokens \d+..\d+\) cannot be read: chunk last_hidden/c/0/0 \(tokens "
+         r"0..255\) fails its CRC-32C checksum; the store is damaged; rebuild it with `dvc repro -f cache`",
          TRAIN_OUT),
+    Case("cache/flipped_chunk_train", flipped_chunk(train()),
+         r"data/cache/train.zarr: sample \d+ \(tokens \d+..\d+\) cannot be read: chunk aux_hidden/c/0/0/0 \(tokens "
+         r"0..255\) fails its CRC-32C checksum; the store is damaged", TRAIN_OUT),
+    Case("cache/flipped_chunk_eval", flipped_chunk(eval_offline(), "eval"),
+         r"data/cache/eval.zarr: sample \d+ \(tokens \d+..\d+\) cannot be read: chunk aux_hidden/c/0/0/0", EVAL_OUT),
+    Case("params/yaml_syntax", yaml_syntax, r"params.yaml: line \d+, column \d+: YAML syntax error", TRAIN_OUT),
     Case("cache/manifest_more_samples", manifest_says_more,
          rf"data/cache/train.zarr: the manifest says 9 samples / {N_TOKENS} tokens, but its offsets hold 6 samples / "
          rf"{N_TOKENS} tokens; the store is truncated",
@@ -503,3 +529,15 @@ def test_catalogue_covers_every_item():
 
 def test_params_error_is_a_value_error():
     assert issubclass(ParamsError, ValueError)  # so every case can expect a ValueError
+
+
+def test_verify_lists_damaged_chunks(project: Project):
+    """``dspark cache verify``'s checksum pass finds a chunk whose bytes were flipped (same size) and is not ok."""
+    from dspark_core.cache.verify import verify_cache
+
+    flipped_chunk(lambda: None)(project)
+    report = verify_cache("data/cache/train.zarr", "data/target", n_samples=0)
+    assert not report["ok"]
+    assert [b["chunk"] for b in report["chunks"]["bad"]] == ["aux_hidden/c/0/0/0"]
+    clean = verify_cache("data/cache/eval.zarr", "data/target", n_samples=0)
+    assert clean["ok"] and clean["chunks"]["bad"] == [] and clean["chunks"]["checked"] > 0

@@ -30,6 +30,7 @@ from dspark_core.cache.store import (
 )
 from dspark_core.config import Section, one_of, positive, require
 from dspark_core.dist import Dist, init_distributed
+from dspark_core.errors import UserError
 from dspark_core.io import read_json, sha256_file, write_json
 from dspark_core.target import load_target, read_fingerprint, resolve_dtype
 
@@ -108,7 +109,7 @@ def open_for_build(path: Path, manifest: dict[str, Any], samples: TokenSamples, 
         if force:
             remove_store(path)
         elif not is_store(path):
-            raise ValueError(f"{path}: exists and is not a cache store; remove it or rerun with --force")
+            raise UserError(f"{path}: exists and is not a cache store; remove it or rerun with --force")
         else:
             group = open_store(path, mode="r+")
             if group.attrs.get("initialized"):
@@ -121,8 +122,8 @@ def open_for_build(path: Path, manifest: dict[str, Any], samples: TokenSamples, 
                         remove_store(path)
                         return create_store(path, manifest, input_ids=samples.input_ids, loss_mask=samples.loss_mask,
                                             offsets=samples.offsets, source_index=samples.order)
-                    raise ValueError(f"{path}: {what} ({'; '.join(diff)}); rerun the cache stage with --force "
-                                     f"to rebuild it")
+                    raise UserError(f"{path}: {what} ({'; '.join(diff)}); rerun the cache stage with --force "
+                                    f"to rebuild it")
                 return group
             remove_store(path)  # killed while being created: nothing committed yet
     return create_store(path, manifest, input_ids=samples.input_ids, loss_mask=samples.loss_mask,
@@ -139,9 +140,9 @@ def _batch_arrays(samples: TokenSamples, model: torch.nn.Module, start: int, end
     for b, seq in enumerate(seqs):
         if bad[b, : seq.numel()].any():
             pos = int(bad[b, : seq.numel()].nonzero()[0])
-            raise ValueError(f"cache: target hidden states of sample {samples.ids[start + b]!r} (source row "
-                             f"{int(samples.order[start + b])}) are NaN/inf from token {pos}; nothing stored "
-                             f"for it. Check the target weights and cache.dtype={cfg.dtype!r}")
+            raise UserError(f"cache: target hidden states of sample {samples.ids[start + b]!r} (source row "
+                            f"{int(samples.order[start + b])}) are NaN/inf from token {pos}; nothing stored "
+                            f"for it. Check the target weights and cache.dtype={cfg.dtype!r}")
     encoded = encode_hidden(aux, last, cfg.aux_dtype)  # whole batch at once: one device->host copy per array
     return [{k: v[b, : seq.numel()] for k, v in encoded.items()} for b, seq in enumerate(seqs)]
 

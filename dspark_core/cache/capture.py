@@ -16,6 +16,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from dspark_core.errors import UserError
+
 LAYER_IDS_FIELD = "cache.aux_layer_ids"
 
 
@@ -23,28 +25,28 @@ def check_layer_ids(layer_ids: Sequence[int], num_hidden_layers: int, field: str
     """Refuse an empty list, duplicates, ids outside ``-1 .. num_hidden_layers - 2`` and the final layer."""
     ids = list(layer_ids)
     if not ids:
-        raise ValueError(f"{field}: needs at least one layer id; got {ids}")
+        raise UserError(f"{field}: needs at least one layer id; got {ids}")
     for lid in ids:
         if isinstance(lid, bool) or not isinstance(lid, int):
-            raise ValueError(f"{field}: layer ids must be integers; got {lid!r} in {ids}")
+            raise UserError(f"{field}: layer ids must be integers; got {lid!r} in {ids}")
         if lid == num_hidden_layers - 1:
-            raise ValueError(
+            raise UserError(
                 f"{field}: {lid} is the final decoder layer of this {num_hidden_layers}-layer target; its "
                 f"normalised output is always stored as last_hidden, so it cannot be an aux layer (got {ids})")
         if not -1 <= lid < num_hidden_layers - 1:
-            raise ValueError(f"{field}: layer id {lid} is out of range for a {num_hidden_layers}-layer target "
-                             f"(allowed -1 .. {num_hidden_layers - 2}; -1 = embedding output); got {ids}")
+            raise UserError(f"{field}: layer id {lid} is out of range for a {num_hidden_layers}-layer target "
+                            f"(allowed -1 .. {num_hidden_layers - 2}; -1 = embedding output); got {ids}")
     dups = sorted({lid for lid in ids if ids.count(lid) > 1})
     if dups:
-        raise ValueError(f"{field}: duplicate layer id(s) {dups} in {ids}")
+        raise UserError(f"{field}: duplicate layer id(s) {dups} in {ids}")
 
 
 def decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module]:
     """``(base model without LM head, decoder layers, final norm)`` of a HF ``*ForCausalLM``."""
     base = getattr(model, "model", None)
     if base is None or not hasattr(base, "layers") or not hasattr(base, "norm"):
-        raise ValueError(f"{type(model).__name__}: expected a Qwen3/Qwen2/Llama *ForCausalLM "
-                         f"(with .model.layers and .model.norm)")
+        raise UserError(f"{type(model).__name__}: expected a Qwen3/Qwen2/Llama *ForCausalLM "
+                        f"(with .model.layers and .model.norm)")
     return base, base.layers, base.norm
 
 

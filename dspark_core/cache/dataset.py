@@ -17,7 +17,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dspark_core.cache.store import REBUILD_HINT, check_store_contents, decode_hidden, open_store, read_manifest
+from dspark_core.cache.store import (REBUILD_HINT, check_store_contents, decode_hidden, open_store, read_manifest,
+                                     read_rows)
+from dspark_core.errors import UserError
 from dspark_core.target import resolve_dtype
 
 ITEM_KEYS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
@@ -31,7 +33,8 @@ class CacheDataset(Dataset):
     Refuses an incomplete store, a store of another model (``expected_fingerprint``), a store whose
     aux layers differ from ``expected_layer_ids`` when those are given, and a truncated store (offsets or
     arrays short of the manifest, missing chunk files). Reading an item whose hidden states hold NaN / inf
-    (or whose chunks cannot be decoded) is a ValueError naming the store and the sample.
+    is a ValueError naming the store and the sample; a chunk failing its checksum is a ``DamagedChunkError``
+    naming the store, the sample and the chunk.
     """
 
     def __init__(self, path: str | Path, expected_fingerprint: str | None = None, max_length: int | None = None,
@@ -40,14 +43,14 @@ class CacheDataset(Dataset):
         self.manifest: dict[str, Any] = read_manifest(self.path)
         stored_fp = self.manifest["model_fingerprint"]
         if expected_fingerprint is not None and stored_fp != expected_fingerprint:
-            raise ValueError(f"{self.path}: cache from another model (its model_fingerprint is {stored_fp}, "
-                             f"the target's is {expected_fingerprint}); rebuild the cache stage")
+            raise UserError(f"{self.path}: cache from another model (its model_fingerprint is {stored_fp}, "
+                            f"the target's is {expected_fingerprint}); rebuild the cache stage")
         stored_ids = list(self.manifest["aux_layer_ids"])
         if expected_layer_ids is not None and stored_ids != list(expected_layer_ids):
-            raise ValueError(f"{self.path}: cache holds aux layers {stored_ids}, the caller expects "
-                             f"{list(expected_layer_ids)}; rebuild the cache stage with matching cache.aux_layer_ids")
+            raise UserError(f"{self.path}: cache holds aux layers {stored_ids}, the caller expects "
+                            f"{list(expected_layer_ids)}; rebuild the cache stage with matching cache.aux_layer_ids")
         if max_length is not None and max_length <= 0:
-            raise ValueError(f"CacheDataset: max_length must be > 0; got {max_length}")
+            raise UserError(f"CacheDataset: max_length must be > 0; got {max_length}")
         self.max_length = max_length
         self.dtype = resolve_dtype(dtype)
         self.aux_dtype = self.manifest["aux_dtype"]
@@ -83,19 +86,18 @@ class CacheDataset(Dataset):
         if self.max_length is not None:
             end = min(end, start + self.max_length)
         arrays = self._open()
-        try:
-            hidden = {k: arrays[k][start:end] for k in ("aux_hidden", "aux_scale", "last_hidden") if k in arrays}
-            input_ids, loss_mask = arrays["input_ids"][start:end], arrays["loss_mask"][start:end]
-        except Exception as e:  # a damaged chunk file: zarr / blosc say only "decompression error"
-            raise ValueError(f"{self.path}: sample {n} (tokens {start}..{end - 1}) cannot be read "
-                             f"({type(e).__name__}: {e}); the store is damaged; {REBUILD_HINT}") from e
+        what = f"sample {n} (tokens {start}..{end - 1})"
+        hidden = {k: read_rows(self.path, arrays[k], start, end, what)
+                  for k in ("aux_hidden", "aux_scale", "last_hidden") if k in arrays}
+        input_ids = read_rows(self.path, arrays["input_ids"], start, end, what)  # [L]
+        loss_mask = read_rows(self.path, arrays["loss_mask"], start, end, what)  # [L]
         aux, last = decode_hidden(hidden, self.aux_dtype, self.dtype)  # [L, K, H], [L, H]
         bad = ~(torch.isfinite(aux).flatten(1).all(dim=1) & torch.isfinite(last).all(dim=1))  # [L]
         if bad.any():
             pos = int(bad.nonzero()[0])
             row = int(arrays["source_index"][n])
-            raise ValueError(f"{self.path}: sample {n} (source row {row}) holds NaN/inf hidden states from its token "
-                             f"{pos}; check the target and cache.dtype, then {REBUILD_HINT}")
+            raise UserError(f"{self.path}: sample {n} (source row {row}) holds NaN/inf hidden states from its token "
+                            f"{pos}; check the target and cache.dtype, then {REBUILD_HINT}")
         return {
             "input_ids": torch.from_numpy(input_ids.astype(np.int64)),  # [L]
             "loss_mask": torch.from_numpy(loss_mask.astype(bool)),  # [L]
@@ -114,13 +116,13 @@ class CacheCollator:
 
     def __init__(self, pad_id: int, max_length: int | None = None):
         if max_length is not None and max_length <= 0:
-            raise ValueError(f"CacheCollator: max_length must be > 0; got {max_length}")
+            raise UserError(f"CacheCollator: max_length must be > 0; got {max_length}")
         self.pad_id = int(pad_id)
         self.max_length = max_length
 
     def __call__(self, items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         if not items:
-            raise ValueError("CacheCollator: empty batch")
+            raise UserError("CacheCollator: empty batch")
         lengths = torch.tensor([len(it["input_ids"]) for it in items], dtype=torch.long)  # [B]
         if self.max_length is not None:
             lengths = lengths.clamp(max=self.max_length)

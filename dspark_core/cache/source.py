@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from dspark_core.errors import UserError
+
 REQUIRED_COLUMNS = ("id", "prompt_ids", "response_ids")
 ON_TOO_LONG = ("truncate", "error")
 
@@ -41,32 +43,32 @@ def load_regen(path: str | Path, max_length: int, on_too_long: str = "truncate",
     """Read a regenerate parquet into :class:`TokenSamples`; ValueError (naming file/row) on bad input."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{path}: regenerate output not found; run the regenerate stage first")
+        raise UserError(f"{path}: regenerate output not found; run the regenerate stage first")
     if on_too_long not in ON_TOO_LONG:
-        raise ValueError(f"cache.on_too_long must be one of {', '.join(ON_TOO_LONG)}; got {on_too_long!r}")
+        raise UserError(f"cache.on_too_long must be one of {', '.join(ON_TOO_LONG)}; got {on_too_long!r}")
     table = pq.read_table(path)
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
     if missing:
-        raise ValueError(f"{path}: missing column(s) {missing} (has {table.column_names})")
+        raise UserError(f"{path}: missing column(s) {missing} (has {table.column_names})")
     if table.num_rows == 0:
-        raise ValueError(f"{path}: no rows; the regenerate stage produced an empty split, nothing to cache")
+        raise UserError(f"{path}: no rows; the regenerate stage produced an empty split, nothing to cache")
     ids = [str(x) for x in table.column("id").to_pylist()]
     prompts, responses = table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist()
     seqs, masks, truncated = [], [], 0
     for row, (sid, p, r) in enumerate(zip(ids, prompts, responses)):
         p, r = list(p or []), list(r or [])
         if not p and not r:
-            raise ValueError(f"{path}: row {row} (id {sid!r}) has no prompt and no response tokens")
+            raise UserError(f"{path}: row {row} (id {sid!r}) has no prompt and no response tokens")
         if len(p) + len(r) > max_length:
             if on_too_long == "error":
-                raise ValueError(f"{path}: row {row} (id {sid!r}) has {len(p) + len(r)} tokens > "
-                                 f"cache.max_length={max_length} (cache.on_too_long=error)")
+                raise UserError(f"{path}: row {row} (id {sid!r}) has {len(p) + len(r)} tokens > "
+                                f"cache.max_length={max_length} (cache.on_too_long=error)")
             truncated += 1
         seq = np.asarray(p + r, dtype=np.int64)[:max_length]
         outside = (seq < 0) | (seq >= vocab_size) if vocab_size is not None else seq < 0
         if outside.any():
-            raise ValueError(f"{path}: row {row} (id {sid!r}) has token id {int(seq[outside][0])} outside the "
-                             f"target's vocabulary (vocab_size={vocab_size})")
+            raise UserError(f"{path}: row {row} (id {sid!r}) has token id {int(seq[outside][0])} outside the "
+                            f"target's vocabulary (vocab_size={vocab_size})")
         mask = np.zeros(seq.size, dtype=np.uint8)
         mask[len(p):] = 1
         seqs.append(seq.astype(np.int32))

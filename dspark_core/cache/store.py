@@ -15,6 +15,11 @@ is on disk, :func:`commit` records ``committed_samples`` / ``committed_tokens`` 
 run therefore never leaves a sample marked done whose data is missing, and a restart continues at the
 first uncommitted sample (reloading the committed tail of the last partial chunk).
 
+Integrity: every chunk of every array ends with a CRC-32C of its compressed bytes (zarr v3's ``crc32c`` codec,
+last in the codec chain, format version 2). A damaged chunk is a :class:`DamagedChunkError` naming the store, the
+array, the chunk file and the tokens it holds (:func:`read_rows`); :func:`bad_chunks` checks every chunk file's
+checksum without decompressing anything (``dspark cache verify``).
+
 Shape legend: T tokens of a store, N samples, K aux layers, H hidden, C chunk_tokens, L tokens of a sample.
 """
 
@@ -22,14 +27,17 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
+import google_crc32c
 import numpy as np
 import torch
 import zarr
-from zarr.codecs import BloscCodec
+from zarr.codecs import BloscCodec, Crc32cCodec
 
-FORMAT_VERSION = 1
+from dspark_core.errors import UserError
+
+FORMAT_VERSION = 2  # 2: a CRC-32C at the end of every chunk
 AUX_DTYPES = ("bf16", "fp8_e4m3")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 HIDDEN_ARRAYS = ("aux_hidden", "aux_scale", "last_hidden")
@@ -45,6 +53,18 @@ def blosc_codec(clevel: int, typesize: int, chunk_bytes: int) -> BloscCodec:
     """Blosc zstd with byte shuffle and one block per chunk (best measured ratio on bf16 activations)."""
     return BloscCodec(cname="zstd", clevel=clevel, shuffle="shuffle" if typesize > 1 else "noshuffle",
                       typesize=typesize, blocksize=chunk_bytes)
+
+
+def chunk_codecs(clevel: int, typesize: int, chunk_bytes: int) -> list:
+    """The bytes-to-bytes chain of every array: blosc, then a CRC-32C of the compressed chunk (4 bytes appended)."""
+    return [blosc_codec(clevel, typesize, chunk_bytes), Crc32cCodec()]
+
+
+def checksum_ok(chunk: bytes) -> bool:
+    """Whether a chunk file's trailing CRC-32C (little-endian, of all bytes before it) matches its contents."""
+    if len(chunk) < 4:
+        return False
+    return google_crc32c.value(chunk[:-4]) == int.from_bytes(chunk[-4:], "little")
 
 
 def bf16_bits(x: torch.Tensor) -> np.ndarray:
@@ -88,7 +108,7 @@ def encode_hidden(aux: torch.Tensor, last: torch.Tensor, aux_dtype: str) -> dict
         out["aux_hidden"] = q.cpu().view(torch.uint8).numpy()
         out["aux_scale"] = scale.cpu().numpy().astype(np.float32)
     else:
-        raise ValueError(f"aux_dtype must be one of {', '.join(AUX_DTYPES)}; got {aux_dtype!r}")
+        raise UserError(f"aux_dtype must be one of {', '.join(AUX_DTYPES)}; got {aux_dtype!r}")
     return out
 
 
@@ -114,7 +134,7 @@ def remove_store(path: str | Path) -> None:
     if not path.exists():
         return
     if not is_store(path):
-        raise ValueError(f"{path}: exists and is not a zarr store; refusing to delete it (remove it yourself)")
+        raise UserError(f"{path}: exists and is not a zarr store; refusing to delete it (remove it yourself)")
     shutil.rmtree(path)
 
 
@@ -136,7 +156,7 @@ def create_store(path: str | Path, manifest: dict[str, Any], *, input_ids: np.nd
     def make(name: str, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: Any) -> zarr.Array:
         itemsize = np.dtype(dtype).itemsize
         return group.create_array(name, shape=shape, chunks=chunks, dtype=dtype, fill_value=0,
-                                  compressors=[blosc_codec(clevel, itemsize, int(np.prod(chunks)) * itemsize)])
+                                  compressors=chunk_codecs(clevel, itemsize, int(np.prod(chunks)) * itemsize))
 
     aux_bits = np.uint16 if manifest["aux_dtype"] == "bf16" else np.uint8
     make("input_ids", (n_tok,), (c,), np.int32)[:] = input_ids
@@ -155,10 +175,10 @@ def create_store(path: str | Path, manifest: dict[str, Any], *, input_ids: np.nd
 def open_store(path: str | Path, mode: str = "r") -> zarr.Group:
     path = Path(path)
     if not is_store(path):
-        raise ValueError(f"{path}: not a cache store (no zarr.json); run the cache stage first")
+        raise UserError(f"{path}: not a cache store (no zarr.json); run the cache stage first")
     group = zarr.open_group(zarr.storage.LocalStore(path, read_only=(mode == "r")), mode=mode, zarr_format=3)
     if "format_version" not in group.attrs:
-        raise ValueError(f"{path}: zarr group without a dspark cache manifest")
+        raise UserError(f"{path}: zarr group without a dspark cache manifest")
     return group
 
 
@@ -166,15 +186,16 @@ def read_manifest(path: str | Path, require_complete: bool = True) -> dict[str, 
     """The manifest of a store; by default refuses an unfinished store and an unknown format."""
     attrs = dict(open_store(path).attrs)
     if attrs["format_version"] != FORMAT_VERSION:
-        raise ValueError(f"{path}: cache format_version {attrs['format_version']} is not supported "
-                         f"(this code reads {FORMAT_VERSION}); rebuild the cache stage")
+        older = " (an older store, without chunk checksums)" if attrs["format_version"] < FORMAT_VERSION else ""
+        raise UserError(f"{path}: cache format_version {attrs['format_version']}{older} is not supported "
+                        f"(this code reads {FORMAT_VERSION}); rebuild it with `dvc repro -f cache`")
     if require_complete and not attrs.get("complete"):
-        raise ValueError(f"{path}: cache store is incomplete ({attrs.get('committed_samples', 0)} of "
-                         f"{attrs.get('num_samples')} samples written); rerun the cache stage to finish it")
+        raise UserError(f"{path}: cache store is incomplete ({attrs.get('committed_samples', 0)} of "
+                        f"{attrs.get('num_samples')} samples written); rerun the cache stage to finish it")
     return attrs
 
 
-REBUILD_HINT = "rebuild it: rerun the cache stage with --force"
+REBUILD_HINT = "rebuild it with `dvc repro -f cache` (or `python stages/cache.py --force`)"
 
 
 def check_store_contents(path: str | Path, manifest: dict[str, Any] | None = None) -> np.ndarray:
@@ -194,19 +215,19 @@ def check_store_contents(path: str | Path, manifest: dict[str, Any] | None = Non
     hidden = ["aux_hidden", "last_hidden"] + (["aux_scale"] if m.get("aux_dtype") == "fp8_e4m3" else [])
     lacking = [a for a in ("input_ids", "loss_mask", "offsets", "source_index", *hidden) if a not in have]
     if lacking:
-        raise ValueError(f"{path}: cache store lacks the array(s) {lacking}; {REBUILD_HINT}")
-    offsets = np.asarray(group["offsets"][:], dtype=np.int64)  # [N + 1]
+        raise UserError(f"{path}: cache store lacks the array(s) {lacking}; {REBUILD_HINT}")
+    offsets = np.asarray(read_rows(path, group["offsets"], 0, n_smp + 1, "offsets"), dtype=np.int64)  # [N + 1]
     if len(offsets) - 1 != n_smp or int(offsets[-1]) != n_tok or int(offsets[0]) != 0 or (np.diff(offsets) < 0).any():
-        raise ValueError(f"{path}: the manifest says {n_smp} samples / {n_tok} tokens, but its offsets hold "
-                         f"{len(offsets) - 1} samples / {int(offsets[-1]) if len(offsets) else 0} tokens; the store "
-                         f"is truncated or damaged; {REBUILD_HINT}")
+        raise UserError(f"{path}: the manifest says {n_smp} samples / {n_tok} tokens, but its offsets hold "
+                        f"{len(offsets) - 1} samples / {int(offsets[-1]) if len(offsets) else 0} tokens; the store "
+                        f"is truncated or damaged; {REBUILD_HINT}")
     k, h = len(m["aux_layer_ids"]), int(m["hidden_size"])
     want_shapes = {"input_ids": (n_tok,), "loss_mask": (n_tok,), "aux_hidden": (n_tok, k, h),
                    "last_hidden": (n_tok, h), "aux_scale": (n_tok, k), "source_index": (n_smp,)}
     for name in [a for a in want_shapes if a in have]:
         if tuple(group[name].shape) != want_shapes[name]:
-            raise ValueError(f"{path}: array {name} has shape {tuple(group[name].shape)}, the manifest says "
-                             f"{want_shapes[name]}; {REBUILD_HINT}")
+            raise UserError(f"{path}: array {name} has shape {tuple(group[name].shape)}, the manifest says "
+                            f"{want_shapes[name]}; {REBUILD_HINT}")
     for name in hidden:
         arr = group[name]
         chunk = int(arr.chunks[0])
@@ -216,9 +237,64 @@ def check_store_contents(path: str | Path, manifest: dict[str, Any] | None = Non
                    if not (path / name / arr.metadata.encode_chunk_key((i, *tail))).is_file()]
         if missing:
             lo = missing[0] * chunk
-            raise ValueError(f"{path}: truncated cache store: {len(missing)} of {n_chunks} chunk(s) of {name} are "
-                             f"missing (the first holds tokens {lo}..{min(lo + chunk, n_tok) - 1}); {REBUILD_HINT}")
+            raise UserError(f"{path}: truncated cache store: {len(missing)} of {n_chunks} chunk(s) of {name} are "
+                            f"missing (the first holds tokens {lo}..{min(lo + chunk, n_tok) - 1}); {REBUILD_HINT}")
     return offsets
+
+
+# -- chunk checksums ---------------------------------------------------------------------------------
+class DamagedChunkError(UserError):
+    """A chunk file whose CRC-32C does not match its bytes (a bad disk, a torn copy)."""
+
+
+def _chunk_rows(arr: zarr.Array, index: tuple[int, ...]) -> tuple[int, int]:
+    """First and last row (token, or sample for the per-sample arrays) of chunk ``index`` of ``arr``."""
+    c = int(arr.chunks[0])
+    return index[0] * c, min((index[0] + 1) * c, int(arr.shape[0])) - 1
+
+
+def bad_chunks(path: str | Path, names: Sequence[str] | None = None,
+               rows: tuple[int, int] | None = None) -> list[dict[str, Any]]:
+    """Chunk files of ``names`` (default: every array) whose checksum fails, optionally only those holding rows
+    ``rows = (start, stop)``; each as ``{"array", "chunk" (file under the store), "rows" [first, last]}``.
+
+    Reads every chunk file once and decompresses nothing. A chunk file that does not exist is not listed (zarr
+    reads it as the fill value; :func:`check_store_contents` refuses a store whose hidden chunks are missing)."""
+    path = Path(path)
+    group = open_store(path)
+    out = []
+    for name in names if names is not None else sorted(group.array_keys()):
+        arr = group[name]
+        c = int(arr.chunks[0])
+        first, last = (0, arr.cdata_shape[0]) if rows is None else (rows[0] // c, -(-rows[1] // c))
+        for index in np.ndindex(last - first, *arr.cdata_shape[1:]):
+            index = (first + index[0], *index[1:])
+            key = arr.metadata.encode_chunk_key(index)
+            f = path / name / key
+            if f.is_file() and not checksum_ok(f.read_bytes()):
+                out.append({"array": name, "chunk": f"{name}/{key}", "rows": list(_chunk_rows(arr, index))})
+    return out
+
+
+def describe_bad_chunks(bad: list[dict[str, Any]]) -> str:
+    first = bad[0]
+    unit = "samples" if first["array"] in ("offsets", "source_index") else "tokens"
+    rows = f"{unit} {first['rows'][0]}..{first['rows'][1]}"
+    more = f" (and {len(bad) - 1} more chunk(s))" if len(bad) > 1 else ""
+    return f"chunk {first['chunk']} ({rows}) fails its CRC-32C checksum{more}"
+
+
+def read_rows(path: str | Path, arr: zarr.Array, start: int, stop: int, what: str = "") -> np.ndarray:
+    """``arr[start:stop]`` of the store at ``path``; a damaged chunk is a :class:`DamagedChunkError` naming the
+    store, ``what`` was read (e.g. "sample 3 (tokens 40..89)"), the chunk and how to rebuild the store."""
+    try:
+        return arr[start:stop]
+    except Exception as e:  # zarr says "Stored and computed checksum do not match" and nothing else
+        bad = bad_chunks(path, [arr.basename], (start, stop))
+        if not bad:
+            raise
+        head = f"{path}: {what + ' cannot be read: ' if what else ''}"
+        raise DamagedChunkError(f"{head}{describe_bad_chunks(bad)}; the store is damaged; {REBUILD_HINT}") from e
 
 
 def mismatches(stored: dict[str, Any], wanted: dict[str, Any]) -> list[str]:

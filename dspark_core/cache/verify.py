@@ -6,6 +6,10 @@ reproduced bit for bit (``exact``). Errors are measured between the decoded stor
 full-precision states: max abs error and relative error ``||stored - recomputed|| / ||recomputed||`` of each
 token's H-vector (per layer), averaged.
 
+Before that, every chunk file of every array is checked against its CRC-32C (:func:`~dspark_core.cache.store.bad_chunks`:
+reads each file once, decompresses nothing); a damaged chunk makes the report not ``ok`` and is listed, and a chosen
+sample whose chunks are damaged is reported with its error instead of errors. ``n_samples`` 0: checksums only.
+
 Shape legend: L tokens of a sample, K aux layers, H hidden, N samples.
 """
 
@@ -18,7 +22,9 @@ import numpy as np
 import torch
 
 from dspark_core.cache.capture import capture_batch, forward_pad_id, plan_batches
-from dspark_core.cache.store import decode_hidden, encode_hidden, open_store, read_manifest
+from dspark_core.cache.store import (DamagedChunkError, bad_chunks, decode_hidden, encode_hidden, open_store,
+                                     read_manifest, read_rows)
+from dspark_core.errors import UserError
 from dspark_core.target import load_target, read_fingerprint
 
 # Relative-error bounds for ``ok``: bf16 rounding is ~0.3% rms; fp8 e4m3 (3 mantissa bits) ~2-3%.
@@ -40,21 +46,47 @@ def _errors(stored: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 def verify_cache(store_path: str | Path, target_dir: str | Path, n_samples: int = 4, seed: int = 0,
                  device: str | torch.device = "cpu") -> dict[str, Any]:
-    """Recompute ``n_samples`` random samples of ``store_path`` with ``target_dir``; returns a report dict.
+    """Check every chunk's checksum, then recompute ``n_samples`` random samples of ``store_path`` with
+    ``target_dir``; returns a report dict.
 
-    Keys: ``samples`` (per sample: index, source_index, num_tokens, aux/last max_abs_err, rel_err,
-    exact), ``max_aux_rel_err``, ``max_last_rel_err``, ``exact`` (all stored bits reproduced),
-    ``ok`` (errors within ``tolerance``). Refuses a store of another model.
+    Keys: ``chunks`` (``checked``, ``bad``: each damaged chunk's array, file and rows), ``samples`` (per sample:
+    index, source_index, num_tokens, aux/last max_abs_err, rel_err, exact; or ``error`` when its chunks are
+    damaged), ``max_aux_rel_err``, ``max_last_rel_err``, ``exact`` (all stored bits reproduced), ``ok`` (no damaged
+    chunk, errors within ``tolerance``). Refuses a store of another model.
     """
-    if n_samples <= 0:
-        raise ValueError(f"verify_cache: n_samples must be > 0; got {n_samples}")
+    if n_samples < 0:
+        raise UserError(f"verify_cache: n_samples must be >= 0 (0: checksums only); got {n_samples}")
     manifest = read_manifest(store_path)
     fingerprint = read_fingerprint(target_dir)["fingerprint"]
     if fingerprint != manifest["model_fingerprint"]:
-        raise ValueError(f"{store_path}: cache from another model (its model_fingerprint is "
-                         f"{manifest['model_fingerprint']}, {target_dir} is {fingerprint})")
+        raise UserError(f"{store_path}: cache from another model (its model_fingerprint is "
+                        f"{manifest['model_fingerprint']}, {target_dir} is {fingerprint})")
     group = open_store(store_path)
-    offsets = np.asarray(group["offsets"][:], dtype=np.int64)  # [N + 1]
+    bad = bad_chunks(store_path)
+    n_chunks = sum(int(np.prod(group[a].cdata_shape)) for a in group.array_keys())
+    offsets = np.asarray(group["offsets"][:], dtype=np.int64) if not any(
+        b["array"] == "offsets" for b in bad) else None  # [N + 1]
+    samples = _recompute(store_path, target_dir, group, manifest, offsets, n_samples, seed, device) \
+        if offsets is not None and n_samples > 0 else []
+    compared = [s for s in samples if "error" not in s]
+    tol = TOLERANCE[manifest["aux_dtype"]]
+    report = {
+        "store": str(store_path), "target": str(target_dir), "model_fingerprint": fingerprint,
+        "aux_dtype": manifest["aux_dtype"], "compute_dtype": manifest["compute_dtype"],
+        "chunks": {"checked": n_chunks, "bad": bad}, "samples": samples,
+        "max_aux_rel_err": max((s["aux_rel_err"] for s in compared), default=None),
+        "max_last_rel_err": max((s["last_rel_err"] for s in compared), default=None),
+        "exact": bool(compared) and all(s["aux_exact"] and s["last_exact"] for s in compared),
+        "tolerance": {"aux_rel_err": tol, "last_rel_err": TOLERANCE["bf16"]},
+    }
+    report["ok"] = not bad and len(compared) == len(samples) and all(
+        s["aux_rel_err"] <= tol and s["last_rel_err"] <= TOLERANCE["bf16"] for s in compared)
+    return report
+
+
+def _recompute(store_path, target_dir, group, manifest: dict[str, Any], offsets: np.ndarray, n_samples: int,
+               seed: int, device) -> list[dict[str, Any]]:
+    """Recompute ``n_samples`` random samples in their build batches and compare each with the store."""
     n_total = len(offsets) - 1
     chosen = sorted(torch.randperm(n_total, generator=torch.Generator().manual_seed(seed))[:n_samples].tolist())
     plan = plan_batches(np.diff(offsets).tolist(), int(manifest["batch_tokens"]))
@@ -65,31 +97,29 @@ def verify_cache(store_path: str | Path, target_dir: str | Path, n_samples: int 
         wanted = [n for n in chosen if start <= n < end]
         if not wanted:
             continue
-        seqs = [torch.from_numpy(group["input_ids"][offsets[i]:offsets[i + 1]].astype(np.int64))
-                for i in range(start, end)]
+        try:
+            seqs = [torch.from_numpy(read_rows(store_path, group["input_ids"], offsets[i], offsets[i + 1],
+                                               f"sample {i}").astype(np.int64)) for i in range(start, end)]
+        except DamagedChunkError as e:  # the batch's tokens are damaged: none of it can be recomputed
+            samples += [{"index": n, "error": str(e)} for n in wanted]
+            continue
         aux, last = capture_batch(model, seqs, manifest["aux_layer_ids"], pad_id)  # [B, L, K, H], [B, L, H]
         for n in wanted:
-            samples.append(_compare(group, manifest, offsets, n, aux[n - start], last[n - start]))
-    tol = TOLERANCE[manifest["aux_dtype"]]
-    report = {
-        "store": str(store_path), "target": str(target_dir), "model_fingerprint": fingerprint,
-        "aux_dtype": manifest["aux_dtype"], "compute_dtype": manifest["compute_dtype"], "samples": samples,
-        "max_aux_rel_err": max(s["aux_rel_err"] for s in samples),
-        "max_last_rel_err": max(s["last_rel_err"] for s in samples),
-        "exact": all(s["aux_exact"] and s["last_exact"] for s in samples),
-        "tolerance": {"aux_rel_err": tol, "last_rel_err": TOLERANCE["bf16"]},
-    }
-    report["ok"] = report["max_aux_rel_err"] <= tol and report["max_last_rel_err"] <= TOLERANCE["bf16"]
-    return report
+            try:
+                samples.append(_compare(store_path, group, manifest, offsets, n, aux[n - start], last[n - start]))
+            except DamagedChunkError as e:
+                samples.append({"index": n, "error": str(e)})
+    return samples
 
 
-def _compare(group, manifest: dict[str, Any], offsets: np.ndarray, n: int, aux: torch.Tensor,
+def _compare(store_path, group, manifest: dict[str, Any], offsets: np.ndarray, n: int, aux: torch.Tensor,
              last: torch.Tensor) -> dict[str, Any]:
     """Stored sample n against the recomputed ``aux [>=L, K, H]``, ``last [>=L, H]`` (padded rows ignored)."""
     start, end = int(offsets[n]), int(offsets[n + 1])
     length = end - start
     aux, last = aux[:length].cpu(), last[:length].cpu()  # [L, K, H], [L, H]
-    stored = {k: group[k][start:end] for k in ("aux_hidden", "aux_scale", "last_hidden") if k in group}
+    stored = {k: read_rows(store_path, group[k], start, end, f"sample {n}")
+              for k in ("aux_hidden", "aux_scale", "last_hidden") if k in group}
     again = encode_hidden(aux, last, manifest["aux_dtype"])
     aux_exact = all(np.array_equal(stored[k], again[k]) for k in again if k != "last_hidden")
     s_aux, s_last = decode_hidden(stored, manifest["aux_dtype"], torch.float32)  # [L, K, H], [L, H]

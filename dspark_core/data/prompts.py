@@ -45,6 +45,7 @@ from dspark_core.data.sources import (DOMAINS, GSM_DIR, GSM_PACKAGE, JSONL_PREFI
                                       iter_codeio, iter_gsm8k_symbolic, iter_gsm8k_test, iter_gsm_symbolic_variants,
                                       iter_humaneval, iter_json_array, iter_jsonl, iter_project_euler, iter_sharegpt,
                                       iter_snapshot, normalize_text, snapshot_options, source_info)
+from dspark_core.errors import UserError
 from dspark_core.io import package_dir  # noqa: F401  (re-exported: dspark_core.dmtd.stage)
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class PrepareConfig(Section):
     def mix(self) -> list[tuple[str, float]]:
         """``[(source, weight)]`` in the params' order (weights as given, not normalised)."""
         if self.train_mix is not None and self.train_sources is not None:
-            raise ValueError("train_sources is the old form of train_mix: give one of them, not both")
+            raise UserError("train_sources is the old form of train_mix: give one of them, not both")
         if self.train_sources is not None:
             require(len(self.train_sources) > 0, "train_sources must name at least one source")
             pairs = [(s, 1.0) for s in self.train_sources]
@@ -165,7 +166,7 @@ class PrepareConfig(Section):
             for s in spec:
                 source_info(s, "eval_sources")
             return [EvalDraw(None, s, k) for s, k in zip(spec, split_evenly(n, len(spec)))]
-        raise ValueError(f"eval_sources must be a mapping {{domain: [sources]}}, got {spec!r}")
+        raise UserError(f"eval_sources must be a mapping {{domain: [sources]}}, got {spec!r}")
 
     @property
     def eval_count_key(self) -> str:
@@ -189,10 +190,10 @@ def _mix_pairs(mix: Any) -> list[tuple[str, float]]:
             elif isinstance(e, dict) and len(e) == 1:
                 items.append(next(iter(e.items())))
             else:
-                raise ValueError(f"train_mix: entry {e!r} is not a source name or a [source, weight] pair")
+                raise UserError(f"train_mix: entry {e!r} is not a source name or a [source, weight] pair")
     else:
-        raise ValueError(f"train_mix must be a mapping {{source: weight}} or a list of [source, weight] pairs, "
-                         f"got {mix!r}")
+        raise UserError(f"train_mix must be a mapping {{source: weight}} or a list of [source, weight] pairs, "
+                        f"got {mix!r}")
     require(len(items) > 0, "train_mix must name at least one source")
     out = []
     for s, w in items:
@@ -288,7 +289,7 @@ def select_splits(cfg: PrepareConfig) -> dict[str, list[Prompt]]:
                       and normalize_text(q.turns[0]) not in used_texts
                       and (q.group is None or q.group not in eval_groups)), None)
             if p is None:
-                raise ValueError(_too_few(source, split, need[source], cfg))
+                raise UserError(_too_few(source, split, need[source], cfg))
             if domain is not None and p.domain != domain:
                 p = dataclasses.replace(p, domain=domain)
             used_ids.add(p.id)
@@ -310,8 +311,8 @@ def check_snapshot_options(cfg: PrepareConfig) -> None:
     saved = snapshot_options(cfg.snapshot_dir)
     for key, value in dataclasses.asdict(cfg.read_options).items():
         if key in saved and key != "seed" and saved[key] != value:
-            raise ValueError(f"prepare.{key}={value} but the snapshot {cfg.snapshot_dir} was written with {saved[key]} "
-                             f"(set it so, or rewrite the snapshot: scripts/make_h200_prompts.py)")
+            raise UserError(f"prepare.{key}={value} but the snapshot {cfg.snapshot_dir} was written with {saved[key]} "
+                            f"(set it so, or rewrite the snapshot: scripts/make_h200_prompts.py)")
 
 
 def _too_few(source: str, split: str, need: dict[str, int], cfg: PrepareConfig) -> str:
@@ -376,9 +377,9 @@ def check_no_overlap(train: list[Prompt], evals: list[Prompt]) -> None:
     """Raise ValueError naming the overlaps when any train prompt overlaps an eval prompt (:func:`find_overlaps`)."""
     found = find_overlaps(train, evals)
     if found:
-        raise ValueError("prepare: eval prompts must never be trained on, but the training split overlaps the eval "
-                         "split:\n  " + "\n  ".join(found) + "\n(remove the overlap from the sources, or take the "
-                         "source out of train_mix)")
+        raise UserError("prepare: eval prompts must never be trained on, but the training split overlaps the eval "
+                        "split:\n  " + "\n  ".join(found) + "\n(remove the overlap from the sources, or take the "
+                        "source out of train_mix)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -413,11 +414,11 @@ def read_prompts(path: str | Path) -> list[Prompt]:
 
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{path}: prompts file not found (run the prepare stage)")
+        raise UserError(f"{path}: prompts file not found (run the prepare stage)")
     table = pq.read_table(path)
     missing = {"id", "source", "turns"} - set(table.column_names)
     if missing:
-        raise ValueError(f"{path}: missing columns {sorted(missing)}")
+        raise UserError(f"{path}: missing columns {sorted(missing)}")
     rows = table.to_pydict()
     n = len(rows["id"])
     domains = rows.get("domain") or [domain_of_source(s) for s in rows["source"]]
@@ -426,7 +427,7 @@ def read_prompts(path: str | Path) -> list[Prompt]:
                for i, s, t, d, g in zip(rows["id"], rows["source"], rows["turns"], domains, groups)]
     bad = next((p.id for p in prompts if not p.turns), None)
     if bad is not None:
-        raise ValueError(f"{path}: row id={bad!r} has an empty 'turns' list")
+        raise UserError(f"{path}: row id={bad!r} has an empty 'turns' list")
     return prompts
 
 

@@ -54,6 +54,7 @@ from dspark_core.config import Section, non_negative, one_of, positive, require
 from dspark_core.data.backends import (BACKENDS, Backend, Generation, Request, SamplingSpec, finalize_response,
                                        request_seed)
 from dspark_core.data.prompts import SPLITS, Prompt, read_prompts
+from dspark_core.errors import UserError
 from dspark_core.io import atomic_path, read_json, sha256_file, sha256_json, write_json
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ def eos_token_ids(tok, target_dir: str | Path) -> list[int]:
         if e is not None and int(e) not in ids:
             ids.append(int(e))
     if not ids:
-        raise ValueError(f"{target_dir}: the target defines no EOS token (tokenizer or generation_config.json)")
+        raise UserError(f"{target_dir}: the target defines no EOS token (tokenizer or generation_config.json)")
     return ids
 
 
@@ -161,9 +162,9 @@ def check_lengths(requests: Sequence[Request], max_new_tokens: int, max_position
         return
     for r in requests:
         if len(r.prompt_ids) + max_new_tokens > max_positions:
-            raise ValueError(f"{where}: prompt id={r.id!r} has {len(r.prompt_ids)} tokens; with max_new_tokens="
-                             f"{max_new_tokens} it exceeds the target's {max_positions} positions "
-                             f"(lower prepare.max_prompt_chars or regenerate.max_new_tokens)")
+            raise UserError(f"{where}: prompt id={r.id!r} has {len(r.prompt_ids)} tokens; with max_new_tokens="
+                            f"{max_new_tokens} it exceeds the target's {max_positions} positions "
+                            f"(lower prepare.max_prompt_chars or regenerate.max_new_tokens)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -388,7 +389,7 @@ def _plans(cfg: RegenerateConfig):
         prompts_file = Path(cfg.prompts_dir) / f"{split}.parquet"
         prompts = read_prompts(prompts_file)
         if not prompts:
-            raise ValueError(f"{prompts_file}: no prompts")
+            raise UserError(f"{prompts_file}: no prompts")
         requests = build_requests(prompts, tok, cfg.system_prompt, cfg.seed)
         check_lengths(requests, cfg.max_new_tokens, model_cfg.get("max_position_embeddings"), str(prompts_file))
         plans[split] = (requests, {p.id: p.source for p in prompts}, _settings_key(cfg, fingerprint, prompts_file))
@@ -422,7 +423,7 @@ def run_regenerate(cfg: RegenerateConfig, time_budget_s: float | None = None) ->
     ``time_budget_s``: start no batch after that many seconds from now (see the module docstring)."""
     time_budget_s = cfg.time_budget_s if time_budget_s is None else time_budget_s
     if time_budget_s is not None and not time_budget_s > 0:
-        raise ValueError(f"regenerate: time budget must be > 0 seconds; got {time_budget_s!r}")
+        raise UserError(f"regenerate: time budget must be > 0 seconds; got {time_budget_s!r}")
     deadline = None if time_budget_s is None else time.perf_counter() + time_budget_s
 
     tok, fingerprint, plans = _plans(cfg)
@@ -493,10 +494,10 @@ def read_regen(path: str | Path) -> list[dict]:
     """Rows of a regenerate parquet (dicts with the :data:`COLUMNS` keys)."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{path}: regenerate output not found (run the regenerate stage)")
+        raise UserError(f"{path}: regenerate output not found (run the regenerate stage)")
     rows = _read_rows(path)
     if rows and set(COLUMNS) - set(rows[0]):
-        raise ValueError(f"{path}: missing columns {sorted(set(COLUMNS) - set(rows[0]))}")
+        raise UserError(f"{path}: missing columns {sorted(set(COLUMNS) - set(rows[0]))}")
     return rows
 
 

@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from dspark_core.errors import UserError
 from dspark_core.io import package_dir
 
 if sys.version_info >= (3, 11):
@@ -133,13 +134,13 @@ def _load_toml(path: Path) -> dict:
         with path.open("rb") as fh:
             return tomllib.load(fh)
     except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{path}: not valid TOML ({e})") from None
+        raise UserError(f"{path}: not valid TOML ({e})") from None
 
 
 def _data_file(package: str, rel: Path) -> Path:
     path = package_dir(package) / rel
     if not path.is_file():
-        raise ValueError(f"{path}: data file of package {package!r} not found (a different package version?)")
+        raise UserError(f"{path}: data file of package {package!r} not found (a different package version?)")
     return path
 
 
@@ -150,7 +151,7 @@ def _jsonl_records(path: Path, opener: Callable[..., Any] = open) -> Iterator[tu
                 try:
                     yield lineno, json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                    raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
 
 
 def _with(text: str, instruction: str | None) -> str:
@@ -172,13 +173,13 @@ def iter_gsm8k_symbolic(root: Path | None = None, with_instruction: bool = True)
     base = (root or package_dir(GSM_PACKAGE)) / GSM_DIR
     files = sorted((base / "symbolic").glob("*.toml"))
     if not files:
-        raise ValueError(f"{base / 'symbolic'}: no *.toml templates found")
+        raise UserError(f"{base / 'symbolic'}: no *.toml templates found")
     instr = _load_toml(base / "instruction.toml").get("instruction", "").strip() if with_instruction else None
     for f in files:
         rec = _load_toml(f)
         q = rec.get("question")
         if not isinstance(q, str) or not q.strip():
-            raise ValueError(f"{f}: field 'question' is missing or empty")
+            raise UserError(f"{f}: field 'question' is missing or empty")
         key = rec.get("id_orig", f.stem)
         yield Prompt(f"gsm8k_symbolic:{key}", "gsm8k_symbolic", (_with(q, instr),), "math_word",
                      GSM_GROUP.format(key))
@@ -191,7 +192,7 @@ def iter_gsm8k_test(with_instruction: bool = True) -> Iterator[Prompt]:
     for lineno, rec in _jsonl_records(path):
         q = rec.get("question")
         if not isinstance(q, str) or not q.strip():
-            raise ValueError(f"{path}:{lineno}: field 'question' is missing or empty")
+            raise UserError(f"{path}:{lineno}: field 'question' is missing or empty")
         yield Prompt(f"gsm8k_test:{lineno - 1}", "gsm8k_test", (_with(q, instr),), "math_word",
                      GSM_GROUP.format(lineno - 1))
 
@@ -295,7 +296,7 @@ def iter_aime2025(with_instruction: bool = True) -> Iterator[Prompt]:
         for lineno, rec in _jsonl_records(path):
             q = rec.get("question")
             if not isinstance(q, str) or not q.strip():
-                raise ValueError(f"{path}:{lineno}: field 'question' is missing or empty")
+                raise UserError(f"{path}:{lineno}: field 'question' is missing or empty")
             yield Prompt(f"aime2025:{part}:{lineno}", "aime2025", (_with(q, instr),), "competition_math",
                          f"aime2025:{part}:{lineno}")
 
@@ -319,7 +320,7 @@ def iter_project_euler(with_instruction: bool = True) -> Iterator[Prompt]:
     base = package_dir(EULER_PACKAGE) / "data"
     path = base / "problems.txt"
     if not path.is_file():
-        raise ValueError(f"{path}: Project Euler problems file not found")
+        raise UserError(f"{path}: Project Euler problems file not found")
     with (base / "resources.json").open() as fh:
         needs_file = {int(k) for k in json.load(fh)}
     instr = COMPETITION_INSTRUCTION if with_instruction else None
@@ -341,7 +342,7 @@ def iter_humaneval() -> Iterator[Prompt]:
     for lineno, rec in _jsonl_records(path, gzip.open):
         prompt, tid = rec.get("prompt"), str(rec.get("task_id", lineno))
         if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError(f"{path}:{lineno}: field 'prompt' is missing or empty")
+            raise UserError(f"{path}:{lineno}: field 'prompt' is missing or empty")
         n = tid.rsplit("/", 1)[-1]
         text = f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{prompt.strip()}\n```"
         yield Prompt(f"humaneval:{n}", "humaneval", (text,), "code", f"humaneval:{n}")
@@ -352,7 +353,7 @@ def _codeio_records() -> Iterator[tuple[str, dict]]:
     for rel in CODEIO_FILES:
         path = base / rel
         if not path.is_file():
-            raise ValueError(f"{path}: CodeI/O data file of package {RGYM_PACKAGE!r} not found")
+            raise UserError(f"{path}: CodeI/O data file of package {RGYM_PACKAGE!r} not found")
         with gzip.open(path, "rt", encoding="utf-8") as fh:
             head = fh.read(64).lstrip()
         if head.startswith("["):  # codeio-hq: one JSON array
@@ -373,7 +374,7 @@ def iter_codeio() -> Iterator[Prompt]:
     for where, rec in _codeio_records():
         task, spec = rec.get("task_description"), rec.get("input_output_spec")
         if not isinstance(task, str) or not isinstance(spec, str) or not task.strip() or not spec.strip():
-            raise ValueError(f"{where}: needs 'task_description' and 'input_output_spec' strings")
+            raise UserError(f"{where}: needs 'task_description' and 'input_output_spec' strings")
         key = normalize_text(task)
         if key in seen:
             continue
@@ -399,7 +400,7 @@ def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[Any]:
             buf, eof = buf + more, not more
         pos = _skip(buf, pos, " \t\r\n")
         if not buf[pos:pos + 1] == "[":
-            raise ValueError(f"{path}: expected a JSON array (first character {buf[pos:pos + 1]!r})")
+            raise UserError(f"{path}: expected a JSON array (first character {buf[pos:pos + 1]!r})")
         pos += 1
         while True:
             pos = _skip(buf, pos, " \t\r\n,")
@@ -436,7 +437,7 @@ def iter_sharegpt(path: Path | None = None) -> Iterator[Prompt]:
     """
     path = path or package_dir(SHAREGPT_PACKAGE) / SHAREGPT_FILE
     if not path.is_file():
-        raise ValueError(f"{path}: ShareGPT data file not found")
+        raise UserError(f"{path}: ShareGPT data file not found")
     for i, rec in enumerate(iter_json_array(path)):
         if not isinstance(rec, dict) or not _starts_conversation(str(rec.get("id", ""))):
             continue
@@ -474,18 +475,18 @@ def iter_jsonl(path: str | Path, source: str | None = None) -> Iterator[Prompt]:
     path = jsonl_path(path)
     source = source or f"{JSONL_PREFIX}{given}"
     if not path.is_file():
-        raise ValueError(f"{source}: file {given} not found")
+        raise UserError(f"{source}: file {given} not found")
     ids: set[str] = set()
     for lineno, line in _lines(path):
         if not line.strip():
             continue
         p = _jsonl_record(line, path, lineno, source)
         if p.id in ids:
-            raise ValueError(f"{path}:{lineno}: duplicate id {p.id.split(':', 1)[1]!r}")
+            raise UserError(f"{path}:{lineno}: duplicate id {p.id.split(':', 1)[1]!r}")
         ids.add(p.id)
         yield p
     if not ids:
-        raise ValueError(f"{path}: the file is empty (no JSON records)")
+        raise UserError(f"{path}: the file is empty (no JSON records)")
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -495,28 +496,28 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
         with opener(path, "rt", encoding="utf-8") as fh:
             yield from enumerate(fh, 1)
     except (OSError, EOFError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: cannot be read as {'gzip-compressed ' if path.suffix == '.gz' else ''}UTF-8 "
-                         f"text ({e})") from None
+        raise UserError(f"{path}: cannot be read as {'gzip-compressed ' if path.suffix == '.gz' else ''}UTF-8 "
+                        f"text ({e})") from None
 
 
 def _jsonl_record(line: str, path: Path, lineno: int, source: str) -> Prompt:
     try:
         rec = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
     if not isinstance(rec, dict) or "turns" not in rec:
-        raise ValueError(f"{path}:{lineno}: record has no 'turns' field")
+        raise UserError(f"{path}:{lineno}: record has no 'turns' field")
     turns = rec["turns"]
     if (not isinstance(turns, list) or not turns
             or not all(isinstance(t, str) and t.strip() for t in turns)):
-        raise ValueError(f"{path}:{lineno}: field 'turns' must be a non-empty list of non-empty strings, "
-                         f"got {str(turns)[:80]!r}")
+        raise UserError(f"{path}:{lineno}: field 'turns' must be a non-empty list of non-empty strings, "
+                        f"got {str(turns)[:80]!r}")
     domain = rec.get("domain", "chat")
     if domain not in DOMAINS:
-        raise ValueError(f"{path}:{lineno}: field 'domain' must be one of {', '.join(DOMAINS)}, got {domain!r}")
+        raise UserError(f"{path}:{lineno}: field 'domain' must be one of {', '.join(DOMAINS)}, got {domain!r}")
     group = rec.get("group")
     if group is not None and not isinstance(group, str):
-        raise ValueError(f"{path}:{lineno}: field 'group' must be a string, got {group!r}")
+        raise UserError(f"{path}:{lineno}: field 'group' must be a string, got {group!r}")
     rid = rec.get("id", lineno)
     stem = Path(path.name.removesuffix(".gz")).stem  # "name" of name.jsonl and of name.jsonl.gz
     return Prompt(f"{stem}:{rid}", source, tuple(t.strip() for t in turns), domain, group)
@@ -540,11 +541,11 @@ def snapshot_options(snapshot_dir: str | Path) -> dict[str, Any]:
     """The reader options a snapshot was written with (its manifest's ``read_options``)."""
     path = resolve_dir(snapshot_dir) / SNAPSHOT_MANIFEST
     if not path.is_file():
-        raise ValueError(f"prepare.snapshot_dir: {path} not found (write the snapshot with "
-                         f"scripts/make_h200_prompts.py)")
+        raise UserError(f"prepare.snapshot_dir: {path} not found (write the snapshot with "
+                        f"scripts/make_h200_prompts.py)")
     opts = json.loads(path.read_text()).get("read_options")
     if not isinstance(opts, dict):
-        raise ValueError(f"{path}: no 'read_options' (a snapshot written by scripts/make_h200_prompts.py has them)")
+        raise UserError(f"{path}: no 'read_options' (a snapshot written by scripts/make_h200_prompts.py has them)")
     return opts
 
 
@@ -569,11 +570,11 @@ def iter_snapshot(snapshot_dir: str | Path, source: str) -> Iterator[Prompt]:
     info = REGISTRY[source]
     path = resolve_dir(snapshot_dir) / f"{source}.jsonl"
     if not path.is_file():
-        raise ValueError(f"prepare.snapshot_dir: {path} not found: the snapshot holds no {source!r} (add it in "
-                         f"scripts/make_h200_prompts.py, or take the source out of train_mix / eval_sources)")
+        raise UserError(f"prepare.snapshot_dir: {path} not found: the snapshot holds no {source!r} (add it in "
+                        f"scripts/make_h200_prompts.py, or take the source out of train_mix / eval_sources)")
     for p in iter_jsonl(path, source):
         if p.domain != info.domain:
-            raise ValueError(f"{path}: record {p.id!r} has domain {p.domain!r}, not {info.domain!r}")
+            raise UserError(f"{path}: record {p.id!r} has domain {p.domain!r}, not {info.domain!r}")
         yield Prompt(p.id.split(":", 1)[1], source, p.turns, p.domain, p.group)
 
 
@@ -617,7 +618,7 @@ def source_info(source: str, field: str = "source") -> SourceInfo:
     if source.startswith(JSONL_PREFIX) and len(source) > len(JSONL_PREFIX):
         path = source[len(JSONL_PREFIX):]
         return SourceInfo(source, "", None, "a JSONL file", False, "(the file's)", lambda o: iter_jsonl(path, source))
-    raise ValueError(f"{field}: unknown source {source!r} (use {', '.join(REGISTRY)} or jsonl:<path>)")
+    raise UserError(f"{field}: unknown source {source!r} (use {', '.join(REGISTRY)} or jsonl:<path>)")
 
 
 def check_source_name(source: str, field: str = "source") -> None:

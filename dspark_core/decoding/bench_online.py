@@ -45,6 +45,7 @@ from typing import Any, Sequence
 import torch
 
 from dspark_core.config import Section, non_negative, positive, require
+from dspark_core.errors import UserError
 from dspark_core.io import atomic_path, write_json
 from dspark_core.decoding.ar import ARDecoder
 from dspark_core.decoding.common import BudgetError, synced_clock
@@ -149,8 +150,8 @@ def load_prompt_sets(prompts_path: str | Path, datasets: Sequence[str], max_prom
                 convs = [list(r["turns"]) for r in rows if r["source"] == name]
         if not convs:
             aliases = ", ".join(f"{a} (= {d})" for a, d in DATASET_ALIASES.items())
-            raise ValueError(f"bench_online.datasets: {name!r} selects no prompt from {prompts_path} "
-                             f"(known names: {', '.join(DOMAINS)}, {aliases}, a source name, or jsonl:<path>)")
+            raise UserError(f"bench_online.datasets: {name!r} selects no prompt from {prompts_path} "
+                            f"(known names: {', '.join(DOMAINS)}, {aliases}, a source name, or jsonl:<path>)")
         sets[name] = convs[:max_prompts]
     return sets
 
@@ -164,7 +165,7 @@ def _row_domain(row: dict[str, Any]) -> str | None:
 
 def _read_prompt_table(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
-        raise ValueError(f"bench_online.prompts_path: {path} not found (run the prepare stage)")
+        raise UserError(f"bench_online.prompts_path: {path} not found (run the prepare stage)")
     if path.suffix == ".jsonl":
         return read_jsonl_prompts(path)
     import pyarrow.parquet as pq
@@ -176,7 +177,7 @@ def _read_prompt_table(path: Path) -> list[dict[str, Any]]:
 
 def read_jsonl_prompts(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
-        raise ValueError(f"{path}: JSONL prompt file not found")
+        raise UserError(f"{path}: JSONL prompt file not found")
     out = []
     # split on "\n" only: str.splitlines() also splits inside strings holding U+2028 / U+0085 (valid JSON)
     for i, line in enumerate(path.read_text(encoding="utf-8").split("\n")):
@@ -185,10 +186,10 @@ def read_jsonl_prompts(path: Path) -> list[dict[str, Any]]:
         try:
             rec = json.loads(line)
         except ValueError as e:
-            raise ValueError(f"{path}: line {i + 1}: not JSON ({e})") from e
+            raise UserError(f"{path}: line {i + 1}: not JSON ({e})") from e
         turns = rec.get("turns")
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-            raise ValueError(f"{path}: line {i + 1}: 'turns' must be a non-empty list of strings")
+            raise UserError(f"{path}: line {i + 1}: 'turns' must be a non-empty list of strings")
         out.append({"source": rec.get("source", path.stem), "domain": rec.get("domain"), "turns": turns})
     return out
 
@@ -247,9 +248,9 @@ def max_len_named(cfg: BenchOnlineConfig, what: str):
     try:
         yield
     except BudgetError as e:
-        raise ValueError(f"bench_online.max_len={cfg.max_len} is too small for {what}: {e.prompt_len} prompt tokens "
-                         f"need {e.need} positions with bench_online.max_new_tokens={cfg.max_new_tokens} and the "
-                         f"lookahead; raise bench_online.max_len (or shorten the prompts)") from None
+        raise UserError(f"bench_online.max_len={cfg.max_len} is too small for {what}: {e.prompt_len} prompt tokens "
+                        f"need {e.need} positions with bench_online.max_new_tokens={cfg.max_new_tokens} and the "
+                        f"lookahead; raise bench_online.max_len (or shorten the prompts)") from None
 
 
 def summarize(run: DatasetRun, block_size: int, greedy: bool) -> dict[str, Any]:
@@ -298,7 +299,7 @@ def truncated_assistant(model: torch.nn.Module, num_layers: int) -> torch.nn.Mod
 
     cfg = copy.deepcopy(model.config)
     if not 1 <= num_layers < cfg.num_hidden_layers:
-        raise ValueError(f"bench_online.assistant_layers must be in [1, {cfg.num_hidden_layers - 1}]; got {num_layers}")
+        raise UserError(f"bench_online.assistant_layers must be in [1, {cfg.num_hidden_layers - 1}]; got {num_layers}")
     cfg.num_hidden_layers = num_layers
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = cfg.layer_types[:num_layers]
@@ -324,7 +325,7 @@ def peer_comparison(model: torch.nn.Module, prompts: Sequence[Sequence[int]], re
         kwargs: dict[str, Any] = {}
         if peer == "assisted":
             if assistant is None:
-                raise ValueError("peer 'assisted' needs an assistant model")
+                raise UserError("peer 'assisted' needs an assistant model")
             kwargs["assistant_model"] = assistant
         elif peer == "prompt_lookup":
             kwargs["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
@@ -368,7 +369,7 @@ def run_bench_online_stage(params: str | Path, variant: str) -> dict[str, Any]:
     check_variant(params, variant)
     draft_dir = TRAIN_DIR / variant / "final"
     if not (draft_dir / "config.json").is_file():
-        raise ValueError(f"{draft_dir}: no trained draft of variant {variant!r} (run `dvc repro train@{variant}`)")
+        raise UserError(f"{draft_dir}: no trained draft of variant {variant!r} (run `dvc repro train@{variant}`)")
     sets = load_prompt_sets(cfg.prompts_path, cfg.datasets, cfg.max_prompts)
     if variant not in cfg.peers_variants:  # the peers do not depend on the draft: measured once
         cfg = cfg.replace(peers=())
@@ -386,12 +387,12 @@ def resolve_device(cfg: BenchOnlineConfig) -> tuple[torch.device, torch.dtype, b
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"bench_online.device: {cfg.device!r} but no CUDA device is available")
+        raise UserError(f"bench_online.device: {cfg.device!r} but no CUDA device is available")
     dtype = resolve_dtype(cfg.dtype) if cfg.dtype != "auto" else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     graphs = cfg.cuda_graph if cfg.cuda_graph is not None else device.type == "cuda"
     if graphs and device.type != "cuda":
-        raise ValueError("bench_online.cuda_graph: true needs a CUDA device")
+        raise UserError("bench_online.cuda_graph: true needs a CUDA device")
     return device, dtype, graphs
 
 
@@ -404,11 +405,11 @@ def _resolve_kernels(cfg: BenchOnlineConfig, model: torch.nn.Module, device: tor
         return False
     if device.type != "cuda":
         if cfg.kernels:
-            raise ValueError("bench_online.kernels: true needs a CUDA device")
+            raise UserError("bench_online.kernels: true needs a CUDA device")
         return False
     problem = kernels_problem(model, batch_size=1)
     if problem and cfg.kernels:
-        raise ValueError(f"bench_online.kernels: true, but {problem}")
+        raise UserError(f"bench_online.kernels: true, but {problem}")
     return problem is None
 
 
@@ -442,7 +443,7 @@ def resolve_engine(name: str, sampling: SamplingParams, draft: Any, device: torc
         problem = f"temperature {sampling.temperature} with tree_branches (the static engine's trees are greedy)"
     if name == "static":
         if problem:
-            raise ValueError(f"bench_online.engine: static, but {problem}")
+            raise UserError(f"bench_online.engine: static, but {problem}")
         return name
     return "static" if device.type == "cuda" and problem is None else "reference"
 

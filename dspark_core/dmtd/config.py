@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dspark_core.config import Section, non_negative, one_of, positive, require
+from dspark_core.errors import UserError
 
 VARIANTS = ("causal_norefresh", "causal_refresh", "bidir_norefresh", "bidir_refresh")
 ATTN_BACKENDS = ("auto", "flex", "dense")
@@ -31,7 +32,7 @@ class VariantRule:
 def parse_variant(name: str) -> VariantRule:
     """``'bidir_refresh'`` -> ``VariantRule(bidirectional=True, refresh=True)``; ValueError on other names."""
     if name not in VARIANTS:
-        raise ValueError(f"DMTD variant must be one of {', '.join(VARIANTS)}; got {name!r}")
+        raise UserError(f"DMTD variant must be one of {', '.join(VARIANTS)}; got {name!r}")
     within, history = name.split("_")
     return VariantRule(bidirectional=within == "bidir", refresh=history == "refresh")
 
@@ -99,8 +100,8 @@ class DMTDConfig(Section):
         """ValueError naming the field when P or the mask id do not fit the target's config."""
         n_layers = model_config.num_hidden_layers
         if not 1 <= self.num_parallel_layers < n_layers:
-            raise ValueError(f"{where}.num_parallel_layers={self.num_parallel_layers} must be in "
-                             f"[1, {n_layers - 1}] for a target with {n_layers} decoder layers")
+            raise UserError(f"{where}.num_parallel_layers={self.num_parallel_layers} must be in "
+                            f"[1, {n_layers - 1}] for a target with {n_layers} decoder layers")
         if self.mask_token_id >= model_config.vocab_size:
-            raise ValueError(f"{where}.mask_token_id={self.mask_token_id} is outside the target's vocabulary "
-                             f"(vocab_size={model_config.vocab_size})")
+            raise UserError(f"{where}.mask_token_id={self.mask_token_id} is outside the target's vocabulary "
+                            f"(vocab_size={model_config.vocab_size})")

@@ -14,6 +14,7 @@ from typing import Any
 
 from dspark_core.config import ParamsError
 from dspark_core.dmtd.config import DMTDConfig
+from dspark_core.errors import UserError
 from dspark_core.io import read_json, write_json
 from dspark_core.train.trainer import TrainConfig
 
@@ -64,7 +65,7 @@ def gsm8k_items(exclude_groups: set[str] = frozenset()) -> list[dict[str, Any]]:
     for f in files:
         rec = _load_toml(f)
         if not isinstance(rec.get("question"), str) or "####" not in str(rec.get("answer", "")):
-            raise ValueError(f"{f}: needs a 'question' and an 'answer' ending with '#### <number>'")
+            raise UserError(f"{f}: needs a 'question' and an 'answer' ending with '#### <number>'")
         if f"gsm8k_test:{rec.get('id_orig')}" in exclude_groups:
             continue
         items.append({"id": f"gsm8k_symbolic:{rec.get('id_orig', f.stem)}", "question": rec["question"],

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dspark_core.config import ParamsError
 from dspark_core.draft.config import DraftConfig, LossConfig, WarmStartConfig
+from dspark_core.errors import UserError
 from dspark_core.io import sha256_file, sha256_json
 from dspark_core.train.trainer import TrainConfig
 from dspark_core.variants import check_variant, check_variant_dag, section_for_variant
@@ -41,8 +42,8 @@ def warm_start_checkpoint(params: Path, variant: str) -> tuple[WarmStartConfig, 
     if warm.from_dir is not None:
         src = Path(warm.from_dir)
         if not (src / "config.json").is_file() or not (src / "model.safetensors").is_file():
-            raise ValueError(f"{params}: variants.{variant}.warm_start.from_dir {src}: not a saved draft "
-                             "(config.json + model.safetensors, as data/train/<variant>/final)")
+            raise UserError(f"{params}: variants.{variant}.warm_start.from_dir {src}: not a saved draft "
+                            "(config.json + model.safetensors, as data/train/<variant>/final)")
         return warm, src, 0
     if warm.from_variant is None:
         return warm, None, 0
@@ -52,14 +53,14 @@ def warm_start_checkpoint(params: Path, variant: str) -> tuple[WarmStartConfig, 
     step = warm.step
     if step is None:
         if not (root / "latest.json").is_file():
-            raise ValueError(f"warm start of {variant}: {root} has no checkpoint; run `dvc repro "
-                             f"train@{warm.from_variant}` first")
+            raise UserError(f"warm start of {variant}: {root} has no checkpoint; run `dvc repro "
+                            f"train@{warm.from_variant}` first")
         step = int(read_json(root / "latest.json")["step"])
     ckpt = root / f"step_{step:08d}"
     if not (ckpt / "model.safetensors").is_file():
         kept = sorted(p.name for p in root.glob("step_*")) if root.is_dir() else []
-        raise ValueError(f"warm start of {variant}: {ckpt} not found (kept: {', '.join(kept) or 'none'}); set "
-                         f"warm_start.step to a kept step or retrain {warm.from_variant}")
+        raise UserError(f"warm start of {variant}: {ckpt} not found (kept: {', '.join(kept) or 'none'}); set "
+                        f"warm_start.step to a kept step or retrain {warm.from_variant}")
     return warm, ckpt, step
 
 
@@ -114,7 +115,7 @@ def run_eval_offline_stage(params: Path, variant: str) -> dict:
     check_variant(params, variant)
     draft_dir = TRAIN_DIR / variant / "final"
     if not (draft_dir / "config.json").is_file():
-        raise ValueError(f"{draft_dir}: no trained draft; run `dvc repro train@{variant}` first")
+        raise UserError(f"{draft_dir}: no trained draft; run `dvc repro train@{variant}` first")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, tok = load_target(TARGET_DIR, dtype="float32", device=device)
     fp = read_fingerprint(TARGET_DIR)["fingerprint"]
@@ -149,7 +150,7 @@ def run_engram_build_stage(params: Path) -> dict:
     store = CACHE_DIR / "train.zarr"
     manifest = read_manifest(store)
     if manifest["model_fingerprint"] != fp:
-        raise ValueError(f"{store}: cache from another model; rebuild the cache stage")
+        raise UserError(f"{store}: cache from another model; rebuild the cache stage")
     group = open_store(store)
     ids, offsets = np.asarray(group["input_ids"][:]), np.asarray(group["offsets"][:])
     samples = (ids[offsets[n]:offsets[n + 1]] for n in range(len(offsets) - 1))

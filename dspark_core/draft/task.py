@@ -23,6 +23,7 @@ from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.draft.config import DraftConfig, LossConfig
 from dspark_core.draft.loss import dspark_sums, slot_weights
 from dspark_core.draft.model import DSparkDraft, build_draft, draft_class
+from dspark_core.errors import UserError
 from dspark_core.metrics import block_counts
 from dspark_core.train.task import TermSpec
 
@@ -41,7 +42,7 @@ class DSparkTrainModel(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         missing = [k for k in BATCH_TENSORS if k not in batch]
         if missing:
-            raise ValueError(f"DSpark batch lacks {missing} (was it made by DSparkTask.collate?)")
+            raise UserError(f"DSpark batch lacks {missing} (was it made by DSparkTask.collate?)")
         hidden = self.draft.forward_train(batch["input_ids"], batch["aux_hidden"], batch["anchors"],
                                           batch["anchor_valid"], extras=batch)  # [B, A, S, H]
         return dspark_sums(self.draft, hidden, batch, self.loss_cfg, extras=batch)
@@ -56,20 +57,20 @@ def load_warm_start(model: nn.Module, ckpt_dir: Path, target_fingerprint: str | 
 
     path = ckpt_dir / "model.safetensors"
     if not path.is_file():
-        raise ValueError(f"warm start: {path} not found (is the step among the run's kept checkpoints?)")
+        raise UserError(f"warm start: {path} not found (is the step among the run's kept checkpoints?)")
     weights = load_file(str(path))
     if (ckpt_dir / "config.json").is_file():  # a saved draft: its names are the draft's, the trainer's say draft.*
         from dspark_core.draft.model import read_draft_config
 
         saved = read_draft_config(ckpt_dir)["target"].get("fingerprint")
         if target_fingerprint is not None and saved not in (None, target_fingerprint):
-            raise ValueError(f"warm start: {ckpt_dir / 'config.json'}: draft trained on target fingerprint {saved}, "
-                             f"this target's is {target_fingerprint}")
+            raise UserError(f"warm start: {ckpt_dir / 'config.json'}: draft trained on target fingerprint {saved}, "
+                            f"this target's is {target_fingerprint}")
         weights = {f"draft.{k}": v for k, v in weights.items()}
     params = dict(model.named_parameters())
     bad = [k for k, v in weights.items() if k not in params or tuple(params[k].shape) != tuple(v.shape)]
     if bad:
-        raise ValueError(f"warm start: {path} does not fit this draft ({bad[:3]} unknown or of another shape)")
+        raise UserError(f"warm start: {path} does not fit this draft ({bad[:3]} unknown or of another shape)")
     with torch.no_grad():
         for k, v in weights.items():
             params[k].copy_(v)
@@ -80,7 +81,7 @@ def freeze_all_but_variant(model: nn.Module) -> None:
     draft = getattr(model, "draft", model)
     own = {id(p) for p in getattr(draft, "variant_params", dict)().values()}
     if not own:
-        raise ValueError(f"warm_start.freeze_base: draft.kind {draft.cfg.kind!r} has no parameters of its own")
+        raise UserError(f"warm_start.freeze_base: draft.kind {draft.cfg.kind!r} has no parameters of its own")
     for p in model.parameters():
         if id(p) not in own:
             p.requires_grad_(False)

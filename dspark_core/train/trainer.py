@@ -30,6 +30,7 @@ from torch import nn
 
 from dspark_core.config import Section, non_negative, one_of, positive, require
 from dspark_core.dist import Dist, init_distributed  # noqa: F401 (init_distributed: re-exported)
+from dspark_core.errors import UserError
 from dspark_core.io import read_json, write_json
 from dspark_core.train.task import TrainTask
 
@@ -100,7 +101,7 @@ class TrainConfig(Section):
     def grad_accum(self, world_size: int) -> int:
         per_step = world_size * self.micro_batch_size
         if self.global_batch_size % per_step:
-            raise ValueError(
+            raise UserError(
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "
                 f"world_size x micro_batch_size = {world_size} x {self.micro_batch_size}"
             )
@@ -141,7 +142,7 @@ def _cosine(progress: float, cfg: TrainConfig) -> float:
 def sample_indices(step: int, n: int, cfg: TrainConfig) -> list[int]:
     """The ``global_batch_size`` dataset indices of optimiser step ``step`` (seeded epoch permutations)."""
     if n <= 0:
-        raise ValueError("the training dataset is empty")
+        raise UserError("the training dataset is empty")
     g = cfg.global_batch_size
     start, out = step * g, []
     while len(out) < g:
@@ -266,22 +267,22 @@ def load_checkpoint(ckpt_root: Path, model: nn.Module, opt, sched, total_steps: 
     params = dict(model.named_parameters())
     missing = sorted(set(k for k, p in params.items() if p.requires_grad) - set(weights))
     if missing:
-        raise ValueError(f"{d}/model.safetensors: checkpoint lacks trainable parameters {missing[:3]}...: "
-                         "it was made by another model config; delete the checkpoints folder to start over")
+        raise UserError(f"{d}/model.safetensors: checkpoint lacks trainable parameters {missing[:3]}...: "
+                        "it was made by another model config; delete the checkpoints folder to start over")
     with torch.no_grad():
         for k, v in weights.items():
             if k not in params:
-                raise ValueError(f"{d}/model.safetensors: unknown parameter {k!r} (another model config?)")
+                raise UserError(f"{d}/model.safetensors: unknown parameter {k!r} (another model config?)")
             if params[k].shape != v.shape:
-                raise ValueError(f"{d}/model.safetensors: {k} has shape {tuple(v.shape)}, "
-                                 f"model expects {tuple(params[k].shape)}")
+                raise UserError(f"{d}/model.safetensors: {k} has shape {tuple(v.shape)}, "
+                                f"model expects {tuple(params[k].shape)}")
             params[k].copy_(v)
     st = torch.load(d / "state.pt", weights_only=False)
     if "optimizer" not in st:
         if total_steps is not None and int(st["step"]) < total_steps:
-            raise ValueError(f"{d}/state.pt: saved at the end of a {st['step']}-step schedule, without optimizer "
-                             f"state, so it cannot continue to total_steps={total_steps}; delete {ckpt_root} to "
-                             "start over")
+            raise UserError(f"{d}/state.pt: saved at the end of a {st['step']}-step schedule, without optimizer "
+                            f"state, so it cannot continue to total_steps={total_steps}; delete {ckpt_root} to "
+                            "start over")
         sched.load_state_dict(st["scheduler"])
         return int(st["step"])
     opt.load_state_dict(st["optimizer"])
@@ -343,8 +344,8 @@ def build_optimizer(task: TrainTask, model: nn.Module, cfg: TrainConfig, device:
                                  betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
                                  fused=fused)
     if d.world_size > 1:
-        raise ValueError("sparse gradients (draft.engram.sparse: true) train in one process only; "
-                         "set draft.engram.sparse: false under torchrun")
+        raise UserError("sparse gradients (draft.engram.sparse: true) train in one process only; "
+                        "set draft.engram.sparse: false under torchrun")
     return AdamWWithSparse(groups, cfg, fused)
 
 
@@ -386,7 +387,7 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
     cfg.validate()  # a TrainConfig built directly (not from params) is checked too
     time_budget_s = cfg.time_budget_s if time_budget_s is None else time_budget_s
     if time_budget_s is not None and not time_budget_s > 0:
-        raise ValueError(f"train: time budget must be > 0 seconds; got {time_budget_s!r}")
+        raise UserError(f"train: time budget must be > 0 seconds; got {time_budget_s!r}")
     d = init_distributed()
     accum = cfg.grad_accum(d.world_size)
     device, amp_dtype = pick_device_dtype(cfg, d)
@@ -394,7 +395,7 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
     model = task.build_model(device, torch.float32)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
-        raise ValueError(f"task {task.name!r}: the model has no trainable parameters")
+        raise UserError(f"task {task.name!r}: the model has no trainable parameters")
     opt = build_optimizer(task, model, cfg, device, d)
     by_time = cfg.lr_schedule == "time"
     clock = {"progress": 0.0}  # lr_schedule time: the spent fraction of the budget, after the first step
@@ -410,7 +411,7 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
         wrapped = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
     if start < stop_step and len(task.train_dataset()) <= 0:
-        raise ValueError("the training dataset is empty")
+        raise UserError("the training dataset is empty")
     stream = step_batch_stream(task, cfg, d, start, pin_memory=device.type == "cuda")
     history: list[dict[str, float]] = []
     bar = None
@@ -522,7 +523,7 @@ def _combine(task: TrainTask, sums: dict[str, torch.Tensor], dens: dict[str, tor
         part = spec.weight * sums[name] / den
         total = part if total is None else total + part
     if total is None:
-        raise ValueError(f"task {task.name!r}: every loss weight is zero")
+        raise UserError(f"task {task.name!r}: every loss weight is zero")
     return total
 
 
