@@ -1,4 +1,4 @@
-"""The H200 prompt snapshot (scripts/h200_data, made by scripts/make_h200_prompts.py) and the profile's mix: every
+"""The H200 prompt snapshot (data/prompts_h200, made by scripts/make_h200_prompts.py) and the profile's mix: every
 domain trains and is held out, no benchmark test split and no evaluated problem reaches training, and the
 profile's prepare section draws its sizes from the snapshot."""
 
@@ -17,7 +17,7 @@ from dspark_core.data.sources import GSM_GROUP, REGISTRY, iter_gsm8k_symbolic, i
 from dspark_core.profiles import apply_profile
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "scripts" / "h200_data"
+DATA = ROOT / "data" / "prompts_h200"
 INSTRUCTION_START = "\nSolve the following math problem step by step."
 
 
