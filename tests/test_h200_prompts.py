@@ -98,7 +98,7 @@ def test_profile_mixes_the_snapshot(tmp_path, monkeypatch):
     splits = select_splits(cfg)
     assert Counter(p.domain for p in splits["train"]) == {"chat": 7654, "math_word": 8111, "code": 3216,
                                                           "competition_math": 253}
-    # the mix of sessions 10-16: its train prompts are all drawn again, and its eval sets are the same prompts
+    # the earlier 7,920-prompt mix: its train prompts are all drawn again, and its eval sets are the same prompts
     # (the drafts trained then were trained on no eval prompt of now)
     old_mix = {"sharegpt": 45, "gsm_symbolic_variants": 30, "codeio": 22, "project_euler": 3}
     old = select_splits(PrepareConfig.from_dict({**prep, "train_mix": old_mix, "n_train": 7920}))
