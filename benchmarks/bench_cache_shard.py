@@ -1,4 +1,4 @@
-"""The cache stage on several processes (issue 6): ``torchrun --nproc_per_node W stages/cache.py`` writes one
+"""The cache stage on several processes: ``torchrun --nproc_per_node W stages/cache.py`` writes one
 zarr store in chunk-aligned shards, one per rank; this checks the store against a one-process build and the
 target, and times both.
 

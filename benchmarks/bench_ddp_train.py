@@ -1,4 +1,4 @@
-"""Training on several GPUs through the shared trainer (issue 6): step time per process count, scaling
+"""Training on several GPUs through the shared trainer: step time per process count, scaling
 efficiency, and the loss trajectory against a one-process run at the same global batch.
 
 Runs ``dspark_core.train.trainer.train`` (DDP under ``torchrun``; NCCL on GPU, gloo on CPU) on random inputs

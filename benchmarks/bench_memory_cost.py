@@ -1,4 +1,4 @@
-"""Draft Memory (issue 15): the extra training cost per step against the baseline, on the project's own data.
+"""Draft Memory: the extra training cost per step against the baseline, on the project's own data.
 
 Builds the ``baseline`` and ``draft_memory`` tasks of a params file (variant overrides applied) on ``data/target``
 and ``data/cache/train.zarr``, the same weights where they overlap (same seed) and the same micro-batches, and

@@ -1,4 +1,4 @@
-"""DSpark draft training step at Qwen3-4B shapes (issue 3 benchmark): step time, peak memory, tokens/s.
+"""DSpark draft training step at Qwen3-4B shapes: step time, peak memory, tokens/s.
 
 One step = forward (multi-anchor draft + chunked loss) + backward + grad clip + AdamW step, batch 1,
 random inputs, for each sequence length L. Shapes: target hidden 2560, 36 target layers, vocab 151936

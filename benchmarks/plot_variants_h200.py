@@ -1,6 +1,9 @@
-"""Plot the variants of one `scripts/h200_spec_run.sh` run (DSPARK_VARIANTS) from its summary.json: held-out
-teacher-forced accept_rate@i per variant and a bar chart of held-out tau_prob and online MAL.
+"""Plot several draft variants trained on the same cache: held-out teacher-forced accept_rate@i per variant and a
+bar chart of held-out tau_prob and online MAL. The input is either a pipeline's ``reports/`` folder (each
+variant's ``eval_offline/<v>.json`` and ``bench_online/<v>.json``) or a summary JSON holding the same per variant
+(``{"variants": {name: {"eval_offline": ..., "bench_online": ...}}}``).
 
+    python benchmarks/plot_variants_h200.py reports variants.png
     python benchmarks/plot_variants_h200.py reports/bench/engram_h200/summary.json reports/bench/engram_h200/variants.png
 """
 
@@ -12,13 +15,25 @@ from pathlib import Path
 import typer
 
 
+def load_variants(summary: Path) -> dict:
+    """name -> {"eval_offline": dict | None, "bench_online": dict | None}, from a reports/ folder or a summary JSON."""
+    if not summary.is_dir():
+        return json.loads(summary.read_text())["variants"]
+    names = sorted(f.stem for f in (summary / "eval_offline").glob("*.json"))
+    if not names:
+        raise SystemExit(f"{summary}: no eval_offline/<variant>.json (run the pipeline's eval_offline stages first)")
+    read = lambda f: json.loads(f.read_text()) if f.is_file() else None  # noqa: E731
+    return {n: {"eval_offline": read(summary / "eval_offline" / f"{n}.json"),
+                "bench_online": read(summary / "bench_online" / f"{n}.json")} for n in names}
+
+
 def main(summary: Path, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    variants = json.loads(summary.read_text())["variants"]
+    variants = load_variants(summary)
     names = list(variants)
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
     for name in names:

@@ -1,6 +1,6 @@
 """dvc.yaml without DVC: the stage commands, expanded and ordered as ``dvc repro`` runs them.
 
-For a machine where DVC cannot be installed (a lent GPU with no package index): ``dspark stages list`` prints
+For a machine where DVC cannot be installed (e.g. a GPU machine with no package index): ``dspark stages list`` prints
 each stage's command, ``dspark stages run TARGET...`` runs TARGET and every stage it depends on, in DAG order,
 with exactly the command dvc.yaml gives (no cache, no lock: the stages resume their own persisted outputs).
 Where DVC is installed, use ``dvc repro``: it is the same commands, recorded in dvc.lock.

@@ -5,7 +5,7 @@
 #
 #   bash scripts/gpu_tests.sh                 # -> pytest -m gpu tests/
 #   bash scripts/gpu_tests.sh tests/test_tree.py -x   # arguments replace tests/ (files, pytest options)
-#   DSPARK_WHL_DIR=.whl bash scripts/gpu_tests.sh   # a machine without a package index: carried wheels first
+#   DSPARK_WHL_DIR=.whl bash scripts/gpu_tests.sh   # a machine without a package index: install the wheels in that folder first
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"

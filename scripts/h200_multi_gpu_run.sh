@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6 on one host with several GPUs (nvidia-h200-x2 / -x4): distributed training and the sharded cache stage.
+# Multi-GPU benchmarks on one host with several GPUs: distributed training and the sharded cache stage.
 #
 #   bash scripts/h200_multi_gpu_run.sh OUT_DIR [NPROC]        # NPROC default: every visible GPU
 #
@@ -11,9 +11,8 @@
 #   3 bench_train_step.py                one sample per GPU (weak scaling: an all-reduce per sample), 1 and NPROC
 #   4 bench_cache_shard.py               the cache stage on 1 and NPROC processes into one zarr store, compared
 #                                        bit for bit and verified against the target
-# DSPARK_MG_PARTS (default "dspark dmtd train_step cache_shard") picks parts. In session 6 (nvidia-h200-x2) the
-# first three took 565 s (each first DSpark step compiles for ~70 s; the benchmark then also wrote a final
-# checkpoint, 48 GB for DMTD, which it no longer does): plan two device calls for all four.
+# DSPARK_MG_PARTS (default "dspark dmtd train_step cache_shard") picks parts. On 2 H200s the
+# first three take about 9 minutes (each first DSpark step compiles for ~70 s).
 # Writes OUT_DIR/{ddp_train.json, ddp_*_w*.json, train_step_w*.json, cache_shard.json, run.log, gpus.txt}.
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

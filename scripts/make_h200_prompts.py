@@ -6,7 +6,7 @@ one JSONL file per registry source (``dspark_core/data/sources.py``; records ``{
 ``prepare.snapshot_dir`` names the folder (profiles/h200_smollm2.yaml): the same ``train_mix`` weights, the same
 per-domain ``eval_sources``, the same eval-only refusals and overlap check as with the packages.
 
-    python scripts/make_h200_prompts.py            # -> scripts/h200_data/<source>.jsonl, split.json
+    python scripts/make_h200_prompts.py            # -> data/prompts_h200/<source>.jsonl, split.json
 
 =========================  ================  ===========================================================
 file                       domain            prompts
@@ -84,7 +84,7 @@ def gsm_variants(template, i: int, lang: str, ks: range, source: str, args, inst
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out-dir", type=Path, default=ROOT / "scripts" / "h200_data")
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "data" / "prompts_h200")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-templates", type=int, default=30)
     ap.add_argument("--variants", type=int, default=24, help="symbolic variants per train template and language")

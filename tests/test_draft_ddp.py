@@ -35,7 +35,7 @@ def _task() -> DSparkTask:
 def _cfg(out: Path, micro: int) -> TrainConfig:
     # eps 1 >> sqrt(v): AdamW's step is then about linear in the gradient. At eps 1e-8 it divides each gradient by
     # its own size, so a near-zero gradient's float rounding (1 process vs 2 sum in another order) became a 4e-4
-    # relative parameter difference on one CPU (session 17); a wrong gradient still moves the parameters here.
+    # relative parameter difference on one CPU; a wrong gradient still moves the parameters here.
     return TrainConfig(lr=3e-3, warmup_ratio=0.0, total_steps=3, micro_batch_size=micro, global_batch_size=4,
                        checkpoint_every=100, seed=5, eps=1.0, out_dir=str(out))
 

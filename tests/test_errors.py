@@ -1,4 +1,4 @@
-"""Catalogue of bad inputs (issue 17, item 4): each gives ONE clear error naming the param, value or path, raised
+"""Catalogue of bad inputs: each gives ONE clear error naming the param, value or path, raised
 by our own checks (never a traceback from deep inside torch / zarr / transformers), and leaves nothing
 half-written where the stage writes its outputs.
 

@@ -1,4 +1,4 @@
-"""The H200 prompt snapshot (scripts/h200_data, made by scripts/make_h200_prompts.py) and the profile's mix: every
+"""The H200 prompt snapshot (data/prompts_h200, made by scripts/make_h200_prompts.py) and the profile's mix: every
 domain trains and is held out, no benchmark test split and no evaluated problem reaches training, and the
 profile's prepare section draws its sizes from the snapshot."""
 
@@ -17,7 +17,7 @@ from dspark_core.data.sources import GSM_GROUP, REGISTRY, iter_gsm8k_symbolic, i
 from dspark_core.profiles import apply_profile
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "scripts" / "h200_data"
+DATA = ROOT / "data" / "prompts_h200"
 INSTRUCTION_START = "\nSolve the following math problem step by step."
 
 
@@ -98,7 +98,7 @@ def test_profile_mixes_the_snapshot(tmp_path, monkeypatch):
     splits = select_splits(cfg)
     assert Counter(p.domain for p in splits["train"]) == {"chat": 7654, "math_word": 8111, "code": 3216,
                                                           "competition_math": 253}
-    # the mix of sessions 10-16: its train prompts are all drawn again, and its eval sets are the same prompts
+    # the earlier 7,920-prompt mix: its train prompts are all drawn again, and its eval sets are the same prompts
     # (the drafts trained then were trained on no eval prompt of now)
     old_mix = {"sharegpt": 45, "gsm_symbolic_variants": 30, "codeio": 22, "project_euler": 3}
     old = select_splits(PrepareConfig.from_dict({**prep, "train_mix": old_mix, "n_train": 7920}))

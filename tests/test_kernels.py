@@ -43,7 +43,7 @@ def test_chunk_math_matches_reference():
     out = chunk_math_triton(logits, teacher, targets, weights, 0.1, 0.9, torch.float32)
     # CE and L1 are float32 sums over 5,003 columns in two different orders (torch's CPU reduction, whose order
     # varies from one process to the next here -- row 3's L1 is 1.927345 or 1.927319 -- and the kernel's blocks):
-    # they differ by up to ~1.3e-5 relative (session 11: 4 of 15 fresh processes failed the old rtol 1e-5).
+    # they differ by up to ~1.3e-5 relative (4 of 15 fresh processes failed the old rtol 1e-5).
     # rtol 1e-4 leaves that room; a wrong term moves a sum by far more.
     tol = dict(atol=2e-6, rtol=1e-4)
     for a, b in zip(ref, out):

@@ -117,8 +117,8 @@ def test_weighted_mix_of_jsonl_sources_and_domains(tmp_path):
 
 def test_jsonl_paths_resolve_against_the_repo_and_without_suffix(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    prompts = list(iter_jsonl("scripts/h200_data/eval_gsm8k"))   # relative to the repo root, '.jsonl' left out
-    assert len(prompts) == 30 and prompts[0].source == "jsonl:scripts/h200_data/eval_gsm8k"
+    prompts = list(iter_jsonl("data/prompts_h200/eval_gsm8k"))   # relative to the repo root, '.jsonl' left out
+    assert len(prompts) == 30 and prompts[0].source == "jsonl:data/prompts_h200/eval_gsm8k"
 
 
 def test_old_list_form_still_reads(tmp_path):

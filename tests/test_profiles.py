@@ -76,8 +76,8 @@ def test_a_mix_is_replaced_whole(tmp_path):
     apply_profile("mix", params, profiles_dir=tmp_path)
     assert list(yaml.safe_load(params.read_text())["prepare"]["train_mix"].items()) == [
         ("codeio", 2), ("jsonl:data/my.v2.jsonl.gz", 1)]
-    # as `dvc exp run` arguments (session 16, by hand: `dvc exp run -S ~prepare.train_mix -S
-    # "+prepare.train_mix=[[codeio,3],['jsonl:scripts/h200_data/more/sharegpt_more.jsonl.gz',1]]" prepare` in a
+    # as `dvc exp run` arguments (checked by hand: `dvc exp run -S ~prepare.train_mix -S
+    # "+prepare.train_mix=[[codeio,3],['jsonl:data/prompts_h200/more/sharegpt_more.jsonl.gz',1]]" prepare` in a
     # clone drew 12 + 4 prompts from those two; a JSON mapping is refused by DVC's parser, and a Hydra mapping is
     # merged into params.yaml's, keeping its other sources)
     args = exp_run_args("mix", profiles_dir=tmp_path)

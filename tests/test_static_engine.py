@@ -391,7 +391,7 @@ def test_static_cuda_graph_matches_ar(kernels):
 @pytest.mark.parametrize("kernels,top_p", [(False, 0.95), (True, 0.95), (True, 1.0)])
 def test_static_cuda_graph_sampling_matches_the_targets_distribution(kernels, top_p, monkeypatch):
     """The sampling cycle captured in CUDA graphs (device RNG under capture): the same two-sample test as on
-    CPU (first run on an H200 in session 10). top_p 1.0 with kernels: the one-launch sampled slots
+    CPU (and on an H200). top_p 1.0 with kernels: the one-launch sampled slots
     (``MarkovSampler``) and the Triton accept step (``SampledAccept``, the default; switched on here whatever
     DSPARK_REJECT_KERNEL says); top_p 0.95 keeps the torch slots and accept step."""
     import dspark_core.decoding.static_engine as static_engine
