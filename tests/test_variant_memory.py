@@ -216,6 +216,83 @@ def test_gradients_only_through_stage_two(one_thread):
     assert task.prepare_step(model, [batch])[0] is batch  # prepared once
 
 
+# -- eval_offline: the memory at its post-error anchors, beside the baseline on the same anchors ---------------------
+def _tau_by_inference(draft, prep, b, a, memory=None):
+    """tau_prob and a_0 of block (b, a) of a prepared batch through the inference path (full vocabulary)."""
+    from dspark_core.metrics import overlap
+
+    p = int(prep["anchors"][b, a])
+    cache = draft.new_context_cache(batch=1, max_len=64)
+    draft.extend_context(cache, prep["aux_hidden"][b:b + 1, :p])
+    h = draft.forward_block(cache, prep["input_ids"][b, p].view(1), memory)[0]  # [S, H]
+    tau, prod, first = 1.0, 1.0, None
+    for j in range(S):
+        if not prep["slot_valid"][b, a, j]:
+            break
+        m = draft.markov_features(prep["prev_tokens"][b, a, j], h[j], None)
+        q = torch.softmax(draft.slot_logits(h[j]) + draft.markov_bias(m).float(), -1)
+        aj = float(overlap(torch.softmax(draft.slot_logits(prep["last_hidden"][b, p + j]), -1), q))
+        first = aj if first is None else first
+        prod *= aj
+        tau += prod
+    return tau, first
+
+
+def test_eval_offline_reports_the_reference_at_the_same_post_error_anchors(one_thread):
+    """Plain keys: the memory draft without memory at the random anchors (= its weights as a baseline draft);
+    post_error/...: with memory at stage 1's new anchors; post_error/baseline/...: the reference draft at exactly
+    those anchors. Both post-error sets against a replay of the anchors through the inference path."""
+    from dspark_core.draft.eval_offline import EvalOfflineConfig, evaluate_offline
+    from dspark_core.draft.model import DSparkDraft
+
+    target = tiny_model("qwen3")
+    _batch(target)
+    items = _ITEMS[(target.config.model_type, target.config.vocab_size, 3, 0, 19)]
+    mem = _draft(target)
+    torch.manual_seed(7)
+    ref = build_draft(DraftConfig(**{**mem.cfg.to_dict(), "kind": "baseline"}), target.config,
+                      target.get_input_embeddings().weight, target.get_output_embeddings().weight,
+                      aux_layer_ids=AUX).eval()
+    ecfg = EvalOfflineConfig(batch_size=2, seed=3, num_anchors=6)
+    res = evaluate_offline(mem, items, ecfg, reference=ref, progress=False)
+    plain = [k for k in res if "/" not in k]
+    assert sorted(k for k in res if k.startswith("post_error/baseline/")) == sorted(f"post_error/baseline/{k}"
+                                                                                   for k in plain)
+    assert sorted(k for k in res if k.startswith("post_error/") and k.count("/") == 1) == sorted(
+        f"post_error/{k}" for k in plain)
+    same_weights = DSparkDraft(mem.cfg, target.config, target.get_input_embeddings().weight,
+                               target.get_output_embeddings().weight, aux_layer_ids=AUX)
+    same_weights.load_state_dict(mem.state_dict(), strict=False)
+    alone = evaluate_offline(same_weights, items, ecfg, progress=False)
+    assert {k: res[k] for k in plain} == pytest.approx(alone, rel=1e-6)  # no memory at a random anchor
+    gen = torch.Generator().manual_seed(ecfg.seed)
+    sums = {"mem": [0.0, 0.0], "ref": [0.0, 0.0]}
+    blocks = with_memory = 0
+    with torch.no_grad():
+        for start in range(0, len(items), ecfg.batch_size):
+            batch = add_anchor_fields(CacheCollator(0)(items[start:start + 2]), 6, S, gen)
+            prep = mem.prepare_batch(batch)
+            for b, a in prep["anchor_valid"].nonzero().tolist():
+                m = int(prep["stage1_matches"][b, a])
+                assert int(prep["anchors"][b, a]) == int(prep["stage1_anchors"][b, a]) + m + 1  # after the error
+                memory = _block_memory(prep, b, a)
+                with_memory += int(memory["memory_hidden"].shape[2] > 0)
+                for key, draft, extras in (("mem", mem, memory), ("ref", ref, None)):
+                    tau, a0 = _tau_by_inference(draft, prep, b, a, extras)
+                    sums[key][0] += tau
+                    sums[key][1] += a0
+                blocks += 1
+    assert blocks >= 8 and with_memory >= 4
+    assert res["post_error/num_blocks"] == res["post_error/baseline/num_blocks"] == blocks
+    for key, prefix in (("mem", "post_error/"), ("ref", "post_error/baseline/")):
+        assert res[prefix + "tau_prob"] == pytest.approx(sums[key][0] / blocks, rel=1e-5)
+        assert res[prefix + "accept_rate@0"] == pytest.approx(sums[key][1] / blocks, rel=1e-5)
+    assert res["post_error/tau_prob"] != pytest.approx(res["post_error/baseline/tau_prob"], rel=1e-3)
+    ref.block_size = S + 1
+    with pytest.raises(ValueError, match="eval_offline.reference baseline: block_size 5 differs"):
+        evaluate_offline(mem, items, ecfg, reference=ref, progress=False)
+
+
 # -- parameter counts ---------------------------------------------------------------------------------------------
 def test_seed000_parameter_count():
     base, mem = seed000_param_counts("draft_memory")

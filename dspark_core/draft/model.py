@@ -357,6 +357,16 @@ class DSparkDraft(nn.Module):
         its loss denominators are taken (Draft Memory's stage 1). The baseline returns the batch unchanged."""
         return batch
 
+    # eval_offline: the names of the anchor sets ``offline_anchor_sets`` returns ("" = the random anchors)
+    offline_anchor_set_names: tuple[str, ...] = ("",)
+
+    def offline_anchor_sets(self, batch: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """eval_offline (no_grad): ``{name: prepared batch}``, the anchor sets this draft is measured on. ``""``:
+        the evaluation's random anchors, reported under the plain metric keys, the same for every draft; another
+        name (Draft Memory's ``post_error``) prefixes its keys (``post_error/tau_prob``). The baseline: the
+        random anchors through ``prepare_batch``."""
+        return {"": self.prepare_batch(batch)}
+
     def variant_offline_sums(self, hidden: torch.Tensor, batch: Mapping[str, torch.Tensor]
                              ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """eval_offline: a variant's own metrics of one batch as ``{name: (numerator, denominator)}`` (summed over
