@@ -378,17 +378,25 @@ def test_bench_online_reports_both_memory_sources(tmp_path, monkeypatch, one_thr
 
     import yaml
 
-    from dspark_core.decoding.bench_online import run_bench_online_stage
+    from _decoding_utils import fit_draft_to_target
+    from dspark_core.decoding.ar import ARDecoder
+    from dspark_core.decoding.bench_online import BenchOnlineConfig, decode_dataset, run_bench_online_stage, stop_ids_of
+    from dspark_core.decoding.target_runner import TargetRunner
     from dspark_core.draft.model import save_draft
     from dspark_core.target import load_target
     from dspark_core.testing import save_tiny_target
 
-    model, _ = load_target(save_tiny_target(tmp_path / "data" / "target", "qwen3"))
-    save_draft(tmp_path / "data" / "train" / "draft_memory" / "final", _draft(model, num_draft_layers=1))
-    (tmp_path / "p.jsonl").write_text(json.dumps({"turns": ["What is 2 + 3?"]}) + "\n"
-                                      + json.dumps({"turns": ["Name a colour."]}) + "\n")
+    model, tok = load_target(save_tiny_target(tmp_path / "data" / "target", "qwen3"))
+    conversations = [["What is 2 + 3?"], ["Name a colour."]]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"turns": t}) + "\n" for t in conversations))
     section = dict(datasets=["jsonl:p.jsonl"], max_prompts=2, max_new_tokens=12, max_len=256, peers=[],
                    out_dir="reports/bo")
+    draft = _draft(model, num_draft_layers=1)
+    # fitted a few steps to the target's own answers: partly right, so "identical" covers accepted and rejected
+    ar = ARDecoder(TargetRunner(model, max_len=256, aux_layer_ids=draft.aux_layer_ids))
+    run = decode_dataset(conversations, tok, ar, ar, BenchOnlineConfig.from_dict(section), stop_ids_of(model, tok))
+    fit_draft_to_target(draft, model, run.prompts, [r.tokens for r in run.ar], steps=20)
+    save_draft(tmp_path / "data" / "train" / "draft_memory" / "final", draft)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"bench_online": section}))
     monkeypatch.chdir(tmp_path)
     metrics = run_bench_online_stage("params.yaml", "draft_memory")
@@ -398,6 +406,6 @@ def test_bench_online_reports_both_memory_sources(tmp_path, monkeypatch, one_thr
     for name in ("jsonl:p.jsonl", "overall"):
         rows = metrics[name]["online_modes"]
         assert set(rows) == {"chained", "first_stage"} and rows["chained"]["mal"] == metrics[name]["mal"]
-        assert all(r["identical"] and r["mal"] >= 1.0 for r in rows.values())
+        assert all(r["identical"] and 1.0 < r["mal"] < S + 1 for r in rows.values()), rows
     saved = json.loads((tmp_path / "reports/bo/draft_memory.json").read_text())
     assert saved["overall"]["online_modes"]["first_stage"]["mal"] == rows["first_stage"]["mal"]
