@@ -46,7 +46,7 @@ def slot_weights(slot_valid: torch.Tensor, gamma: float) -> torch.Tensor:
     return slot_valid.float() * decay
 
 
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b with a float32 result (bf16 inputs accumulate in fp32; CUDA writes fp32 directly when it can)."""
     if a.dtype == torch.float32:
         return a @ b
@@ -167,13 +167,13 @@ class _ChunkedDistill(torch.autograd.Function):
             math = _math_fn(dev)
             for s in range(0, n_slots, chunk):
                 e = min(n_slots, s + chunk)
-                logits = _mm_f32(x_in[s:e].to(cdtype), w_in.t())  # [n, V]
-                teacher = _mm_f32(teacher_h[s:e].to(cdtype), w_lm.t())  # [n, V]
+                logits = mm_f32(x_in[s:e].to(cdtype), w_in.t())  # [n, V]
+                teacher = mm_f32(teacher_h[s:e].to(cdtype), w_lm.t())  # [n, V]
                 ce[s:e], l1[s:e], g = math(logits, teacher, targets[s:e], weights[s:e], ce_alpha, l1_alpha,
                                            cdtype if with_grad else None)
                 del logits, teacher
                 if with_grad:
-                    d_in[s:e] = _mm_f32(g, w_in)  # [dh ; dm]
+                    d_in[s:e] = mm_f32(g, w_in)  # [dh ; dm]
                     if markov is not None:
                         _add_mm_f32_(d_w2, g.t(), x_in[s:e, ht:])  # dW2 += G^T m in the GEMM epilogue
             d_head = d_in[:, :ht] if with_grad else None  # [N, Ht]
