@@ -85,7 +85,8 @@ def test_report_compares_memory_with_the_reference_at_the_same_post_error_anchor
     text = (tmp_path / "summary.md").read_text()
     assert "| draft_memory | 2.500 | 0.750 |" in text and "| baseline | 2.250 |" in text
     table = text.split("## Offline metrics at a draft's own anchor sets")[1].split("## Parallel DMTD")[0]
-    assert "| variant | anchors | measured draft | tau_prob | accept_rate@0 | accept_rate@1 | ce | num_blocks |" in table
+    header = "| variant | anchors | measured draft | tau_prob | accept_rate@0 | accept_rate@1 | ce | num_blocks |"
+    assert header in table
     assert "| draft_memory | post_error | draft_memory | 1.750 | 0.500 | 0.250 | 2.000 | 12 |" in table
     assert "| draft_memory | post_error | baseline | 1.500 | 0.375 | 0.125 | 2.250 | 12 |" in table
     assert "\n| baseline |" not in table  # no row of its own for a draft without extra anchor sets
