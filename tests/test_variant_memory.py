@@ -305,6 +305,10 @@ def test_bad_memory_params_are_named():
 
     with pytest.raises(ParamsError, match="draft.memory.online must be one of"):
         DraftConfig.from_dict({"kind": "draft_memory", "memory": {"online": "both"}}, prefix="draft.")
+    from dspark_core.draft.eval_offline import EvalOfflineConfig
+
+    with pytest.raises(ParamsError, match="eval_offline.reference must name a variant .*; got 'a/b'"):
+        EvalOfflineConfig.from_dict({"reference": "a/b"}, prefix="eval_offline.")
     target = tiny_model("qwen3")
     d = _draft(target)
     with pytest.raises(ValueError, match="online mode must be one of"):

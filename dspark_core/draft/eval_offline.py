@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dspark_core.config import Section, positive
+from dspark_core.config import Section, positive, require
 from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.draft.config import LossConfig
 from dspark_core.draft.loss import slot_outputs
@@ -51,6 +51,8 @@ class EvalOfflineConfig(Section):
         positive("batch_size", self.batch_size)
         positive("num_anchors", self.num_anchors)
         positive("calibration_bins", self.calibration_bins)
+        require(bool(self.reference) and "/" not in self.reference,
+                f"reference must name a variant (a key of variants); got {self.reference!r}")
 
 
 @torch.no_grad()
