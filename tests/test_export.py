@@ -231,3 +231,21 @@ def test_llama_draft_needs_qwen3_layers(tmp_path):
         export_draft(make_draft(llama, layer_style="target"), tmp_path, "deepspec")
     export_draft(make_draft(llama), tmp_path, "deepspec")
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3"
+
+
+@pytest.mark.parametrize("layout", ["deepspec", "speculators"])
+def test_warm_start_from_an_engine_layout(target, draft, layout, tmp_path):
+    from dspark_core.draft.config import LossConfig
+    from dspark_core.draft.task import DSparkTrainModel, load_warm_start
+
+    export_draft(draft, tmp_path, layout, dtype="float32")
+    model = target[1]
+    fresh = build_draft(draft.cfg, model.config, model.get_input_embeddings().weight,
+                        model.get_output_embeddings().weight, aux_layer_ids=AUX)
+    load_warm_start(DSparkTrainModel(fresh, LossConfig()), tmp_path, target_fingerprint="another")
+    for (k, v), (k2, v2) in zip(sorted(draft.state_dict().items()), sorted(fresh.state_dict().items())):
+        assert k == k2 and torch.equal(v, v2), k
+    other = build_draft(draft.cfg, model.config, model.get_input_embeddings().weight,
+                        model.get_output_embeddings().weight, aux_layer_ids=(1, 2))
+    with pytest.raises(UserError, match="target layer ids"):
+        load_warm_start(DSparkTrainModel(other, LossConfig()), tmp_path)

@@ -95,6 +95,27 @@ def check_target(foreign: ForeignDraft, target_model: Any, src: str) -> None:
         raise UserError(f"{src}: mask_token_id {mask} is outside the target's vocabulary ({have['vocab_size']})")
 
 
+def foreign_warm_start(path: str | Path, draft: Any) -> dict[str, Any]:
+    """The weights of an engine-layout draft under dspark's names, for a warm start of ``draft`` (a
+    ``DSparkDraft`` being trained): its vocabulary, target width, aux layer ids and block size must be the draft's."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    src = str(path / "config.json")
+    foreign = read_foreign(path)
+    have = {"vocab_size": draft.vocab_size, "hidden_size": draft.target_hidden_size,
+            "num_hidden_layers": draft.target_summary["num_hidden_layers"]}
+    for key, value in foreign.target.items():
+        if value is not None and value != have[key]:
+            raise UserError(f"warm start: {src}: draft made for another target: its {key} is {value}, this "
+                            f"target has {have[key]}")
+    if tuple(foreign.aux_layer_ids) != tuple(draft.aux_layer_ids) or foreign.draft["block_size"] != draft.block_size:
+        raise UserError(f"warm start: {src}: target layer ids {list(foreign.aux_layer_ids)} / block size "
+                        f"{foreign.draft['block_size']} differ from this run's {list(draft.aux_layer_ids)} / "
+                        f"{draft.block_size}; set cache.aux_layer_ids and draft.block_size to the draft's")
+    return from_layout_names(load_file(str(path / "model.safetensors")))
+
+
 def load_foreign_draft(path: str | Path, target_model: Any) -> Any:
     """A DeepSpec- or speculators-layout draft rebuilt as a ``DSparkDraft`` on ``target_model`` (its embedding
     and LM head, device and dtype; the directory's copies of them are not read)."""
