@@ -113,7 +113,7 @@ def export_cmd(draft_dir: Path, out_dir: Path,
     """Write a trained draft as config.json + model.safetensors + README.md (the serve command) in LAYOUT."""
     from dspark_core.export.run import export_dir
 
-    for out in export_dir(draft_dir, out_dir, [layout], dtype, target, variant=draft_dir.name):
+    for out in export_dir(draft_dir, out_dir, [layout], dtype, target, variant=draft_dir.name, subdirs=False):
         typer.echo(f"exported {draft_dir} -> {out} ({layout}, {dtype})")
 
 

@@ -13,6 +13,7 @@ and the refusals: what the engines cannot run is never written.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -249,3 +250,26 @@ def test_warm_start_from_an_engine_layout(target, draft, layout, tmp_path):
                         model.get_output_embeddings().weight, aux_layer_ids=(1, 2))
     with pytest.raises(UserError, match="target layer ids"):
         load_warm_start(DSparkTrainModel(other, LossConfig()), tmp_path)
+
+
+def test_export_stage_writes_every_layout(target, draft, tmp_path, monkeypatch):
+    import shutil
+
+    from dspark_core.config import ParamsError
+    from dspark_core.export.run import run_export_stage
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(target[0], "data/target")
+    save_draft("data/train/baseline/final", draft)
+    Path("params.yaml").write_text("export: {variants: [baseline], layouts: [deepspec, speculators], "
+                                   "dtype: float32}\n")
+    run_export_stage(Path("params.yaml"), "baseline")
+    for layout in ("deepspec", "speculators"):
+        back = load_any_draft(f"data/export/baseline/{layout}", target[1])
+        assert torch.equal(back.fc.weight, draft.fc.weight)
+        assert "vllm serve data/target" in Path(f"data/export/baseline/{layout}/README.md").read_text()
+    with pytest.raises(ParamsError, match="does not list 'reranker_joint'"):
+        run_export_stage(Path("params.yaml"), "reranker_joint")
+    Path("params.yaml").write_text("export: {layouts: [eagle3]}\n")
+    with pytest.raises(ParamsError, match="layouts"):
+        run_export_stage(Path("params.yaml"), "baseline")
