@@ -3,7 +3,7 @@
 1. round trip: export then import gives bit-identical draft outputs (both layouts, and ``dspark export/import``);
 2. ``speculators``' own DSpark model loads the speculators-layout export and gives dspark's block logits (after the
    Markov bias), confidences and greedy block proposal on the same context and target hidden states;
-3. vLLM's own speculative-config parser resolves the DeepSpec-layout export to method ``dspark`` with the draft's
+3. vLLM's own speculative-config parser resolves the export (both layouts) to method ``dspark`` with the draft's
    target layer ids, block size and mask id;
 4. a DeepSpec-layout checkpoint written here from the documented names (not by dspark's writer) imports and
    matches the same weights loaded natively;
@@ -145,11 +145,12 @@ def test_speculators_model_class_matches(target, draft, context, tmp_path):
     torch.testing.assert_close(torch.stack(conf), ref_conf[0], rtol=1e-4, atol=1e-5)
 
 
-def test_vllm_parser_resolves_deepspec_export(target, draft, tmp_path):
+@pytest.mark.parametrize("layout", ["deepspec", "speculators"])
+def test_vllm_parser_resolves_the_export(target, draft, layout, tmp_path):
     pytest.importorskip("vllm")
     from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
 
-    export_draft(draft, tmp_path, "deepspec", dtype="float32", target=str(target[0]))
+    export_draft(draft, tmp_path, layout, dtype="float32", target=str(target[0]))
     tmc = ModelConfig(model=str(target[0]), tokenizer=str(target[0]), dtype="float32", skip_tokenizer_init=True)
     spec = SpeculativeConfig(model=str(tmp_path), target_model_config=tmc, target_parallel_config=ParallelConfig())
     hf = spec.draft_model_config.hf_config
