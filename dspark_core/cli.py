@@ -113,7 +113,8 @@ def export_cmd(draft_dir: Path, out_dir: Path,
     """Write a trained draft as config.json + model.safetensors + README.md (the serve command) in LAYOUT."""
     from dspark_core.export.run import export_dir
 
-    for out in export_dir(draft_dir, out_dir, [layout], dtype, target, variant=draft_dir.name, subdirs=False):
+    variant = draft_dir.parent.name if draft_dir.name == "final" else draft_dir.name  # data/train/<variant>/final
+    for out in export_dir(draft_dir, out_dir, [layout], dtype, target, variant=variant, subdirs=False):
         typer.echo(f"exported {draft_dir} -> {out} ({layout}, {dtype})")
 
 

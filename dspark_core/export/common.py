@@ -93,8 +93,10 @@ def from_layout_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 def draft_hf_fields(draft: Any) -> dict[str, Any]:
     """The target's HF config with the draft's depth and widths, as a Qwen3 config dict."""
     hf = draft.hf_config.to_dict()
-    for key in ("architectures", "auto_map", "_name_or_path", "transformers_version", "torch_dtype", "dtype",
-                "mlp_bias", "pretraining_tp", "use_sliding_window", "max_window_layers", "sliding_window"):
+    for key in ("architectures", "auto_map", "_name_or_path", "_model_name_or_path", "transformers_version",
+                "torch_dtype", "dtype", "mlp_bias", "pretraining_tp", "use_sliding_window", "max_window_layers",
+                "sliding_window", "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "return_dict",
+                "output_attentions", "output_hidden_states", "is_encoder_decoder"):
         hf.pop(key, None)
     rope = hf.get("rope_parameters") or {}
     theta = hf.get("rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None)
