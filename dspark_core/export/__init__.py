@@ -2,8 +2,8 @@
 
 Layouts (one module each, :data:`LAYOUTS`): ``deepspec`` (DeepSpec's released layout, ``Qwen3DSparkModel``:
 vLLM, SGLang, TensorRT-LLM, llama.cpp) and ``speculators`` (vLLM ``speculators``' DSpark layout). An exported
-directory is self-contained: ``config.json`` + ``model.safetensors`` (bf16 unless asked) + ``README.md`` with the
-serve command. :func:`load_any_draft` reads dspark's own checkpoints and both layouts.
+directory holds ``config.json`` + ``model.safetensors`` (bf16 unless asked) + ``README.md`` with the serve
+command. :func:`load_any_draft` reads dspark's own checkpoints and both layouts.
 
 Shape legend: V vocab, Ht target hidden.
 """
@@ -49,7 +49,7 @@ def export_draft(draft: Any, out_dir: str | Path, layout: str, dtype: str = "bfl
     check_exportable(draft, layout)
     target = target or getattr(draft.hf_config, "_name_or_path", "") or "TARGET"
     config = mod.build_config(draft, dtype, target)
-    weights = to_layout_names(draft, DTYPES[dtype])
+    weights = to_layout_names(draft, DTYPES[dtype], mod.TARGET_COPIES)
     return write_dir(Path(out_dir), config, weights, readme(layout, variant, target, out_dir, draft.block_size))
 
 

@@ -6,8 +6,9 @@ The serving engines (vLLM's ``Qwen3DSparkModel``, DeepSpec's Qwen3 DSpark draft,
 run one architecture: the DSpark paper's baseline draft with Qwen3 decoder layers, ``fc`` [H, K*H] over the
 concatenated aux hidden states, the MASK slots fed as a real vocabulary row, a vanilla first-order Markov head and
 an optional confidence head. A dspark draft exports when it is exactly that (:func:`check_exportable` says why not
-otherwise); its weights then map one to one onto the layouts' names (:func:`to_layout_names`), with the target's
-embedding and LM head written beside them so the directory is self-contained.
+otherwise); its weights then map one to one onto the layouts' names (:func:`to_layout_names`). The DeepSpec layout
+holds the target's embedding and LM head beside them (its model has both); the speculators layout leaves them out,
+as speculators' own writer does for a full-vocabulary draft (its loader and vLLM take them from the verifier).
 """
 
 from __future__ import annotations
@@ -64,16 +65,18 @@ def check_exportable(draft: Any, layout: str) -> None:
                         f"layouts (aux_layer_ids {list(draft.aux_layer_ids)}); retrain on decoder layers only")
 
 
-def to_layout_names(draft: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The draft's weights under the layouts' names (+ the target's embedding and LM head), in ``dtype``."""
+def to_layout_names(draft: Any, dtype: torch.dtype, with_target_copies: bool = True) -> dict[str, torch.Tensor]:
+    """The draft's weights under the layouts' names (+ the target's embedding and LM head when
+    ``with_target_copies``), in ``dtype``."""
     out = {}
     for name, w in draft.own_state_dict().items():
         for old, new in RENAMES:
             if name.startswith(old):
                 name = new + name[len(old):]
         out[name] = w
-    out["embed_tokens.weight"] = draft.embedding_matrix()  # [V, Ht]
-    out["lm_head.weight"] = draft.lm_head_weight  # [V, Ht]
+    if with_target_copies:
+        out["embed_tokens.weight"] = draft.embedding_matrix()  # [V, Ht]
+        out["lm_head.weight"] = draft.lm_head_weight  # [V, Ht]
     return {k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in out.items()}
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from dspark_core.errors import UserError
 from dspark_core.export.common import ForeignDraft, check_markov_type, draft_hf_fields, draft_params, head_fields
 
+TARGET_COPIES = True  # embed_tokens / lm_head written (see common.py)
 NAME = "deepspec"
 ARCHITECTURE = "Qwen3DSparkModel"
 

@@ -15,6 +15,7 @@ from typing import Any
 from dspark_core.errors import UserError
 from dspark_core.export.common import ForeignDraft, check_markov_type, draft_hf_fields, draft_params, head_fields
 
+TARGET_COPIES = False  # embed_tokens / lm_head left out: taken from the verifier (see common.py)
 NAME = "speculators"
 MODEL_TYPE = "dspark"
 SPECULATORS_VERSION = "0.9.0"
