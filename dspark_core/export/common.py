@@ -151,15 +151,15 @@ def read_config(path: Path) -> dict[str, Any]:
 
 
 def write_dir(out: Path, config: dict[str, Any], weights: dict[str, torch.Tensor], readme: str) -> Path:
-    """config.json + model.safetensors + README.md, each written atomically (weights first, config last)."""
+    """config.json + model.safetensors + README.md written into a temp dir that then replaces ``out`` whole
+    (a crash leaves the old directory or none, never a mix)."""
     from safetensors.torch import save_file
 
-    from dspark_core.io import atomic_path, write_json
+    from dspark_core.io import write_json
+    from dspark_core.target import atomic_dir
 
-    out.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out / "model.safetensors", ".safetensors") as tmp:
-        save_file(weights, str(tmp), metadata={"format": "pt"})
-    with atomic_path(out / "README.md", ".md") as tmp:
-        tmp.write_text(readme)
-    write_json(out / "config.json", config)
+    with atomic_dir(out) as tmp:
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "README.md").write_text(readme)
+        write_json(tmp / "config.json", config)
     return out
