@@ -46,10 +46,12 @@ def make_draft(model, **over) -> DSparkDraft:
     torch.manual_seed(1)
     draft = build_draft(cfg, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
                         aux_layer_ids=AUX)
-    with torch.no_grad():  # peaked distributions: a wrong weight changes the argmax
-        for p in draft.parameters():
-            if p.requires_grad:
-                p.normal_(0.0, 0.2)
+    with torch.no_grad():  # peaked distributions and a Markov bias that moves the argmax: a wrong weight shows
+        for name, p in draft.named_parameters():
+            if p.requires_grad and p.dim() == 1:  # norms near 1, biases non-zero
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif p.requires_grad:
+                p.normal_(0.0, 0.5 if name.startswith("markov") else 0.2)
     return draft.eval()
 
 
@@ -110,42 +112,65 @@ def test_cli_export_then_import(target, draft, context, tmp_path):
         assert torch.equal(a, b)
 
 
-def test_speculators_model_class_matches(target, draft, context, tmp_path):
-    pytest.importorskip("speculators")
+def speculators_proposal(path, target_model, ids, hs):
+    """speculators' own DSparkDraftModel on the export at ``path``: per-slot logits after its Markov bias, its
+    greedy block and its confidences for the anchor at CTX (eager attention; its own loader and layer ids)."""
     from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 
-    export_draft(draft, tmp_path, "speculators", dtype="float32", target=str(target[0]))
-    cfg = DSparkSpeculatorConfig.from_pretrained(str(tmp_path))
+    cfg = DSparkSpeculatorConfig.from_pretrained(str(path))
     cfg.transformer_layer_config._attn_implementation = "eager"
     model = DSparkDraftModel(cfg).eval()
-    loaded = model.load_state_dict(load_file(str(tmp_path / "model.safetensors")), strict=False)
+    loaded = model.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
     assert loaded.unexpected_keys == []  # what it lacks is the verifier's, read from speculators_config.verifier:
     assert set(loaded.missing_keys) == {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
                                         "verifier_norm.weight"}
     model.load_verifier_weights()
-    assert torch.equal(model.lm_head.weight, target[1].get_output_embeddings().weight)
-    ids, hs = context
+    assert torch.equal(model.lm_head.weight, target_model.get_output_embeddings().weight)
     T = ids.shape[1]
     aux = torch.cat([hs[j] for j in cfg.aux_hidden_state_layer_ids], dim=-1)  # [1, T, K*Ht]: its own layer ids
     loss_mask = torch.zeros(1, T)
     loss_mask[0, CTX] = 1  # the one anchor it may pick: position CTX
     with torch.no_grad():
         hidden, logits, *_ = model._backbone_forward(aux, ids, loss_mask, hs[-1], torch.zeros_like(ids),
-                                                      max_anchors=1)
+                                                      max_anchors=1)  # [1, S, H], [1, S, V]
         prev, tokens, block_logits, conf = [int(ids[0, CTX])], [], [], []
         for k in range(S):  # greedy, slot by slot: slot k's Markov bias reads the token chosen at k-1
             prev_ids = torch.tensor([prev + [0] * (S - len(prev))])  # [1, S]
             bias = model.markov_head.block_bias(prev_token_ids=prev_ids, hidden_states=hidden.view(1, S, -1))
-            slot = logits[0, k] + bias[0, k]
-            emb = model.markov_head.prev_embeddings(prev_ids)[0, k]
+            slot = logits[0, k] + bias[0, k]  # [V]
+            emb = model.markov_head.prev_embeddings(prev_ids)[0, k]  # [r]
             conf.append(torch.sigmoid(model.confidence_head(torch.cat([hidden[0, k], emb]))))
             block_logits.append(slot)
             tokens.append(int(slot.argmax()))
             prev.append(tokens[-1])
-    ref_logits, ref_tokens, ref_conf = propose(draft, ids, hs)
-    torch.testing.assert_close(torch.stack(block_logits), ref_logits[0], rtol=1e-4, atol=1e-4)
+    return torch.stack(block_logits), tokens, torch.stack(conf)
+
+
+def check_speculators_parity(draft, target_dir, target_model, context, out):
+    pytest.importorskip("speculators")
+    export_draft(draft, out, "speculators", dtype="float32", target=str(target_dir))
+    logits, tokens, conf = speculators_proposal(out, target_model, *context)
+    ref_logits, ref_tokens, ref_conf = propose(draft, *context)
+    torch.testing.assert_close(logits, ref_logits[0], rtol=1e-4, atol=1e-4)
     assert tokens == ref_tokens[0].tolist()
-    torch.testing.assert_close(torch.stack(conf), ref_conf[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(conf, ref_conf[0], rtol=1e-4, atol=1e-5)
+
+
+def test_speculators_model_class_matches(target, draft, context, tmp_path):
+    check_speculators_parity(draft, target[0], target[1], context, tmp_path)
+
+
+def test_speculators_model_class_matches_on_a_llama_target(tmp_path):
+    """The default target family (SmolLM2 is a Llama): the draft's Qwen3 layers on Llama RoPE and norms."""
+    from dspark_core.target import load_target
+
+    path = save_tiny_target(tmp_path / "llama", family="llama")
+    model = load_target(path, dtype="float32", attn_implementation="eager")[0]
+    torch.manual_seed(2)
+    ids = torch.randint(0, 256, (1, CTX + S + 1))
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+    check_speculators_parity(make_draft(model), path, model, (ids, hs), tmp_path / "out")
 
 
 @pytest.mark.parametrize("layout", ["deepspec", "speculators"])
