@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from dspark_core.config import Section, non_negative, one_of, positive, require
 
 MARKOV_HEADS = ("vanilla", "none")
+LAYER_STYLES = ("target", "qwen3")
 ENGRAM_SOURCES = ("trainable", "frozen")
 MEMORY_ONLINE = ("chained", "first_stage")
 
@@ -107,6 +108,7 @@ class DraftConfig(Section):
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
+    layer_style: str = "target"         # target: the target family's layers; qwen3: Qwen3 layers (q/k RMSNorm)
     kind: str = "baseline"              # the draft class (registered by its class statement, draft/variants/)
     engram: EngramConfig = field(default_factory=EngramConfig)  # read by the engram_* kinds only
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # read by draft_memory only
@@ -122,6 +124,7 @@ class DraftConfig(Section):
         positive("block_size", self.block_size)
         positive("num_anchors", self.num_anchors)
         one_of("markov_head", self.markov_head, MARKOV_HEADS)
+        one_of("layer_style", self.layer_style, LAYER_STYLES)
         if self.markov_head != "none":
             positive("markov_rank", self.markov_rank)
         if self.mask_token_id is not None:

@@ -11,7 +11,9 @@ Architecture (built from the target's HF config, Qwen3 / Qwen2 / Llama):
   the target's frozen embedding (MASK = a token row, or a learned vector when the vocabulary has no
   spare token); projected Ht -> H only when the draft is narrower/wider than the target;
 - ``num_draft_layers`` decoder layers mirroring the target's (Qwen3 q/k RMSNorm, Qwen2 qkv bias, Llama
-  attention/mlp bias flags, the family's MLP, RMSNorm and RoPE): queries from the block states, keys and
+  attention/mlp bias flags, the family's MLP, RMSNorm and RoPE), or with ``layer_style: qwen3`` Qwen3 layers
+  (q/k RMSNorm, the ``attention_bias`` flag on all four projections) on any target, which is what the serving
+  engines' DSpark layout holds (``dspark_core/export``): queries from the block states, keys and
   values from ``[c_0..c_{p-1} ; block states]`` through the layer's own k_proj / v_proj in one attention;
   context RoPE positions 0..p-1;
 - final RMSNorm -> ``h_1..h_S``; frozen LM head of the target (+ H -> Ht projection when widths differ);
@@ -239,7 +241,9 @@ class DSparkDraft(nn.Module):
         self.embed_proj = nn.Linear(t_hidden, hid, bias=False) if hid != t_hidden else None
         self.fc = nn.Linear(len(self.aux_layer_ids) * t_hidden, hid, bias=False)  # W_aux
         self.hidden_norm = norm_cls(hid, eps=eps)
-        self.layers = nn.ModuleList(DraftLayer(self.hf_config, self.model_type) for _ in range(cfg.num_draft_layers))
+        self.layer_family = "qwen3" if cfg.layer_style == "qwen3" else self.model_type
+        self.layers = nn.ModuleList(DraftLayer(self.hf_config, self.layer_family)
+                                    for _ in range(cfg.num_draft_layers))
         self.norm = norm_cls(hid, eps=eps)
         self.head_proj = nn.Linear(hid, t_hidden, bias=False) if hid != t_hidden else None
         self.rotary_emb = rotary_cls(config=self.hf_config)

@@ -51,7 +51,8 @@ class DSparkTrainModel(nn.Module):
 def load_warm_start(model: nn.Module, ckpt_dir: Path, target_fingerprint: str | None = None) -> None:
     """Copy a trainer checkpoint (``ckpt_dir/model.safetensors``: the trainable weights of another variant's
     ``DSparkTrainModel``), or a saved draft (``save_draft``: ``config.json`` beside it, the draft's own weights,
-    made on the target of ``target_fingerprint``), into ``model``. Each of its weights must exist here with the
+    made on the target of ``target_fingerprint``; or a DeepSpec- / speculators-layout draft, checked by vocabulary,
+    width, layer ids and block size instead), into ``model``. Each of its weights must exist here with the
     same shape; weights it lacks (a variant's own new modules) keep their initialisation."""
     from safetensors.torch import load_file
 
@@ -60,12 +61,12 @@ def load_warm_start(model: nn.Module, ckpt_dir: Path, target_fingerprint: str | 
         raise UserError(f"warm start: {path} not found (is the step among the run's kept checkpoints?)")
     weights = load_file(str(path))
     if (ckpt_dir / "config.json").is_file():  # a saved draft: its names are the draft's, the trainer's say draft.*
-        from dspark_core.draft.model import read_draft_config
+        from dspark_core.export import detect_layout, foreign_warm_start
 
-        saved = read_draft_config(ckpt_dir)["target"].get("fingerprint")
-        if target_fingerprint is not None and saved not in (None, target_fingerprint):
-            raise UserError(f"warm start: {ckpt_dir / 'config.json'}: draft trained on target fingerprint {saved}, "
-                            f"this target's is {target_fingerprint}")
+        if detect_layout(ckpt_dir) is not None:  # DeepSpec / speculators layout: checked by shapes and layer ids
+            weights = foreign_warm_start(ckpt_dir, model.draft)
+        else:
+            _check_saved_fingerprint(ckpt_dir, target_fingerprint)
         weights = {f"draft.{k}": v for k, v in weights.items()}
     params = dict(model.named_parameters())
     bad = [k for k, v in weights.items() if k not in params or tuple(params[k].shape) != tuple(v.shape)]
@@ -74,6 +75,15 @@ def load_warm_start(model: nn.Module, ckpt_dir: Path, target_fingerprint: str | 
     with torch.no_grad():
         for k, v in weights.items():
             params[k].copy_(v)
+
+
+def _check_saved_fingerprint(ckpt_dir: Path, target_fingerprint: str | None) -> None:
+    from dspark_core.draft.model import read_draft_config
+
+    saved = read_draft_config(ckpt_dir)["target"].get("fingerprint")
+    if target_fingerprint is not None and saved not in (None, target_fingerprint):
+        raise UserError(f"warm start: {ckpt_dir / 'config.json'}: draft trained on target fingerprint {saved}, "
+                        f"this target's is {target_fingerprint}")
 
 
 def freeze_all_but_variant(model: nn.Module) -> None:
