@@ -34,8 +34,8 @@ from dspark_core.cache.store import open_store
 from dspark_core.config import ParamsError
 from dspark_core.data.prompts import PrepareConfig, run_prepare
 from dspark_core.decoding.bench_online import run_bench_online_stage
-from dspark_core.draft import DraftConfig, DSparkDraft, save_draft
-from dspark_core.draft.model import load_draft
+from dspark_core.checkpoint import load_draft, save_draft
+from dspark_core.draft import DraftConfig, DSparkDraft
 from dspark_core.draft.stage import run_eval_offline_stage, run_train_stage
 from dspark_core.target import TargetConfig, load_target, read_fingerprint, run_target
 from dspark_core.testing import NAN_TOKEN, save_tiny_target, write_regen

@@ -472,7 +472,7 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
                      cfg: BenchOnlineConfig, *, out_json: str | Path | None = None,
                      plots_dir: str | Path | None = None, expected_fingerprint: str | None = None) -> dict[str, Any]:
     """Benchmark the draft in ``draft_dir`` on the target in ``target_dir``; returns (and writes) the metrics."""
-    from dspark_core.draft.model import load_draft
+    from dspark_core.checkpoint import load_draft
     from dspark_core.target import load_target
 
     device, dtype, graphs = resolve_device(cfg)

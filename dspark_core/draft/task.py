@@ -53,14 +53,13 @@ def load_warm_start(model: nn.Module, ckpt_dir: Path, target_fingerprint: str | 
     ``DSparkTrainModel``), or a saved draft (``save_draft``: ``config.json`` beside it, the draft's own weights,
     made on the target of ``target_fingerprint``), into ``model``. Each of its weights must exist here with the
     same shape; weights it lacks (a variant's own new modules) keep their initialisation."""
-    from safetensors.torch import load_file
+    from dspark_core.checkpoint import load_checked_weights, read_draft_config
 
     path = ckpt_dir / "model.safetensors"
     if not path.is_file():
         raise UserError(f"warm start: {path} not found (is the step among the run's kept checkpoints?)")
-    weights = load_file(str(path))
+    weights = load_checked_weights(ckpt_dir, f"retrain the warm start's source run or restore {ckpt_dir}")
     if (ckpt_dir / "config.json").is_file():  # a saved draft: its names are the draft's, the trainer's say draft.*
-        from dspark_core.draft.model import read_draft_config
 
         saved = read_draft_config(ckpt_dir)["target"].get("fingerprint")
         if target_fingerprint is not None and saved not in (None, target_fingerprint):
@@ -229,7 +228,7 @@ class DSparkTask:
 
     def export(self, model: nn.Module, out_dir: str | Path) -> Path:
         """Save the trained draft (``save_draft``) from the trainer's model (plain or DDP-wrapped)."""
-        from dspark_core.draft.model import save_draft
+        from dspark_core.checkpoint import save_draft
 
         inner = getattr(model, "module", model)
         return save_draft(out_dir, inner.draft, self.draft_cfg)
