@@ -41,6 +41,7 @@ CHECKPOINT_FORMAT = "dspark-draft"
 CHECKPOINT_VERSION = 1
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "dspark-manifest"
+_VERIFIED: set[tuple] = set()  # folders whose files passed, with each file's (name, size, mtime): hashed once
 
 
 # -- manifest: size + sha256 of each file ------------------------------------------------------------------------
@@ -64,9 +65,17 @@ def verify_manifest(folder: Path, fix: str) -> bool:
     info = read_json(man)
     if not isinstance(info, dict) or info.get("format") != MANIFEST_FORMAT or not isinstance(info.get("files"), dict):
         raise UserError(f"{man}: not a {MANIFEST_FORMAT} file; {fix}")
-    for name, want in info["files"].items():
-        _check_file(folder / name, want, fix)
+    seen = (str(folder.resolve()), tuple(_stamp(folder / n) for n in sorted(info["files"])))
+    if seen not in _VERIFIED:
+        for name, want in info["files"].items():
+            _check_file(folder / name, want, fix)
+        _VERIFIED.add(seen)
     return True
+
+
+def _stamp(path: Path) -> tuple:
+    st = path.stat() if path.is_file() else None
+    return (path.name, st.st_size, st.st_mtime_ns) if st else (path.name, None, None)
 
 
 def _check_file(path: Path, want: dict[str, Any], fix: str) -> None:
@@ -268,18 +277,32 @@ def _restore_weights(d: Path, model: nn.Module, weights: dict[str, torch.Tensor]
             params[k].copy_(v)
 
 
+def _latest_dir(ckpt_root: Path) -> tuple[Path, str] | None:
+    """The latest step folder and what to do when it is damaged (None without a checkpoint)."""
+    latest = ckpt_root / "latest.json"
+    if not latest.is_file():
+        return None
+    d = ckpt_root / read_json(latest)["dir"]
+    return d, f"delete {d} and point {latest} at an earlier step, or delete {ckpt_root} to start over"
+
+
+def verify_latest_checkpoint(ckpt_root: Path) -> None:
+    """Check the latest checkpoint's files against its manifest (a run checks before it writes anything)."""
+    found = _latest_dir(ckpt_root)
+    if found is not None:
+        verify_manifest(*found)
+
+
 def load_checkpoint(ckpt_root: Path, model: nn.Module, opt, sched, total_steps: int | None = None) -> int:
     """Restore the latest checkpoint; return the step to continue from (0 when there is none).
 
     Its files are checked against its ``manifest.json`` first: a damaged checkpoint changes nothing.
     A checkpoint saved without optimizer state (the schedule's last step) restores only at or past
     ``total_steps``: the run is complete and nothing is trained."""
-    latest = ckpt_root / "latest.json"
-    if not latest.is_file():
+    found = _latest_dir(ckpt_root)
+    if found is None:
         return 0
-    info = read_json(latest)
-    d = ckpt_root / info["dir"]
-    fix = f"delete {d} and point {latest} at an earlier step, or delete {ckpt_root} to start over"
+    d, fix = found
     weights = load_checked_weights(d, fix)
     st = torch.load(d / "state.pt", weights_only=False)
     if "optimizer" not in st and total_steps is not None and int(st["step"]) < total_steps:

@@ -19,8 +19,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -32,7 +37,8 @@ import yaml
 from dspark_core.cache import CacheConfig, CacheDataset, build_store, run_cache
 from dspark_core.cache.store import open_store
 from dspark_core.config import ParamsError
-from dspark_core.data.prompts import PrepareConfig, run_prepare
+from dspark_core.data.prompts import PrepareConfig, Prompt, run_prepare, write_prompts
+from dspark_core.data.regenerate import RegenerateConfig, run_regenerate
 from dspark_core.decoding.bench_online import run_bench_online_stage
 from dspark_core.checkpoint import load_draft, save_draft
 from dspark_core.draft import DraftConfig, DSparkDraft
@@ -47,6 +53,11 @@ LAYERS = [1, 3]  # tiny targets have 6 decoder layers: 5 is the final one
 LENGTHS = [(20, 30), (60, 40), (10, 20), (30, 35), (15, 20), (8, 14)]
 N_TOKENS = sum(min(a + b, 96) for a, b in LENGTHS)  # 298
 FP = r"[0-9a-f]{16}"
+DRAFT = "data/train/baseline/final"
+CKPT = "data/train/baseline/checkpoints/step_00000001"
+# a train@baseline run stopped after step 1 of 2 (its outputs, and its report folder)
+TRAINED = (("trained_out", "data/train/baseline"), ("trained_reports", "reports/train/baseline"))
+NOT_UTF8 = b'{"turns": ["Hi"]}\n{"turns": ["caf\xe9 au lait"]}\n'  # latin-1 e-acute in line 2
 
 PARAMS: dict[str, Any] = {
     "target": {"source": "hf_dir", "path": "no/such/hf_dir", "out_dir": "data/target"},
@@ -62,6 +73,8 @@ PARAMS: dict[str, Any] = {
     "eval_offline": {"batch_size": 2, "num_anchors": 4},
     "bench_online": {"datasets": ["jsonl:prompts.jsonl"], "max_prompts": 2, "max_new_tokens": 8, "max_len": 256,
                      "peers": [], "device": "cpu", "out_dir": "reports/bench_online"},
+    "regenerate": {"backend": "hf", "device": "cpu", "threads": 1, "max_new_tokens": 12, "batch_size": 2,
+                   "splits": ["train"]},
 }
 
 
@@ -88,7 +101,22 @@ def assets(tmp_path_factory) -> dict[str, Path]:
     model.save_pretrained(nan_target)
     a["nan_target"] = nan_target
     a["nan_regen"] = write_regen(root / "nan_regen" / "train.parquet", LENGTHS, poison=2)
+    trained = _stopped_training(root / "trained", a)
+    a["trained_out"], a["trained_reports"] = trained / "data/train/baseline", trained / "reports/train/baseline"
     return a
+
+
+def _stopped_training(root: Path, assets: dict[str, Path]) -> Path:
+    """A project whose train@baseline stopped (time budget) after step 1 of 2: a checkpoint to resume from."""
+    cwd = Path.cwd()
+    Project(root, assets)
+    try:
+        os.chdir(root)
+        run_train_stage(Path("params.yaml"), "baseline", time_budget_s=1e-9)
+    finally:
+        os.chdir(cwd)
+    assert (root / "data/train/baseline/checkpoints/step_00000001/manifest.json").is_file()
+    return root
 
 
 class Project:
@@ -334,6 +362,44 @@ def draft_on(target: str):
     return setup
 
 
+def damaged_file(call: Callable[[], Any], rel: str, how: str, copies=(("draft", DRAFT),)):
+    """``rel`` truncated by 100 bytes (``how="truncate"``) or one byte flipped inside it (``"flip"``), after each
+    asset of ``copies`` (asset, path) was put at its path."""
+    def setup(p: Project):
+        for asset, dst in copies:
+            p.put(asset, dst)
+        f = p.root / rel
+        b = bytearray(f.read_bytes())
+        if how == "truncate":
+            del b[-100:]
+        else:
+            b[-20] ^= 0x01
+        f.write_bytes(bytes(b))
+        return call
+    return setup
+
+
+def regenerate() -> Callable[[], Any]:
+    return lambda: run_regenerate(RegenerateConfig.load("params.yaml", "regenerate"))
+
+
+def prompts_parquet(turns: tuple[str, ...]):
+    def setup(p: Project):
+        write_prompts(p.root / "data/prompts/train.parquet", [Prompt("q0", "test", ("Say yes.",)),
+                                                             Prompt("q1", "test", turns)])
+        return regenerate()
+    return setup
+
+
+def raw_file(call: Callable[[Project], Callable[[], Any]], name: str, data: bytes):
+    """``name`` holds ``data`` (bytes, e.g. not UTF-8) when ``call``'s setup has run."""
+    def setup(p: Project):
+        run = call(p)
+        (p.root / name).write_bytes(data)
+        return run
+    return setup
+
+
 # -- the catalogue ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Case:
@@ -474,6 +540,31 @@ CASES = [
     Case("draft/other_architecture", draft_on("shallow_target"),
          r"data/train/baseline/final/config.json: draft trained for another target: its target.num_hidden_layers is "
          r"6, the given target \(data/target\) has 4"),
+    # 9. damaged checkpoints: size / sha256 of manifest.json, checked before a weight is read
+    Case("checkpoint/truncated_draft_eval", damaged_file(eval_offline(), f"{DRAFT}/model.safetensors", "truncate"),
+         rf"{DRAFT}/model.safetensors: \d+ bytes, manifest.json records \d+ \(truncated or replaced\); retrain the "
+         rf"draft or restore {DRAFT} \(`dvc checkout`\)", EVAL_OUT),
+    Case("checkpoint/altered_draft_bench", damaged_file(bench(), f"{DRAFT}/model.safetensors", "flip"),
+         rf"{DRAFT}/model.safetensors: SHA-256 differs from the one manifest.json records \(the file is damaged\)",
+         BENCH_OUT),
+    Case("checkpoint/truncated_train_resume", damaged_file(train(), f"{CKPT}/model.safetensors", "truncate", TRAINED),
+         rf"{CKPT}/model.safetensors: \d+ bytes, manifest.json records \d+ \(truncated or replaced\); delete {CKPT} "
+         r"and point data/train/baseline/checkpoints/latest.json at an earlier step"),
+    # 10. empty prompts and prompts that are not UTF-8: refused naming the line (no prompt silently dropped)
+    Case("prompt/prepare_empty_turn", prepare_from(['{"turns": ["What is 2 + 3?"]}', '{"turns": ["  "]}']),
+         r"src.jsonl:2: field 'turns' must be a non-empty list of non-empty strings, got \"\['  '\]\"",
+         ("data/prompts",)),
+    Case("prompt/bench_empty_turn", bench_prompts(['{"turns": ["Hi"]}', '{"turns": [""]}']),
+         r"prompts.jsonl: line 2: 'turns' must be a non-empty list of non-empty strings", BENCH_OUT),
+    Case("prompt/regenerate_empty_turn", prompts_parquet(("",)),
+         r"data/prompts/train.parquet: row id='q1' has an empty turn \(\[''\]\); fix the prompts",
+         ("reports/regenerate_stats.json", "data/regen/parts")),
+    Case("prompt/prepare_not_utf8", raw_file(prepare_from([]), "src.jsonl", NOT_UTF8),
+         r"src.jsonl:2: not valid UTF-8 \(byte 0xe9 at column 16\); save the file as UTF-8", ("data/prompts",)),
+    Case("prompt/bench_not_utf8", raw_file(bench_prompts([]), "prompts.jsonl", NOT_UTF8),
+         r"prompts.jsonl:2: not valid UTF-8 \(byte 0xe9 at column 16\)", BENCH_OUT),
+    Case("too_long/cache_prompt_alone", regen_rows([(120, 10)] + LENGTHS, cache={"on_too_long": "error"}),
+         r"data/regen/train.parquet: row 0 \(id 's000'\) has 130 tokens > cache.max_length=96", CACHE_OUT),
 ]
 
 
@@ -523,7 +614,8 @@ def test_bad_input_gives_one_clear_error(case: Case, project: Project):
 def test_catalogue_covers_every_item():
     """The issue's eight kinds of bad input each have cases; names are unique."""
     kinds = {c.name.split("/")[0] for c in CASES}
-    assert kinds == {"variant", "params", "layers", "cache", "nan", "empty", "too_long", "target", "draft"}
+    assert kinds == {"variant", "params", "layers", "cache", "nan", "empty", "too_long", "target", "draft",
+                     "checkpoint", "prompt"}
     assert len({c.name for c in CASES}) == len(CASES)
 
 
