@@ -633,3 +633,117 @@ def test_verify_lists_damaged_chunks(project: Project):
     assert [b["chunk"] for b in report["chunks"]["bad"]] == ["aux_hidden/c/0/0/0"]
     clean = verify_cache("data/cache/eval.zarr", "data/target", n_samples=0)
     assert clean["ok"] and clean["chunks"]["bad"] == [] and clean["chunks"]["checked"] > 0
+
+
+def test_prompt_over_max_length_is_cut_and_counted(project: Project):
+    """The default ``cache.on_too_long: truncate`` keeps a sample longer than ``cache.max_length`` cut to it and
+    counts it in the stats; one whose prompt alone fills max_length has no response token left and is counted
+    as such (its loss mask is empty, so it trains nothing)."""
+    regen_rows([(120, 10)] + LENGTHS)(project)
+    shutil.rmtree(project.root / "data/cache")
+    stats = cache()()
+    assert stats["truncated_samples"] == 2 and stats["no_response_samples"] == 1  # rows 0 (130) and 2 (100)
+    ds = CacheDataset("data/cache/train.zarr")
+    cut = [ds[n] for n in range(len(ds)) if not ds[n]["loss_mask"].any()]
+    assert len(cut) == 1 and cut[0]["input_ids"].shape[0] == 96
+
+
+# -- the command line: exit status 2 and one line; kill -9 then the same command resumes to the same bytes -----
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+       "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+
+
+def _start(root: Path, *argv: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *argv], cwd=root, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_user_error_exits_2_with_one_line(tmp_path, assets):
+    """``python stages/eval_offline.py`` on a truncated draft: status 2, one ``error:`` line on stderr naming the
+    file, no traceback (every stage runs under the same ``run_stage``; the in-process cases cover the messages)."""
+    p = Project(tmp_path / "proj", assets)
+    damaged_file(None, f"{DRAFT}/model.safetensors", "truncate")(p)
+    before = _tree(p.root)
+    proc = _start(p.root, str(REPO / "stages" / "eval_offline.py"), "--variant", "baseline")
+    _, err = proc.communicate(timeout=300)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2, err[-2000:]
+    assert len(errors) == 1, err[-2000:]
+    assert re.search(rf"^error: {DRAFT}/model.safetensors: \d+ bytes, manifest.json records \d+ \(truncated or "
+                     r"replaced\); retrain the draft", errors[0]), errors[0]
+    assert "Traceback" not in err, err[-2000:]
+    assert _tree(p.root) == before
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+KILLED = {  # stage -> (params over PARAMS, outputs removed first, what must be on disk when it is killed)
+    "regenerate": ({}, ("data/regen",), "data/regen/parts/train/part-00000.parquet"),
+    "cache": ({"cache": {"batch_tokens": 100}}, ("data/cache",), "data/cache/train.zarr/zarr.json"),
+    "train": ({"train": {"total_steps": 4, "max_steps": 4}}, (), "data/train/baseline/checkpoints/latest.json"),
+}
+
+
+def _stage_call(stage: str) -> Callable[[], Any]:
+    """What ``python stages/<stage>.py`` runs (in this process)."""
+    return {"regenerate": regenerate(), "cache": lambda: run_cache(CacheConfig.load("params.yaml", "cache"),
+                                                                   rebuild_stale=True),
+            "train": train()}[stage]
+
+
+def _kill_project(root: Path, assets: dict[str, Path], stage: str) -> Project:
+    over, remove, _ = KILLED[stage]
+    p = Project(root, assets)
+    p.params(**over)
+    for rel in remove:
+        shutil.rmtree(p.root / rel)
+    write_prompts(p.root / "data/prompts/train.parquet",
+                  [Prompt(f"q{i}", "test", (f"Question {i}: name {i + 2} colours.",)) for i in range(6)])
+    return p
+
+
+def _compared(stage: str, root: Path) -> dict[str, bytes]:
+    if stage == "regenerate":
+        return {"train.parquet": (root / "data/regen/train.parquet").read_bytes()}
+    if stage == "cache":
+        return _files(root / "data/cache/train.zarr")
+    return _files(root / DRAFT)
+
+
+def test_kill_9_then_the_same_command_resumes_to_the_same_bytes(tmp_path, assets, monkeypatch, one_thread):
+    """regenerate, cache and train, each killed with SIGKILL once part of its output is written
+    (``tests/_paused_stage.py`` holds the command there), then run again: the output is byte for byte that of an
+    uninterrupted run (regenerate's final parquet, every file of the cache store, the exported draft)."""
+    procs = {}
+    for stage in KILLED:  # start the three at once: their interpreters start while the references run here
+        p = _kill_project(tmp_path / f"killed_{stage}", assets, stage)
+        procs[stage] = (p, _start(p.root, str(REPO / "tests" / "_paused_stage.py"), str(tmp_path / f"{stage}.held"),
+                                  stage), tmp_path / f"{stage}.held")
+    try:
+        refs = {}
+        for stage in KILLED:
+            ref = _kill_project(tmp_path / f"ref_{stage}", assets, stage)
+            monkeypatch.chdir(ref.root)
+            _stage_call(stage)()
+            refs[stage] = _compared(stage, ref.root)
+        for stage, (p, proc, held) in procs.items():
+            deadline = time.monotonic() + 300
+            while not held.exists():
+                assert proc.poll() is None, f"{stage} ended before it was held: {proc.stderr.read()[-2000:]}"
+                assert time.monotonic() < deadline, f"{stage} was not held in 300 s"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=60)
+            assert (p.root / KILLED[stage][2]).is_file(), stage  # part of the output was written
+            monkeypatch.chdir(p.root)
+            _stage_call(stage)()
+            got = _compared(stage, p.root)
+            assert got.keys() == refs[stage].keys(), stage
+            assert [k for k in got if got[k] != refs[stage][k]] == [], stage
+    finally:
+        for _, proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=60)
