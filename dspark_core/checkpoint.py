@@ -41,7 +41,7 @@ CHECKPOINT_FORMAT = "dspark-draft"
 CHECKPOINT_VERSION = 1
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "dspark-manifest"
-_VERIFIED: set[tuple] = set()  # folders whose files passed, with each file's (name, size, mtime): hashed once
+_VERIFIED: set[tuple] = set()  # folders that passed, with (name, size, mtime) of the manifest and each file
 
 
 # -- manifest: size + sha256 of each file ------------------------------------------------------------------------
@@ -65,7 +65,7 @@ def verify_manifest(folder: Path, fix: str) -> bool:
     info = read_json(man)
     if not isinstance(info, dict) or info.get("format") != MANIFEST_FORMAT or not isinstance(info.get("files"), dict):
         raise UserError(f"{man}: not a {MANIFEST_FORMAT} file; {fix}")
-    seen = (str(folder.resolve()), tuple(_stamp(folder / n) for n in sorted(info["files"])))
+    seen = (str(folder.resolve()), tuple(_stamp(folder / n) for n in [MANIFEST, *sorted(info["files"])]))
     if seen not in _VERIFIED:
         for name, want in info["files"].items():
             _check_file(folder / name, want, fix)

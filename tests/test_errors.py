@@ -654,8 +654,14 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORME
 
 
 def _start(root: Path, *argv: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *argv], cwd=root, env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    """``python ARGV`` in ``root``; its stderr goes to ``<root>.stderr`` (a file: a pipe nobody reads while the
+    process runs could fill up and stall it)."""
+    with open(_stderr(root), "w") as err:
+        return subprocess.Popen([sys.executable, *argv], cwd=root, env=ENV, stdout=subprocess.DEVNULL, stderr=err)
+
+
+def _stderr(root: Path) -> Path:
+    return root.with_name(f"{root.name}.stderr")
 
 
 def test_user_error_exits_2_with_one_line(tmp_path, assets):
@@ -665,7 +671,8 @@ def test_user_error_exits_2_with_one_line(tmp_path, assets):
     damaged_file(None, f"{DRAFT}/model.safetensors", "truncate")(p)
     before = _tree(p.root)
     proc = _start(p.root, str(REPO / "stages" / "eval_offline.py"), "--variant", "baseline")
-    _, err = proc.communicate(timeout=300)
+    proc.wait(timeout=300)
+    err = _stderr(p.root).read_text()
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2, err[-2000:]
     assert len(errors) == 1, err[-2000:]
@@ -731,7 +738,7 @@ def test_kill_9_then_the_same_command_resumes_to_the_same_bytes(tmp_path, assets
         for stage, (p, proc, held) in procs.items():
             deadline = time.monotonic() + 300
             while not held.exists():
-                assert proc.poll() is None, f"{stage} ended before it was held: {proc.stderr.read()[-2000:]}"
+                assert proc.poll() is None, f"{stage} ended unheld: {_stderr(p.root).read_text()[-2000:]}"
                 assert time.monotonic() < deadline, f"{stage} was not held in 300 s"
                 time.sleep(0.05)
             proc.send_signal(signal.SIGKILL)
