@@ -17,7 +17,8 @@ from dspark_core.decoding.bench_online import (BenchOnlineConfig, DatasetRun, de
                                       read_jsonl_prompts, run_bench_online_stage, stop_ids_of, summarize)
 from dspark_core.decoding.target_runner import TargetRunner
 from dspark_core.config import ParamsError
-from dspark_core.draft import DraftConfig, DSparkDraft, save_draft
+from dspark_core.checkpoint import save_draft
+from dspark_core.draft import DraftConfig, DSparkDraft
 from dspark_core.decoding.types import GenerationResult
 from dspark_core.target import load_target
 from dspark_core.testing import save_tiny_target

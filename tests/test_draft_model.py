@@ -10,9 +10,10 @@ import torch
 
 from _draft_utils import teacher_forcing
 from dspark_core.cache.dataset import CacheCollator
+from dspark_core.checkpoint import load_draft, save_draft
 from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.draft.config import DraftConfig
-from dspark_core.draft.model import DSparkDraft, ExtraKV, load_draft, save_draft
+from dspark_core.draft.model import DSparkDraft, ExtraKV
 from dspark_core.draft.synthetic import items_from_target
 from dspark_core.testing import tiny_model
 

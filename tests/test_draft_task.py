@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dspark_core.cache.dataset import CacheCollator
+from dspark_core.checkpoint import load_draft
 from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.draft.config import DraftConfig, LossConfig
-from dspark_core.draft.model import load_draft
 from dspark_core.draft.task import DSparkTask
 from dspark_core.draft.synthetic import items_from_target
 from dspark_core.draft.eval_offline import EvalOfflineConfig, evaluate_offline

@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dspark_core.draft.config import DraftConfig
-from dspark_core.draft.model import DSparkDraft, build_draft, load_draft, save_draft
+from dspark_core.checkpoint import load_draft, save_draft
+from dspark_core.draft.model import DSparkDraft, build_draft
 from dspark_core.errors import UserError
 from dspark_core.export import export_draft, load_any_draft
 from dspark_core.testing import save_tiny_target
@@ -92,6 +93,19 @@ def test_round_trip_is_bit_identical(target, draft, context, layout, tmp_path):
     for (a, b) in zip(propose(draft, *context), propose(back, *context)):
         assert torch.equal(a, b)
     assert "vllm serve" in (tmp_path / "README.md").read_text()
+
+
+def test_a_damaged_export_is_refused_on_import(target, draft, tmp_path):
+    export_draft(draft, tmp_path, "speculators", dtype="float32", target=str(target[0]))
+    f = tmp_path / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-100:-90] = bytes(10)  # same size, other bytes: only the recorded SHA-256 can tell
+    f.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=r"model.safetensors: SHA-256 differs.*export it again"):
+        load_any_draft(tmp_path, target[1])
+    f.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(UserError, match=r"model.safetensors: \d+ bytes, manifest.json records"):
+        load_any_draft(tmp_path, target[1])
 
 
 def test_bf16_export_is_the_default(target, draft, tmp_path):

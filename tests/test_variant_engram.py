@@ -11,9 +11,10 @@ import torch
 
 from _draft_utils import seed000_param_counts, teacher_forcing
 from dspark_core.cache.dataset import CacheCollator
+from dspark_core.checkpoint import load_draft, save_draft
 from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.draft.config import DraftConfig, EngramConfig
-from dspark_core.draft.model import DSparkDraft, load_draft, save_draft
+from dspark_core.draft.model import DSparkDraft
 from dspark_core.draft.synthetic import items_from_target
 from dspark_core.draft.model import build_draft, draft_class
 from dspark_core.draft.variants.engram import (EngramTable, build_frozen_table, is_prime, read_frozen_table,

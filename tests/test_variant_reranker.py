@@ -14,9 +14,10 @@ import torch.nn.functional as F
 
 from _draft_utils import seed000_param_counts, teacher_forcing
 from dspark_core.cache.dataset import CacheCollator
+from dspark_core.checkpoint import load_draft, save_draft
 from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.draft.config import DraftConfig, LossConfig, RerankerConfig
-from dspark_core.draft.model import DSparkDraft, build_draft, load_draft, save_draft
+from dspark_core.draft.model import DSparkDraft, build_draft
 from dspark_core.draft.synthetic import items_from_target
 from dspark_core.draft.task import DSparkTask, task_class
 from dspark_core.draft.variants.reranker import RerankerTask, keep_dspark_on_ties, top_candidates

@@ -1,4 +1,5 @@
-"""The DSpark draft (the DSpark paper's baseline draft, as built by DeepSpec), its variant registry, its save/load.
+"""The DSpark draft (the DSpark paper's baseline draft, as built by DeepSpec) and its variant registry
+(saved and loaded by ``dspark_core.checkpoint``).
 
 Shape legend: B batch, L tokens, A anchors, S slots (block_size), Q = A*S block tokens, K aux layers,
 Ht target hidden, H draft hidden, V vocab, r Markov rank, E extra K/V entries, nq / nkv heads, d head dim.
@@ -45,7 +46,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
@@ -63,8 +63,6 @@ from dspark_core.draft.heads import ConfidenceHead, VanillaMarkovHead
 
 FAMILIES = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}
 FROZEN_KEYS = ("lm_head_weight", "embed_tokens_weight")
-CHECKPOINT_FORMAT = "dspark-draft"
-CHECKPOINT_VERSION = 1
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [B, T, d]
 
 
@@ -515,90 +513,3 @@ def _compiled_layer_step():
                 setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
         _COMPILED_STEP.append(torch.compile(_layer_step, dynamic=False))
     return _COMPILED_STEP[0]
-
-
-# -- save / load ---------------------------------------------------------------------------------------
-def draft_checkpoint_config(draft: DSparkDraft) -> dict[str, Any]:
-    return {
-        "format": CHECKPOINT_FORMAT,
-        "format_version": CHECKPOINT_VERSION,
-        "draft": draft.cfg.to_dict(),
-        "aux_layer_ids": list(draft.aux_layer_ids),
-        "mask": {"token_id": draft.mask_token_id, "learned": draft.mask_embedding is not None},
-        "target": {**draft.target_summary, "fingerprint": draft.target_fingerprint},
-        "architecture": {"hidden_size": draft.hidden_size, "intermediate_size": draft.hf_config.intermediate_size,
-                         "num_attention_heads": draft.hf_config.num_attention_heads,
-                         "num_key_value_heads": draft.hf_config.num_key_value_heads,
-                         "head_dim": draft.hf_config.head_dim, "tied_embeddings": draft.tied_embeddings},
-    }
-
-
-def save_draft(out_dir: str | Path, draft: nn.Module, cfg: DraftConfig | None = None) -> Path:
-    """Write ``model.safetensors`` (the draft's own weights, not the target's copies) + ``config.json``."""
-    from safetensors.torch import save_file
-
-    from dspark_core.io import atomic_path, write_json
-
-    draft = getattr(draft, "draft", draft)  # a DSparkTrainModel wraps the draft
-    if not isinstance(draft, DSparkDraft):
-        raise ValueError(f"save_draft: expected a DSparkDraft, got {type(draft).__name__}")
-    if cfg is not None and cfg != draft.cfg:
-        raise ValueError(f"save_draft: cfg {cfg} differs from the draft's own config {draft.cfg}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.detach().contiguous().cpu() for k, v in draft.own_state_dict().items()}
-    with atomic_path(out / "model.safetensors", ".safetensors") as tmp:
-        save_file(weights, str(tmp), metadata={"format": CHECKPOINT_FORMAT})
-    write_json(out / "config.json", draft_checkpoint_config(draft))
-    return out
-
-
-def read_draft_config(path: str | Path) -> dict[str, Any]:
-    f = Path(path) / "config.json"
-    if not f.is_file():
-        raise ValueError(f"{f}: not a DSpark draft checkpoint (no config.json)")
-    try:
-        info = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{f}: not valid JSON ({e})") from None
-    if info.get("format") != CHECKPOINT_FORMAT or info.get("format_version") != CHECKPOINT_VERSION:
-        raise ValueError(f"{f}: format {info.get('format')!r} v{info.get('format_version')!r} is not "
-                         f"{CHECKPOINT_FORMAT!r} v{CHECKPOINT_VERSION}")
-    return info
-
-
-def load_draft(path: str | Path, target_model: nn.Module, expected_fingerprint: str | None = None) -> DSparkDraft:
-    """Rebuild a saved draft on ``target_model`` (its config, embedding and LM head; same device/dtype)."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    info = read_draft_config(path)
-    src = str(path / "config.json")
-    cfg = DraftConfig.from_dict(info["draft"], src=src, prefix="draft.")
-    tc = target_model.config
-    saved = info["target"]
-    where = getattr(tc, "_name_or_path", "") or ""  # the dir the target was loaded from (HF sets it)
-    given = f"the given target ({where})" if where else "the given target"
-    for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers"):
-        have = getattr(tc, key, None) if key != "vocab_size" else target_model.get_output_embeddings().weight.shape[0]
-        if saved.get(key) != have:
-            raise ValueError(f"{src}: draft trained for another target: its target.{key} is {saved.get(key)!r}, "
-                             f"{given} has {have!r}; retrain the draft on this target")
-    if expected_fingerprint is not None and saved.get("fingerprint") not in (None, expected_fingerprint):
-        raise ValueError(f"{src}: draft trained on target fingerprint {saved['fingerprint']}, {given} has "
-                         f"fingerprint {expected_fingerprint}; retrain the draft on this target")
-    lm = target_model.get_output_embeddings().weight
-    draft = build_draft(cfg, tc, target_model.get_input_embeddings().weight, lm,
-                        aux_layer_ids=info["aux_layer_ids"], target_fingerprint=saved.get("fingerprint"))
-    weights = load_file(str(path / "model.safetensors"))
-    own = draft.own_state_dict()
-    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
-    if missing or unexpected:
-        raise ValueError(f"{path / 'model.safetensors'}: weights do not match config.json "
-                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    for k, v in weights.items():
-        if tuple(v.shape) != tuple(own[k].shape):
-            raise ValueError(f"{path / 'model.safetensors'}: {k} has shape {tuple(v.shape)}, "
-                             f"expected {tuple(own[k].shape)}")
-    draft.load_state_dict(weights, strict=False)
-    return draft.to(device=lm.device, dtype=lm.dtype).eval()

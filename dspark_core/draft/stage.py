@@ -116,7 +116,7 @@ def run_eval_offline_stage(params: Path, variant: str) -> dict:
     import torch
 
     from dspark_core.cache.dataset import CacheDataset
-    from dspark_core.draft.model import load_draft
+    from dspark_core.checkpoint import load_draft
     from dspark_core.draft.eval_offline import EvalOfflineConfig, evaluate_offline
     from dspark_core.target import load_target, read_fingerprint
 

@@ -54,12 +54,11 @@ def load_warm_start(model: nn.Module, ckpt_dir: Path, target_fingerprint: str | 
     made on the target of ``target_fingerprint``; or a DeepSpec- / speculators-layout draft, checked by vocabulary,
     width, layer ids and block size instead), into ``model``. Each of its weights must exist here with the
     same shape; weights it lacks (a variant's own new modules) keep their initialisation."""
-    from safetensors.torch import load_file
+    from dspark_core.checkpoint import load_checked_weights
 
     path = ckpt_dir / "model.safetensors"
     if not path.is_file():
         raise UserError(f"warm start: {path} not found (is the step among the run's kept checkpoints?)")
-    weights = load_file(str(path))
     if (ckpt_dir / "config.json").is_file():  # a saved draft: its names are the draft's, the trainer's say draft.*
         from dspark_core.export import detect_layout, foreign_warm_start
 
@@ -67,7 +66,10 @@ def load_warm_start(model: nn.Module, ckpt_dir: Path, target_fingerprint: str | 
             weights = foreign_warm_start(ckpt_dir, model.draft)
         else:
             _check_saved_fingerprint(ckpt_dir, target_fingerprint)
+            weights = load_checked_weights(ckpt_dir, f"retrain the warm start's source run or restore {ckpt_dir}")
         weights = {f"draft.{k}": v for k, v in weights.items()}
+    else:
+        weights = load_checked_weights(ckpt_dir, f"retrain the warm start's source run or restore {ckpt_dir}")
     params = dict(model.named_parameters())
     bad = [k for k, v in weights.items() if k not in params or tuple(params[k].shape) != tuple(v.shape)]
     if bad:
@@ -78,7 +80,7 @@ def load_warm_start(model: nn.Module, ckpt_dir: Path, target_fingerprint: str | 
 
 
 def _check_saved_fingerprint(ckpt_dir: Path, target_fingerprint: str | None) -> None:
-    from dspark_core.draft.model import read_draft_config
+    from dspark_core.checkpoint import read_draft_config
 
     saved = read_draft_config(ckpt_dir)["target"].get("fingerprint")
     if target_fingerprint is not None and saved not in (None, target_fingerprint):
@@ -239,7 +241,7 @@ class DSparkTask:
 
     def export(self, model: nn.Module, out_dir: str | Path) -> Path:
         """Save the trained draft (``save_draft``) from the trainer's model (plain or DDP-wrapped)."""
-        from dspark_core.draft.model import save_draft
+        from dspark_core.checkpoint import save_draft
 
         inner = getattr(model, "module", model)
         return save_draft(out_dir, inner.draft, self.draft_cfg)

@@ -98,8 +98,6 @@ def check_target(foreign: ForeignDraft, target_model: Any, src: str) -> None:
 def foreign_warm_start(path: str | Path, draft: Any) -> dict[str, Any]:
     """The weights of an engine-layout draft under dspark's names, for a warm start of ``draft`` (a
     ``DSparkDraft`` being trained): its vocabulary, target width, aux layer ids and block size must be the draft's."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     src = str(path / "config.json")
     foreign = read_foreign(path)
@@ -113,14 +111,25 @@ def foreign_warm_start(path: str | Path, draft: Any) -> dict[str, Any]:
         raise UserError(f"warm start: {src}: target layer ids {list(foreign.aux_layer_ids)} / block size "
                         f"{foreign.draft['block_size']} differ from this run's {list(draft.aux_layer_ids)} / "
                         f"{draft.block_size}; set cache.aux_layer_ids and draft.block_size to the draft's")
-    return from_layout_names(load_file(str(path / "model.safetensors")))
+    return from_layout_names(read_weights(path))
+
+
+def read_weights(path: Path) -> dict[str, Any]:
+    """``path/model.safetensors`` of an engine-layout draft, checked against ``manifest.json`` where the directory
+    has one (dspark's exports do; a published draft may not, and is read as it is)."""
+    from dspark_core.checkpoint import MANIFEST, load_tensors, verify_manifest
+
+    fix = f"export it again (dspark export) or restore {path}"
+    if (path / MANIFEST).is_file():
+        verify_manifest(path, fix)
+    if not (path / "model.safetensors").is_file():
+        raise UserError(f"{path}: no model.safetensors")
+    return load_tensors(path / "model.safetensors", fix)
 
 
 def load_foreign_draft(path: str | Path, target_model: Any) -> Any:
     """A DeepSpec- or speculators-layout draft rebuilt as a ``DSparkDraft`` on ``target_model`` (its embedding
     and LM head, device and dtype; the directory's copies of them are not read)."""
-    from safetensors.torch import load_file
-
     from dspark_core.draft.config import DraftConfig
     from dspark_core.draft.model import build_draft
 
@@ -133,9 +142,7 @@ def load_foreign_draft(path: str | Path, target_model: Any) -> Any:
     draft = build_draft(cfg, target_model.config, target_model.get_input_embeddings().weight, lm,
                         aux_layer_ids=foreign.aux_layer_ids)
     f = path / "model.safetensors"
-    if not f.is_file():
-        raise UserError(f"{path}: no model.safetensors")
-    weights = from_layout_names(load_file(str(f)))
+    weights = from_layout_names(read_weights(path))
     own = draft.own_state_dict()
     missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
     if missing or unexpected:
@@ -149,7 +156,7 @@ def load_foreign_draft(path: str | Path, target_model: Any) -> Any:
 
 def load_any_draft(path: str | Path, target_model: Any, expected_fingerprint: str | None = None) -> Any:
     """A dspark checkpoint (fingerprint-checked) or an engine-layout draft (checked by shapes and layer ids)."""
-    from dspark_core.draft.model import load_draft
+    from dspark_core.checkpoint import load_draft
 
     if detect_layout(path) is None:
         return load_draft(path, target_model, expected_fingerprint=expected_fingerprint)

@@ -151,9 +151,11 @@ def read_config(path: Path) -> dict[str, Any]:
 
 
 def write_dir(out: Path, config: dict[str, Any], weights: dict[str, torch.Tensor], readme: str) -> Path:
-    """config.json + model.safetensors + README.md written into a temp dir that then replaces ``out`` whole
-    (a crash leaves the old directory or none, never a mix)."""
+    """config.json + model.safetensors + README.md (+ manifest.json: their sizes and SHA-256, checked on import)
+    written into a temp dir that then replaces ``out`` whole (a crash leaves the old directory or none, never a mix)."""
     from safetensors.torch import save_file
+
+    from dspark_core.checkpoint import write_manifest
 
     from dspark_core.io import write_json
     from dspark_core.target import atomic_dir
@@ -162,4 +164,5 @@ def write_dir(out: Path, config: dict[str, Any], weights: dict[str, torch.Tensor
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "README.md").write_text(readme)
         write_json(tmp / "config.json", config)
+        write_manifest(tmp, ["config.json", "model.safetensors", "README.md"])
     return out

@@ -65,7 +65,7 @@ def run_export_stage(params: Path, variant: str) -> list[Path]:
 def import_dir(src_dir: str | Path, out_dir: str | Path, target_dir: str | Path = "data/target") -> Path:
     """A DeepSpec- or speculators-layout draft saved as a dspark checkpoint (what eval_offline / bench_online
     read), checked against the target ``target_dir``."""
-    from dspark_core.draft.model import save_draft
+    from dspark_core.checkpoint import save_draft
 
     model, fingerprint = _target(Path(target_dir))
     draft = load_any_draft(src_dir, model, expected_fingerprint=fingerprint)
