@@ -1,11 +1,12 @@
 """Run a stage's command line (``stages/<name>.py``) and hold it still once part of its output is on disk, so a
 test can ``kill -9`` it at a known point:
 
-    python tests/_paused_stage.py MARKER regenerate|cache|train [stage args...]
+    python tests/_paused_stage.py MARKER regenerate|cache|train|export [stage args...]
 
 - regenerate: as it is about to write its second answered batch (the first is a part file already);
 - cache: as it is about to commit its second batch (that batch's chunks written, the manifest not updated);
-- train: as it is about to write its second checkpoint (steps after the first checkpoint trained, not saved).
+- train: as it is about to write its second checkpoint (steps after the first checkpoint trained, not saved);
+- export: as it is about to write its second layout's weights (the first layout's directory complete).
 
 On reaching that point it creates the file MARKER and sleeps (the test kills it there).
 """
@@ -46,6 +47,9 @@ def main() -> None:
     elif stage == "train":
         from dspark_core.train import trainer as owner
         hold_at_call(owner, "save_checkpoint", 1, Path(marker))
+    elif stage == "export":
+        import safetensors.torch as owner
+        hold_at_call(owner, "save_file", 1, Path(marker))
     else:
         raise SystemExit(f"unknown stage {stage!r}")
     sys.argv = [str(REPO / "stages" / f"{stage}.py"), *args]

@@ -13,6 +13,7 @@ and the refusals: what the engines cannot run is never written.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -293,6 +294,61 @@ def test_warm_start_from_an_engine_layout(target, draft, layout, tmp_path):
                         model.get_output_embeddings().weight, aux_layer_ids=(1, 2))
     with pytest.raises(UserError, match="target layer ids"):
         load_warm_start(DSparkTrainModel(other, LossConfig()), tmp_path)
+
+
+def _export_project(root: Path, target, draft) -> Path:
+    import shutil
+
+    shutil.copytree(target[0], root / "data/target")
+    save_draft(root / "data/train/baseline/final", draft)
+    (root / "params.yaml").write_text("export: {variants: [baseline], layouts: [deepspec, speculators], "
+                                      "dtype: float32}\n")
+    return root
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_kill_9_in_export_then_the_same_command_gives_the_same_bytes(target, draft, tmp_path, monkeypatch):
+    """``stages/export.py`` killed with SIGKILL between its two layouts (``tests/_paused_stage.py`` holds it there):
+    the finished layout is whole, the other absent, and the same command then writes what an uninterrupted run does."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from dspark_core.export.run import run_export_stage
+
+    repo = Path(__file__).resolve().parents[1]
+    killed = _export_project(tmp_path / "killed", target, draft)
+    held = tmp_path / "held"
+    proc = subprocess.Popen([sys.executable, str(repo / "tests/_paused_stage.py"), str(held), "export"],
+                            cwd=killed, env={**os.environ, "PYTHONPATH": str(repo)}, stderr=subprocess.PIPE)
+    try:
+        ref = _export_project(tmp_path / "ref", target, draft)
+        monkeypatch.chdir(ref)
+        run_export_stage(Path("params.yaml"), "baseline")
+        deadline = time.monotonic() + 300
+        while not held.exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "export was not held in 300 s"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=60)
+    out = killed / "data/export/baseline"
+    finished = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))  # temp dirs aside
+    assert finished == ["deepspec"]  # the speculators layout: none, not half
+    load_any_draft(out / "deepspec", target[1])  # the finished one passes its manifest
+    monkeypatch.chdir(killed)
+    run_export_stage(Path("params.yaml"), "baseline")
+    got, want = _files(killed / "data/export"), _files(ref / "data/export")  # the killed run's temp dir gone too
+    assert got.keys() == want.keys()
+    assert [k for k in got if got[k] != want[k]] == []
 
 
 def test_export_stage_writes_every_layout(target, draft, tmp_path, monkeypatch):
