@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from dspark_core.config import Section, non_negative, one_of, positive, require
 
-MARKOV_HEADS = ("vanilla", "none")
+MARKOV_HEADS = ("vanilla", "gated", "rnn", "none")
+MIXING_HEAD_KINDS = ("baseline", "engram_markov", "engram_mask_gated", "engram_mask_replace")  # kinds whose Markov calls go through the head type
 ENGRAM_SOURCES = ("trainable", "frozen")
 MEMORY_ONLINE = ("chained", "first_stage")
 
@@ -99,7 +100,7 @@ class DraftConfig(Section):
     mask_token_id: int | None = None    # None (or >= vocab): a learned mask embedding
     num_anchors: int = 512              # anchors sampled per training sample (at most)
     markov_rank: int = 256
-    markov_head: str = "vanilla"        # vanilla | none
+    markov_head: str = "vanilla"        # vanilla | gated | rnn | none (draft/heads.py)
     confidence_head: bool = True
     confidence_with_markov: bool = True
     hidden_size: int | None = None      # None: the target's
@@ -122,6 +123,9 @@ class DraftConfig(Section):
         positive("block_size", self.block_size)
         positive("num_anchors", self.num_anchors)
         one_of("markov_head", self.markov_head, MARKOV_HEADS)
+        require(self.markov_head in ("vanilla", "none") or self.kind in MIXING_HEAD_KINDS,
+                f"markov_head {self.markov_head} is built for kinds {', '.join(MIXING_HEAD_KINDS)}; kind "
+                f"{self.kind} reads W1 / W2 directly: use markov_head vanilla")
         if self.markov_head != "none":
             positive("markov_rank", self.markov_rank)
         if self.mask_token_id is not None:
