@@ -99,6 +99,7 @@ class DraftConfig(Section):
     block_size: int = 7                 # S slots: [anchor, MASK x (S-1)]
     mask_token_id: int | None = None    # None (or >= vocab): a learned mask embedding
     num_anchors: int = 512              # anchors sampled per training sample (at most)
+    packed_length: int | None = None    # training rows pack samples up to this many tokens (draft/packing.py)
     markov_rank: int = 256
     markov_head: str = "vanilla"        # vanilla | gated | rnn | none (draft/heads.py)
     confidence_head: bool = True
@@ -122,6 +123,10 @@ class DraftConfig(Section):
         positive("num_draft_layers", self.num_draft_layers)
         positive("block_size", self.block_size)
         positive("num_anchors", self.num_anchors)
+        if self.packed_length is not None:
+            positive("packed_length", self.packed_length)
+            require(self.kind == "baseline", f"packed_length needs kind baseline (kind {self.kind} reads "
+                    "positions across the row); set packed_length: null")
         one_of("markov_head", self.markov_head, MARKOV_HEADS)
         require(self.markov_head in ("vanilla", "none") or self.kind in MIXING_HEAD_KINDS,
                 f"markov_head {self.markov_head} is built for kinds {', '.join(MIXING_HEAD_KINDS)}; kind "

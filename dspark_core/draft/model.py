@@ -403,13 +403,13 @@ class DSparkDraft(nn.Module):
         if bucket > 1:  # static-shape kernels: pad the context to a bucket (padding is never visible: c < anchor)
             length = length + (-length) % bucket
             c = F.pad(c, (0, 0, 0, length - c.shape[1]))  # [B, Lp, H]
-        ctx_pos = torch.arange(length, device=c.device).expand(batch, length)  # [B, L]
-        blk_pos = (anchors.unsqueeze(-1) + torch.arange(slots, device=c.device)).reshape(batch, -1)  # [B, Q]
+        ctx_pos, anchor_pos, start = _positions(extras, anchors, batch, length, c.device)  # [B, L], [B, A]
+        blk_pos = (anchor_pos.unsqueeze(-1) + torch.arange(slots, device=c.device)).reshape(batch, -1)  # [B, Q]
         ctx_rope, blk_rope = self.rope(c, ctx_pos), self.rope(x, blk_pos)
         extra = self.extra_kv(extras, anchors, anchor_valid)
         extra_rope = self.rope(extra.states, extra.positions) if extra is not None else None
         mask = build_attention_mask(anchors, anchor_valid, length, slots,
-                                    extra.owner if extra is not None else None, self.attention_backend)
+                                    extra.owner if extra is not None else None, self.attention_backend, start)
         extra_states = extra.states if extra is not None else None
         step = _compiled_layer_step() if compiled else _layer_step
         for layer in self.layers:
@@ -485,6 +485,20 @@ def build_draft(cfg: DraftConfig, target_config: Any, embed_weight: Any, lm_head
                 **kwargs: Any) -> DSparkDraft:
     """A draft of class ``draft_class(cfg.kind)`` (same arguments as ``DSparkDraft``)."""
     return draft_class(cfg.kind)(cfg, target_config, embed_weight, lm_head_weight, **kwargs)
+
+
+def _positions(extras: Mapping[str, Any] | None, anchors: torch.Tensor, batch: int, length: int, device: Any
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """RoPE positions of the context [B, L] and of the anchors [B, A], and the anchors' document starts [B, A]
+    (None): row positions, or in a packed batch (``position_ids`` / ``anchor_start`` in ``extras``, see
+    ``draft/packing.py``) positions within each document."""
+    start = extras.get("anchor_start") if extras is not None else None
+    if start is None:
+        return torch.arange(length, device=device).expand(batch, length), anchors, None
+    pos = extras["position_ids"].to(device)  # [B, n]
+    pos = F.pad(pos, (0, length - pos.shape[1]))  # [B, L] (a padded context bucket: never visible)
+    start = start.to(device)
+    return pos, anchors - start, start
 
 
 def _layer_step(layer: DraftLayer, x: torch.Tensor, c: torch.Tensor, ctx_rope: Rope, extra_states: torch.Tensor | None,
