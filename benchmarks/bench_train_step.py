@@ -17,6 +17,7 @@ frozen LM head kept in bf16) and ``bf16`` (bf16 weights and AdamW state, no auto
     python benchmarks/bench_train_step.py    # H200: amp + bf16, L = 2048, 4096 -> reports/bench/train_step.json
     python benchmarks/bench_train_step.py --precision amp --recompute --profile   # one mode, layer recompute, kernels
     python benchmarks/bench_train_step.py --tiny --out /tmp/x.json   # CPU smoke run on tiny shapes
+    python benchmarks/bench_train_step.py --precision bf16 --markov-head rnn --out reports/bench/train_step_rnn.json
     torchrun --nproc_per_node 4 benchmarks/bench_train_step.py --precision bf16 \
         --baseline reports/bench/train_step.json --out reports/bench/train_step_ddp4.json   # 4 GPUs, DDP
 
@@ -68,7 +69,8 @@ def build(args, precision: str,
           device: torch.device) -> tuple[DSparkTrainModel, torch.optim.Optimizer, list[torch.nn.Parameter]]:
     tc = target_config(args.tiny)
     cfg = DraftConfig(num_draft_layers=5, block_size=7, mask_token_id=tc.vocab_size - 1, num_anchors=args.anchors,
-                      markov_rank=16 if args.tiny else 256)
+                      markov_rank=16 if args.tiny else 256, markov_head=args.markov_head,
+                      confidence_with_markov=args.markov_head != "none")
     frozen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     lm = torch.randn(tc.vocab_size, tc.hidden_size, device=device, dtype=frozen_dtype) * 0.02  # tied embed/LM head
     with torch.device(device):  # build the weights where they will live
@@ -211,6 +213,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, nargs="+", default=[512], help="loss.vocab_chunk_slots (one run each)")
     ap.add_argument("--precision", choices=("amp", "bf16"), nargs="+", default=["amp", "bf16"],
                     help="amp: fp32 weights + AdamW state, bf16 autocast (the trainer's way); bf16: bf16 weights")
+    ap.add_argument("--markov-head", choices=("vanilla", "gated", "rnn", "none"), default="vanilla",
+                    help="draft.markov_head (none: the confidence head reads h only)")
     ap.add_argument("--recompute", action="store_true", help="activation checkpointing of each draft layer")
     ap.add_argument("--no-fused", dest="fused", action="store_false", help="foreach AdamW instead of fused")
     ap.add_argument("--compile", action="store_true", help="torch.compile the whole training forward")
