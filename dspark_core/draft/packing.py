@@ -30,9 +30,9 @@ from typing import Any, Sequence
 
 import torch
 
-from dspark_core.cache.dataset import ITEM_KEYS
 from dspark_core.draft.anchors import _generators, block_targets, sample_anchors
 
+ITEM_KEYS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")  # a cache item's per-token tensors
 SLOT_KEYS = ("targets", "prev_tokens", "slot_valid")
 
 
