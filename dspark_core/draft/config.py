@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from dspark_core.config import Section, non_negative, one_of, positive, require
 
 MARKOV_HEADS = ("vanilla", "gated", "rnn", "none")
-MIXING_HEAD_KINDS = ("baseline", "engram_markov", "engram_mask_gated", "engram_mask_replace")  # kinds whose Markov calls go through the head type
+# the kinds whose Markov calls all go through the head type (markov_step / markov_block): gated / rnn heads allowed
+MIXING_HEAD_KINDS = ("baseline", "engram_markov", "engram_mask_gated", "engram_mask_replace")
 ENGRAM_SOURCES = ("trainable", "frozen")
 MEMORY_ONLINE = ("chained", "first_stage")
 
