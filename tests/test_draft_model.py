@@ -51,7 +51,10 @@ def _batch(model, n=3, prompt=5, response=19, anchors=4, seed=0):
 
 @pytest.mark.parametrize("family,over", [("qwen3", {}), ("llama", {}), ("qwen2", {}),
                                          ("qwen3", {"hidden_size": 48, "num_attention_heads": 6, "head_dim": 8}),
-                                         ("llama", {"layer_style": "qwen3"}), ("qwen2", {"layer_style": "qwen3"})])
+                                         ("llama", {"layer_style": "qwen3"}), ("qwen2", {"layer_style": "qwen3"}),
+                                         ("qwen3", {"markov_head": "gated"}), ("qwen3", {"markov_head": "rnn"}),
+                                         ("llama", {"markov_head": "rnn", "hidden_size": 48,
+                                                    "num_attention_heads": 6, "head_dim": 8})])
 def test_training_forward_equals_single_block_inference(family, over):
     target = tiny_model(family)
     draft = _draft(target, **over)
@@ -60,7 +63,7 @@ def test_training_forward_equals_single_block_inference(family, over):
         h = draft.forward_train(batch["input_ids"], batch["aux_hidden"], batch["anchors"], batch["anchor_valid"])
         train_logits = draft.slot_logits(h)  # [B, A, S, V]
         m = draft.markov_features(batch["prev_tokens"], h, None)
-        train_markov = train_logits + draft.markov_bias(m).float()
+        train_markov = train_logits + draft.markov_bias(draft.markov_block(m, h)).float()  # teacher-forced slots
         train_conf = torch.sigmoid(draft.confidence_logits(h, m))
     checked = 0
     for b, a in batch["anchor_valid"].nonzero().tolist():

@@ -256,6 +256,8 @@ def test_foreign_draft_for_another_target_is_refused(target, draft, tmp_path):
     ({"hidden_size": 32}, "32 wide"),
     ({"layer_style": "target"}, None),
     ({"markov_head": "none", "confidence_with_markov": False}, "markov_head 'none'"),
+    ({"markov_head": "gated"}, "markov_head 'gated'.*vanilla Markov head only"),
+    ({"markov_head": "rnn"}, "markov_head 'rnn'"),
 ])
 def test_refusals_name_the_variant(target, over, words, tmp_path):
     draft = make_draft(target[1], **over)

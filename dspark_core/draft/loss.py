@@ -5,7 +5,8 @@ H draft hidden, r Markov rank.
 
 Per valid slot i (position weight ``w_i = exp(-j/gamma)``, j the slot index in its block):
 
-- draft logits ``l_i = lm_head(h_i) + W2 m_i`` -> ``q_i = softmax(l_i)``; teacher
+- draft logits ``l_i = lm_head(h_i) + W2 u_i`` (u_i: the Markov head type's W2 input, ``draft.markov_block``; the
+  features ``m_i`` for a vanilla head) -> ``q_i = softmax(l_i)``; teacher
   ``p_i = softmax(lm_head(last_hidden))`` at the same position (the target's next-token distribution for that slot's token);
 - ``CE_i = -log q_i(token)``, ``L1_i = sum_v |q_i - p_i|``, overlap ``a_i = 1 - 0.5 L1_i`` (stop-gradient);
 - confidence ``BCE_with_logits(s_i, a_i)``.
@@ -235,9 +236,10 @@ def slot_outputs(draft, hidden: torch.Tensor, batch: Mapping[str, torch.Tensor],
     h = hidden[b, a, j]  # [N, H]
     m_all = draft.markov_features(batch["prev_tokens"], hidden, extras)  # [B, A, S, r] | None
     m = m_all[b, a, j] if m_all is not None else None  # [N, r]
+    u = draft.markov_block(m_all, hidden)[b, a, j] if m_all is not None else None  # [N, r] W2's input
     teacher = batch["last_hidden"][b, batch["anchors"][b, a] + j]  # [N, Ht]
     w2 = draft.markov.w2.weight if m is not None else None
-    distill, ce, l1 = chunked_distill(draft.head_states(h), m, w2, draft.lm_head_weight, teacher,
+    distill, ce, l1 = chunked_distill(draft.head_states(h), u, w2, draft.lm_head_weight, teacher,
                                       batch["targets"][b, a, j], weights, cfg.ce_alpha, cfg.l1_alpha,
                                       cfg.vocab_chunk_slots)
     return {"weights": weights, "distill": distill, "ce": ce, "l1": l1, "overlap": overlap_from_l1(l1),

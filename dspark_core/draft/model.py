@@ -18,15 +18,15 @@ Architecture (built from the target's HF config, Qwen3 / Qwen2 / Llama):
   values from ``[c_0..c_{p-1} ; block states]`` through the layer's own k_proj / v_proj in one attention;
   context RoPE positions 0..p-1;
 - final RMSNorm -> ``h_1..h_S``; frozen LM head of the target (+ H -> Ht projection when widths differ);
-- vanilla Markov head and confidence head (``heads.py``).
+- Markov head (``draft.markov_head``: vanilla, gated, rnn or none) and confidence head (``heads.py``).
 
 Variant hooks, one overridable method each, so a variant subclasses ``DSparkDraft``, adds its
 module in ``__init__`` and overrides one method:
 
 1. :meth:`DSparkDraft.block_inputs` -- the block's input embeddings (Engram-MASK replaces / gates the
    MASK slots with a projected pre-anchor feature read from ``extras``).
-2. :meth:`DSparkDraft.markov_features` -- ``m_i`` fed to W2 and to the confidence head (Engram-Markov
-   adds ``g_i v_i``).
+2. :meth:`DSparkDraft.markov_features` -- ``m_i`` fed to the Markov head type (then W2) and to the confidence
+   head (Engram-Markov adds ``g_i v_i``).
 3. :meth:`DSparkDraft.extra_kv` -- extra K/V sources of every layer's attention (Draft Memory returns
    its memory states with their RoPE positions and owning block); the mask and both attention paths
    already handle them.
@@ -59,7 +59,7 @@ from dspark_core.config import ParamsError
 from dspark_core.draft import inference
 from dspark_core.draft.attention import AttentionMask, attend, build_attention_mask
 from dspark_core.draft.config import DraftConfig
-from dspark_core.draft.heads import ConfidenceHead, VanillaMarkovHead
+from dspark_core.draft.heads import ConfidenceHead, build_markov_head
 
 FAMILIES = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}
 FROZEN_KEYS = ("lm_head_weight", "embed_tokens_weight")
@@ -245,7 +245,7 @@ class DSparkDraft(nn.Module):
         self.norm = norm_cls(hid, eps=eps)
         self.head_proj = nn.Linear(hid, t_hidden, bias=False) if hid != t_hidden else None
         self.rotary_emb = rotary_cls(config=self.hf_config)
-        self.markov = VanillaMarkovHead(vocab, cfg.markov_rank) if cfg.has_markov else None
+        self.markov = build_markov_head(cfg.markov_head, vocab, cfg.markov_rank, hid)
         conf_rank = cfg.markov_rank if cfg.has_markov and cfg.confidence_with_markov else 0
         self.confidence = ConfidenceHead(hid, conf_rank) if cfg.confidence_head else None
         self._init_weights(float(getattr(target_config, "initializer_range", 0.02)))
@@ -325,8 +325,19 @@ class DSparkDraft(nn.Module):
         w = self.lm_head_weight
         return (self.head_states(hidden).to(w.dtype) @ w.t()).float()
 
-    def markov_bias(self, m: torch.Tensor) -> torch.Tensor:
-        return self.markov.bias(m)  # [..., V]
+    def markov_bias(self, u: torch.Tensor) -> torch.Tensor:
+        """W2 u [..., V]: u from ``markov_step`` / ``markov_block`` (for a vanilla head, the features m)."""
+        return self.markov.bias(u)  # [..., V]
+
+    def markov_step(self, m: torch.Tensor, hidden: torch.Tensor | None, state: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One slot of the head type: m [B, r] (``markov_features``), h [B, H], the state carried from the slot
+        before (None at slot 0) -> (u [B, r] for ``markov_bias``, the state for the next slot)."""
+        return self.markov.step(m, hidden, state)
+
+    def markov_block(self, m: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Every slot of blocks at once (training, teacher forcing): m [..., S, r], h [..., S, H] -> u [..., S, r]."""
+        return self.markov.block(m, hidden)
 
     def confidence_logits(self, hidden: torch.Tensor, markov: torch.Tensor | None) -> torch.Tensor | None:
         return None if self.confidence is None else self.confidence(hidden, markov)
@@ -341,7 +352,9 @@ class DSparkDraft(nn.Module):
 
     def markov_features(self, prev_tokens: torch.Tensor, hidden: torch.Tensor,
                         extras: Mapping[str, Any] | None) -> torch.Tensor | None:
-        """Hook 2. prev_tokens [...] (t_{i-1}), hidden [..., H] (h_i) -> m_i [..., r] (None without a Markov head)."""
+        """Hook 2. prev_tokens [...] (t_{i-1}), hidden [..., H] (h_i) -> m_i [..., r] (None without a Markov head):
+        the previous token's features, read by the confidence head and turned into W2's input by the head type
+        (``markov_step`` / ``markov_block``)."""
         return None if self.markov is None else self.markov.features(prev_tokens)
 
     def extra_kv(self, extras: Mapping[str, Any] | None, anchors: torch.Tensor,
@@ -402,13 +415,13 @@ class DSparkDraft(nn.Module):
         if bucket > 1:  # static-shape kernels: pad the context to a bucket (padding is never visible: c < anchor)
             length = length + (-length) % bucket
             c = F.pad(c, (0, 0, 0, length - c.shape[1]))  # [B, Lp, H]
-        ctx_pos = torch.arange(length, device=c.device).expand(batch, length)  # [B, L]
-        blk_pos = (anchors.unsqueeze(-1) + torch.arange(slots, device=c.device)).reshape(batch, -1)  # [B, Q]
+        ctx_pos, anchor_pos, start = _positions(extras, anchors, batch, length, c.device)  # [B, L], [B, A]
+        blk_pos = (anchor_pos.unsqueeze(-1) + torch.arange(slots, device=c.device)).reshape(batch, -1)  # [B, Q]
         ctx_rope, blk_rope = self.rope(c, ctx_pos), self.rope(x, blk_pos)
         extra = self.extra_kv(extras, anchors, anchor_valid)
         extra_rope = self.rope(extra.states, extra.positions) if extra is not None else None
         mask = build_attention_mask(anchors, anchor_valid, length, slots,
-                                    extra.owner if extra is not None else None, self.attention_backend)
+                                    extra.owner if extra is not None else None, self.attention_backend, start)
         extra_states = extra.states if extra is not None else None
         step = _compiled_layer_step() if compiled else _layer_step
         for layer in self.layers:
@@ -484,6 +497,20 @@ def build_draft(cfg: DraftConfig, target_config: Any, embed_weight: Any, lm_head
                 **kwargs: Any) -> DSparkDraft:
     """A draft of class ``draft_class(cfg.kind)`` (same arguments as ``DSparkDraft``)."""
     return draft_class(cfg.kind)(cfg, target_config, embed_weight, lm_head_weight, **kwargs)
+
+
+def _positions(extras: Mapping[str, Any] | None, anchors: torch.Tensor, batch: int, length: int, device: Any
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """RoPE positions of the context [B, L] and of the anchors [B, A], and the anchors' document starts [B, A]
+    (None): row positions, or in a packed batch (``position_ids`` / ``anchor_start`` in ``extras``, see
+    ``draft/packing.py``) positions within each document."""
+    start = extras.get("anchor_start") if extras is not None else None
+    if start is None:
+        return torch.arange(length, device=device).expand(batch, length), anchors, None
+    pos = extras["position_ids"].to(device)  # [B, n]
+    pos = F.pad(pos, (0, length - pos.shape[1]))  # [B, L] (a padded context bucket: never visible)
+    start = start.to(device)
+    return pos, anchors - start, start
 
 
 def _layer_step(layer: DraftLayer, x: torch.Tensor, c: torch.Tensor, ctx_rope: Rope, extra_states: torch.Tensor | None,

@@ -21,6 +21,7 @@ from torch import nn
 
 from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.draft.config import DraftConfig, LossConfig
+from dspark_core.draft.packing import collate_packed
 from dspark_core.draft.loss import dspark_sums, slot_weights
 from dspark_core.draft.model import DSparkDraft, build_draft, draft_class
 from dspark_core.errors import UserError
@@ -217,7 +218,11 @@ class DSparkTask:
 
     def collate(self, items: list[Any],
                 generator: torch.Generator | Sequence[torch.Generator]) -> dict[str, torch.Tensor]:
-        """Pad ``items`` and add anchors / slot supervision; ``generator``: one per item (or one shared)."""
+        """Pad ``items`` and add anchors / slot supervision; ``generator``: one per item (or one shared). With
+        ``draft.packed_length``, pack them into rows instead (``draft/packing.py``: the same anchors and loss)."""
+        cfg = self.draft_cfg
+        if cfg.packed_length is not None:
+            return collate_packed(items, cfg.num_anchors, cfg.block_size, cfg.packed_length, generator, self.pad_id)
         if self.collator is None:
             from dspark_core.cache.dataset import CacheCollator
 

@@ -60,6 +60,10 @@ def check_exportable(draft: Any, layout: str) -> None:
     if not cfg.has_markov:
         raise UserError(f"export --layout {layout}: {name} has markov_head 'none'; vLLM's DSpark model always runs "
                         "a vanilla Markov head (markov_w1 / markov_w2). Retrain with draft.markov_head: vanilla")
+    if cfg.markov_head != "vanilla":
+        raise UserError(f"export --layout {layout}: {name} has markov_head {cfg.markov_head!r}; vLLM's DSpark model "
+                        "runs the vanilla Markov head only (markov_w1 / markov_w2), so this draft would load and "
+                        "propose wrong tokens. Retrain with draft.markov_head: vanilla")
     if min(draft.aux_layer_ids) < 0:
         raise UserError(f"export --layout {layout}: aux layer -1 (the embedding output) has no id in the engines' "
                         f"layouts (aux_layer_ids {list(draft.aux_layer_ids)}); retrain on decoder layers only")
