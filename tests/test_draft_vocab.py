@@ -87,3 +87,138 @@ def test_maps_round_trip_and_speculators_layout():
         vocab.set_ids(torch.tensor([4, 1, 5, 9]))
     with pytest.raises(UserError, match="3 ids; the draft has draft.vocab_size 4"):
         DraftVocab(10, 4).set_ids(torch.tensor([1, 2, 3]))
+
+
+# -- the reduced draft: loss against a naive reference, train == inference, save / load -------------------------
+def _ids(vocab: int, n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:n].sort().values
+
+
+def _naive_reduced(head_h, m, w2, lm_w, teacher_h, targets, weights, a_ce, a_l1, d2t):
+    """Full-vocabulary tensors: q over V is the draft's softmax on d2t, 0 elsewhere; p the target's over V."""
+    logits = head_h @ lm_w[d2t].t() + (m @ w2.t() if m is not None else 0.0)  # [N, Vd]
+    q = torch.zeros(head_h.shape[0], lm_w.shape[0]).index_copy(1, d2t, torch.softmax(logits, -1))  # [N, V]
+    p = torch.softmax(teacher_h @ lm_w.t(), -1)  # [N, V]
+    inside = torch.isin(targets, d2t)
+    ce = torch.where(inside, -torch.log(q.gather(1, targets.unsqueeze(1)).squeeze(1)), torch.zeros(()))
+    l1 = (q - p).abs().sum(-1)
+    return (weights * (a_ce * ce + a_l1 * l1)).sum(), ce, l1
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+@pytest.mark.parametrize("with_markov", [True, False])
+def test_reduced_distill_matches_the_full_vocabulary_reference(chunk, with_markov):
+    from dspark_core.draft.loss import chunked_distill
+
+    g = torch.Generator().manual_seed(chunk)
+    n, v, vd, ht, r = 13, 50, 20, 16, 4
+    d2t = _ids(v, vd, seed=chunk)
+    vocab = DraftVocab(v, vd)
+    vocab.set_ids(d2t)
+    lm_w, teacher = torch.randn(v, ht, generator=g), torch.randn(n, ht, generator=g)
+    targets = torch.cat([d2t[torch.randint(0, vd, (n - 4,), generator=g)],
+                         torch.tensor([i for i in range(v) if i not in set(d2t.tolist())][:4])])  # 4 outside
+    weights = torch.rand(n, generator=g)
+    leaves = [torch.randn(n, ht, generator=g), torch.randn(n, r, generator=g), torch.randn(vd, r, generator=g)]
+    results = []
+    for fn in (lambda *a: _naive_reduced(*a, d2t),
+               lambda *a: chunked_distill(*a[:5], vocab.to_draft(a[5]), *a[6:], chunk_slots=chunk, d2t=d2t)):
+        h, m, w2 = (t.clone().requires_grad_(True) for t in leaves)
+        if not with_markov:
+            m = w2 = None
+        distill, ce, l1 = fn(h, m, w2, lm_w, teacher, targets, weights, 0.1, 0.9)
+        (1.7 * distill).backward()
+        results.append([distill.detach(), ce, l1] + [t.grad for t in (h, m, w2) if t is not None])
+    for got, ref in zip(*results):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert results[1][1][-4:].eq(0).all() and results[1][2][-4:].gt(0).all()  # outside: no CE, L1 kept
+
+
+def _reduced_draft(target, vd: int = 120, seed: int = 1):
+    from test_draft_model import _draft
+
+    draft = _draft(target, seed=seed, vocab_size=vd)
+    draft.draft_vocab.set_ids(_ids(target.config.vocab_size, vd, seed))
+    return draft
+
+
+def test_reduced_training_forward_equals_single_block_inference_and_offline_overlap_is_full_vocab():
+    from _draft_utils import teacher_forcing
+    from test_draft_model import S, _batch
+
+    from dspark_core.draft.config import LossConfig
+    from dspark_core.draft.loss import slot_outputs
+    from dspark_core.testing import tiny_model
+
+    target = tiny_model("qwen3")
+    draft = _reduced_draft(target)
+    d2t = draft.draft_vocab.d2t
+    assert draft.markov.w2.weight.shape == (120, 8) and draft.draft_head_weight().shape == (120, 64)
+    batch = _batch(target)
+    with torch.no_grad():
+        h = draft.forward_train(batch["input_ids"], batch["aux_hidden"], batch["anchors"], batch["anchor_valid"])
+        m = draft.markov_features(batch["prev_tokens"], h, None)
+        train_logits = draft.slot_logits(h) + draft.markov_bias(m).float()  # [B, A, S, V]
+        out = slot_outputs(draft, h, batch, LossConfig(vocab_chunk_slots=5))
+    outside = torch.ones(target.config.vocab_size, dtype=torch.bool)
+    outside[d2t] = False
+    assert torch.isinf(train_logits[..., outside]).all() and torch.isfinite(train_logits[..., d2t]).all()
+    b, a, j = out["index"]
+    teacher = target.lm_head(batch["last_hidden"][b, batch["anchors"][b, a] + j])  # [N, V]
+    q, p = torch.softmax(train_logits[b, a, j], -1), torch.softmax(teacher, -1)  # q = 0 outside d2t
+    torch.testing.assert_close(out["overlap"], torch.minimum(p, q).sum(-1), rtol=1e-5, atol=1e-5)
+    assert not torch.isin(batch["targets"][b, a, j], d2t).all()  # some slot's token is outside the vocabulary
+    for bb, aa in batch["anchor_valid"].nonzero().tolist()[:3]:
+        pos = int(batch["anchors"][bb, aa])
+        cache = draft.new_context_cache(batch=1, max_len=64)
+        draft.extend_context(cache, batch["aux_hidden"][bb:bb + 1, :pos])
+        seen: list = []
+        prop = draft.propose(cache, batch["input_ids"][bb, pos].view(1), teacher_forcing(batch["targets"][bb, aa], seen))
+        valid = int(batch["slot_valid"][bb, aa].sum())
+        torch.testing.assert_close(torch.cat(seen)[:valid], train_logits[bb, aa, :valid], rtol=0, atol=1e-5)
+        assert prop.probs[..., outside].eq(0).all() and prop.num_tokens == S
+
+
+def test_reduced_draft_saves_its_maps_and_loads_them(tmp_path):
+    from safetensors.torch import load_file
+
+    from dspark_core.decoding.static_draft import static_draft_problem
+    from dspark_core.draft.model import load_draft, save_draft
+    from dspark_core.testing import tiny_model
+
+    target = tiny_model("qwen3")
+    draft = _reduced_draft(target, vd=50, seed=3)
+    save_draft(tmp_path / "d", draft)
+    weights = load_file(str(tmp_path / "d" / "model.safetensors"))
+    assert weights["draft_vocab.d2t"].dtype == torch.int64 and weights["draft_vocab.d2t"].tolist() == \
+        _ids(272, 50, 3).tolist()
+    assert weights["draft_vocab.t2d"].shape == (272,) and weights["markov.w2.weight"].shape == (50, 8)
+    back = load_draft(tmp_path / "d", target)
+    assert back.draft_vocab.d2t.tolist() == draft.draft_vocab.d2t.tolist()
+    torch.testing.assert_close(back.draft_vocab.t2d, draft.draft_vocab.t2d)
+    assert back.cfg.vocab_size == 50 and "reduced draft vocabulary" in static_draft_problem(back)  # reference engine
+    from test_draft_model import _draft
+
+    assert not any(k.startswith("draft_vocab") for k in _draft(target).own_state_dict())  # the default: no maps
+
+
+def test_task_takes_the_first_n_tokens_of_the_ranking(tmp_path):
+    from dspark_core.draft.config import DraftConfig, LossConfig
+    from dspark_core.draft.task import DSparkTask
+    from dspark_core.draft.vocab import write_ranking
+    from dspark_core.testing import tiny_model
+
+    target = tiny_model("qwen3")
+    counts = np.random.default_rng(0).integers(0, 9, size=272)
+    order = rank_tokens(counts)
+    write_ranking(tmp_path / "r.safetensors", order, counts, None)
+    cfg = DraftConfig(num_draft_layers=1, block_size=4, mask_token_id=259, num_anchors=4, markov_rank=8,
+                      vocab_size=30)
+    task = DSparkTask(cfg, LossConfig(), target_config=target.config,
+                      embed_weight=target.get_input_embeddings().weight,
+                      lm_head_weight=target.get_output_embeddings().weight, aux_layer_ids=(0, 2), train_data=[])
+    task.vocab_ranking_path = tmp_path / "r.safetensors"
+    draft = task.build_model(torch.device("cpu"), torch.float32).draft
+    assert draft.draft_vocab.d2t.tolist() == sorted(order[:30].tolist())
+    with pytest.raises(Exception, match="reranker reads W2 rows"):
+        DraftConfig(kind="reranker", vocab_size=30).validate()

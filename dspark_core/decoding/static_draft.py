@@ -48,6 +48,8 @@ def static_draft_problem(draft: DSparkDraft) -> str | None:
     for hook in HOOKS:
         if getattr(type(draft), hook) is not getattr(DSparkDraft, hook):
             problems.append(f"{type(draft).__name__} overrides the variant hook {hook}()")
+    if getattr(draft, "draft_vocab", None) is not None:
+        problems.append(f"a reduced draft vocabulary (draft.vocab_size {draft.draft_vocab.size})")
     return "; ".join(problems) if problems else None
 
 

@@ -18,12 +18,13 @@ from torch import nn
 
 
 class VanillaMarkovHead(nn.Module):
-    """``features(prev) = W1[prev]`` [..., r]; ``bias(m) = W2 m`` [..., V]."""
+    """``features(prev) = W1[prev]`` [..., r]; ``bias(m) = W2 m`` [..., Vd]. W1 reads any target token (the
+    anchor is one); W2 writes the draft's vocabulary: ``out_size`` Vd rows (a reduced draft vocabulary), else V."""
 
-    def __init__(self, vocab_size: int, rank: int) -> None:
+    def __init__(self, vocab_size: int, rank: int, out_size: int | None = None) -> None:
         super().__init__()
         self.w1 = nn.Embedding(vocab_size, rank)  # W1 [V, r]
-        self.w2 = nn.Linear(rank, vocab_size, bias=False)  # W2 [V, r]
+        self.w2 = nn.Linear(rank, out_size or vocab_size, bias=False)  # W2 [Vd, r]
 
     @property
     def rank(self) -> int:
@@ -33,7 +34,7 @@ class VanillaMarkovHead(nn.Module):
         return self.w1(prev_tokens)  # [..., r]
 
     def bias(self, m: torch.Tensor) -> torch.Tensor:
-        return self.w2(m.to(self.w2.weight.dtype))  # [..., V]
+        return self.w2(m.to(self.w2.weight.dtype))  # [..., Vd]
 
 
 class ConfidenceHead(nn.Module):

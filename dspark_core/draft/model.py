@@ -58,6 +58,7 @@ from dspark_core.draft import inference
 from dspark_core.draft.attention import AttentionMask, attend, build_attention_mask
 from dspark_core.draft.config import DraftConfig
 from dspark_core.draft.heads import ConfidenceHead, VanillaMarkovHead
+from dspark_core.draft.vocab import DraftVocab
 
 FAMILIES = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}
 FROZEN_KEYS = ("lm_head_weight", "embed_tokens_weight")
@@ -243,7 +244,9 @@ class DSparkDraft(nn.Module):
         self.norm = norm_cls(hid, eps=eps)
         self.head_proj = nn.Linear(hid, t_hidden, bias=False) if hid != t_hidden else None
         self.rotary_emb = rotary_cls(config=self.hf_config)
-        self.markov = VanillaMarkovHead(vocab, cfg.markov_rank) if cfg.has_markov else None
+        # draft.vocab_size: the LM head's rows and W2 over the draft vocabulary only (maps in draft_vocab)
+        self.draft_vocab = DraftVocab(vocab, cfg.vocab_size) if cfg.vocab_size is not None else None
+        self.markov = VanillaMarkovHead(vocab, cfg.markov_rank, cfg.vocab_size) if cfg.has_markov else None
         conf_rank = cfg.markov_rank if cfg.has_markov and cfg.confidence_with_markov else 0
         self.confidence = ConfidenceHead(hid, conf_rank) if cfg.confidence_head else None
         self._init_weights(float(getattr(target_config, "initializer_range", 0.02)))
@@ -318,13 +321,22 @@ class DSparkDraft(nn.Module):
         """Final draft states [..., H] -> what the LM head reads [..., Ht]."""
         return self.head_proj(hidden) if self.head_proj is not None else hidden
 
-    def slot_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM-head logits [..., V] (float32) of final states [..., H] (inference; training uses the chunked loss)."""
+    def draft_head_weight(self) -> torch.Tensor:
+        """The LM head's rows the draft predicts over: [V, Ht], or [Vd, Ht] with a reduced draft vocabulary."""
         w = self.lm_head_weight
-        return (self.head_states(hidden).to(w.dtype) @ w.t()).float()
+        return w if self.draft_vocab is None else w.index_select(0, self.draft_vocab.d2t)
+
+    def slot_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM-head logits [..., V] (float32) of final states [..., H] (inference; training uses the chunked loss).
+        A reduced draft vocabulary's tokens get their logits, every other token ``-inf`` (q = 0 there)."""
+        w = self.draft_head_weight()
+        logits = (self.head_states(hidden).to(w.dtype) @ w.t()).float()  # [..., Vd]
+        return logits if self.draft_vocab is None else self.draft_vocab.expand(logits, float("-inf"))
 
     def markov_bias(self, m: torch.Tensor) -> torch.Tensor:
-        return self.markov.bias(m)  # [..., V]
+        """W2 m over the target's vocabulary [..., V] (0 outside a reduced draft vocabulary)."""
+        bias = self.markov.bias(m)  # [..., Vd]
+        return bias if self.draft_vocab is None else self.draft_vocab.expand(bias, 0.0)
 
     def confidence_logits(self, hidden: torch.Tensor, markov: torch.Tensor | None) -> torch.Tensor | None:
         return None if self.confidence is None else self.confidence(hidden, markov)

@@ -23,6 +23,7 @@ from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.draft.config import DraftConfig, LossConfig
 from dspark_core.draft.loss import dspark_sums, slot_weights
 from dspark_core.draft.model import DSparkDraft, build_draft, draft_class
+from dspark_core.draft.vocab import RANKING_PATH, load_ranked_vocab
 from dspark_core.errors import UserError
 from dspark_core.metrics import block_counts
 from dspark_core.train.task import TermSpec
@@ -67,7 +68,7 @@ def load_warm_start(model: nn.Module, ckpt_dir: Path, target_fingerprint: str | 
             raise UserError(f"warm start: {ckpt_dir / 'config.json'}: draft trained on target fingerprint {saved}, "
                             f"this target's is {target_fingerprint}")
         weights = {f"draft.{k}": v for k, v in weights.items()}
-    params = dict(model.named_parameters())
+    params = {**dict(model.named_buffers()), **dict(model.named_parameters())}  # buffers: a draft vocabulary's maps
     bad = [k for k, v in weights.items() if k not in params or tuple(params[k].shape) != tuple(v.shape)]
     if bad:
         raise UserError(f"warm start: {path} does not fit this draft ({bad[:3]} unknown or of another shape)")
@@ -115,6 +116,7 @@ class DSparkTask:
     """
 
     name = "dspark"
+    vocab_ranking_path = RANKING_PATH  # the draft_vocab stage's output (read when draft.vocab_size is set)
 
     def __init_subclass__(cls, kind: str | None = None, **kwargs: Any) -> None:
         """``class MyTask(DSparkTask, kind="my_kind")``: the training task of ``draft.kind: my_kind``."""
@@ -176,6 +178,8 @@ class DSparkTask:
                             aux_layer_ids=self.aux_layer_ids, target_fingerprint=self.target_fingerprint)
         if hasattr(draft, "load_frozen_sources"):  # e.g. a frozen Engram table built by the engram_build stage
             draft.load_frozen_sources()
+        if draft.draft_vocab is not None:  # draft.vocab_size: the first N tokens of the draft_vocab stage's ranking
+            load_ranked_vocab(draft.draft_vocab, self.vocab_ranking_path, self.target_fingerprint)
         draft.attention_backend = self.attention_backend
         draft.gradient_checkpointing = self.gradient_checkpointing
         draft = draft.to(device=device, dtype=dtype)
