@@ -23,6 +23,12 @@ are written once, not re-read and re-written by a second GEMM's epilogue. Only [
 [V, r] gradients are kept for backward, so peak memory is a few [n, V] float32 buffers and the LM-head
 matmuls run 3 times (2 forward, 1 backward) instead of 5 with per-chunk recomputation. The frozen
 LM head gets no gradient.
+
+A reduced draft vocabulary (``draft.vocab_size``, ``draft/vocab.py``): the draft's logits are over its Vd tokens
+only (LM-head rows ``d2t``, W2 [Vd, r]), the teacher's over V; the chunk math sees both as [n, Vd + 1], the last
+column holding the teacher's mass outside the draft vocabulary (:func:`outside_column`), so L1 and the overlap are
+against the full teacher. A slot whose token is outside the draft vocabulary has no CE term (see
+:func:`chunked_distill`).
 """
 
 from __future__ import annotations
