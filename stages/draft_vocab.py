@@ -15,8 +15,8 @@ def main(params: Path = typer.Option(Path("params.yaml"), help="params file")) -
     stats = run_draft_vocab_stage(params)
     print(f"draft_vocab: {stats['answer_tokens']:,} answer tokens, {stats['distinct_tokens']:,} distinct of "
           f"{stats['target_vocab_size']:,}")
-    for n, share in stats["coverage"].items():
-        print(f"draft_vocab: the {int(n):,} most frequent tokens cover {share:.2%}")
+    for row in stats["coverage"]:
+        print(f"draft_vocab: the {row['vocab_size']:,} most frequent tokens cover {row['coverage']:.2%}")
 
 
 if __name__ == "__main__":

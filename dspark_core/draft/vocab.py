@@ -209,6 +209,7 @@ def run_draft_vocab_stage(params: str | Path, target_dir: Path = Path("data/targ
     write_ranking(out, order, counts, read_fingerprint(target_dir)["fingerprint"])
     stats = {"target_vocab_size": vocab, "answers": len(answers), "answer_tokens": int(counts.sum()),
              "distinct_tokens": int((counts > 0).sum()),
-             "coverage": {str(n): coverage(counts, order, n) for n in requested_sizes(params, cfg) if n <= vocab}}
+             "coverage": [{"vocab_size": n, "coverage": coverage(counts, order, n)}
+                          for n in requested_sizes(params, cfg) if n <= vocab]}
     write_json(report, stats)
     return stats
