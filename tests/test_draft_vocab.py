@@ -183,7 +183,7 @@ def test_reduced_training_forward_equals_single_block_inference_and_offline_over
 def test_reduced_draft_saves_its_maps_and_loads_them(tmp_path):
     from safetensors.torch import load_file
 
-    from dspark_core.decoding.static_draft import static_draft_problem
+    from dspark_core.decoding.static_draft import draft_kernels_problem, static_draft_problem
     from dspark_core.draft.model import load_draft, save_draft
     from dspark_core.testing import tiny_model
 
@@ -197,7 +197,8 @@ def test_reduced_draft_saves_its_maps_and_loads_them(tmp_path):
     back = load_draft(tmp_path / "d", target)
     assert back.draft_vocab.d2t.tolist() == draft.draft_vocab.d2t.tolist()
     torch.testing.assert_close(back.draft_vocab.t2d, draft.draft_vocab.t2d)
-    assert back.cfg.vocab_size == 50 and "reduced draft vocabulary" in static_draft_problem(back)  # reference engine
+    assert back.cfg.vocab_size == 50 and static_draft_problem(back) is None  # the static engine, its torch draft path
+    assert "reduced draft vocabulary" in draft_kernels_problem(back)
     from test_draft_model import _draft
 
     assert not any(k.startswith("draft_vocab") for k in _draft(target).own_state_dict())  # the default: no maps
