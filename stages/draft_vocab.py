@@ -1,7 +1,7 @@
 """DVC stage `draft_vocab`: rank the target's tokens by their count over the regenerated train answers
 (data/draft_vocab/ranking.safetensors); a variant with `draft.vocab_size: N` drafts over the first N.
-The coverage of each size asked for (params `draft_vocab.report_sizes`, every variant's `draft.vocab_size`) is
-printed and written to reports/draft_vocab.json."""
+The coverage of each size in params `draft_vocab.report_sizes` is printed and written to
+reports/draft_vocab.json."""
 
 from pathlib import Path
 

@@ -18,14 +18,14 @@ from dspark_core.errors import UserError
 
 
 # -- the ranking stage -----------------------------------------------------------------------------------------
-def _stage_inputs(tmp_path: Path, answers: list[list[int]], vocab: int = 10, variants: dict | None = None) -> Path:
+def _stage_inputs(tmp_path: Path, answers: list[list[int]], vocab: int = 10) -> Path:
     target = tmp_path / "target"
     target.mkdir()
     (target / "config.json").write_text(json.dumps({"vocab_size": vocab}))
     (target / "fingerprint.json").write_text(json.dumps({"fingerprint": "fp-test"}))
     pq.write_table(pa.table({"response_ids": answers}), tmp_path / "train.parquet")
     params = tmp_path / "params.yaml"
-    doc = {"draft_vocab": {"report_sizes": [1, 3]}, "draft": {"vocab_size": None}, "variants": variants or {}}
+    doc = {"draft_vocab": {"report_sizes": [5, 1, 3, 11]}}
     params.write_text(json.dumps(doc))  # JSON is YAML
     return params
 
@@ -38,13 +38,14 @@ def _run(tmp_path: Path, params: Path) -> dict:
 def test_ranking_counts_answers_breaks_ties_by_id_and_records_coverage(tmp_path):
     # counts: 7 x4, 2 x2, 5 x2, 9 x1, 0 x1; ties (2, 5) and (0, 9) by the smaller id; unseen ids last by id
     answers = [[7, 7, 2, 5], [7, 9, 2], [5, 7, 0]]
-    params = _stage_inputs(tmp_path, answers, variants={"small": {"draft": {"vocab_size": 5}}, "full": {}})
+    params = _stage_inputs(tmp_path, answers)
     stats = _run(tmp_path, params)
-    order = read_ranking(tmp_path / "out" / "ranking.safetensors", 10, "fp-test")
+    order, counts = read_ranking(tmp_path / "out" / "ranking.safetensors", 10, "fp-test")
     assert order.tolist() == [7, 2, 5, 0, 9, 1, 3, 4, 6, 8]
     assert stats["answer_tokens"] == 10 and stats["distinct_tokens"] == 5
+    assert counts.tolist() == [1, 0, 2, 0, 0, 2, 0, 4, 0, 1]
+    # sorted report_sizes; 11 exceeds the vocabulary
     assert [(r["vocab_size"], r["coverage"]) for r in stats["coverage"]] == [(1, 0.4), (3, 0.8), (5, 1.0)]
-    # report_sizes [1, 3] + the variant's vocab_size 5
     assert json.loads((tmp_path / "report.json").read_text()) == stats
     assert top_ids(order, 3).tolist() == [2, 5, 7]  # ascending target ids
 
@@ -60,7 +61,7 @@ def test_ranking_refuses_foreign_ids_other_targets_and_bad_sizes(tmp_path):
     with pytest.raises(UserError, match="ranking of 10 tokens, the target has 11"):
         read_ranking(path, 11)
     with pytest.raises(UserError, match="vocab_size 11 must be in"):
-        top_ids(read_ranking(path, 10), 11)
+        top_ids(read_ranking(path, 10)[0], 11)
 
 
 def test_rank_and_coverage_reference():
@@ -204,7 +205,7 @@ def test_reduced_draft_saves_its_maps_and_loads_them(tmp_path):
     assert not any(k.startswith("draft_vocab") for k in _draft(target).own_state_dict())  # the default: no maps
 
 
-def test_task_takes_the_first_n_tokens_of_the_ranking(tmp_path):
+def test_task_takes_the_first_n_tokens_of_the_ranking(tmp_path, capsys):
     from dspark_core.draft.config import DraftConfig, LossConfig
     from dspark_core.draft.task import DSparkTask
     from dspark_core.draft.vocab import write_ranking
@@ -222,5 +223,7 @@ def test_task_takes_the_first_n_tokens_of_the_ranking(tmp_path):
     task.vocab_ranking_path = tmp_path / "r.safetensors"
     draft = task.build_model(torch.device("cpu"), torch.float32).draft
     assert draft.draft_vocab.d2t.tolist() == sorted(order[:30].tolist())
+    share = counts[order[:30]].sum() / counts.sum()
+    assert f"the 30 most frequent of 272 tokens, {share:.2%} of the train answer tokens" in capsys.readouterr().out
     with pytest.raises(Exception, match="reranker reads W2 rows"):
         DraftConfig(kind="reranker", vocab_size=30).validate()

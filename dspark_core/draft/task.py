@@ -179,7 +179,9 @@ class DSparkTask:
         if hasattr(draft, "load_frozen_sources"):  # e.g. a frozen Engram table built by the engram_build stage
             draft.load_frozen_sources()
         if draft.draft_vocab is not None:  # draft.vocab_size: the first N tokens of the draft_vocab stage's ranking
-            load_ranked_vocab(draft.draft_vocab, self.vocab_ranking_path, self.target_fingerprint)
+            share = load_ranked_vocab(draft.draft_vocab, self.vocab_ranking_path, self.target_fingerprint)
+            print(f"draft vocabulary: the {draft.draft_vocab.size:,} most frequent of {draft.vocab_size:,} tokens, "
+                  f"{share:.2%} of the train answer tokens")
         draft.attention_backend = self.attention_backend
         draft.gradient_checkpointing = self.gradient_checkpointing
         draft = draft.to(device=device, dtype=dtype)

@@ -75,8 +75,9 @@ def write_ranking(path: str | Path, order: np.ndarray, counts: np.ndarray, finge
         save_file(tensors, str(tmp), metadata={"format": RANKING_FORMAT, "fingerprint": fingerprint or ""})
 
 
-def read_ranking(path: str | Path, vocab_size: int, fingerprint: str | None = None) -> torch.Tensor:
-    """order [V] int64 from ``path``, checked against the target's vocabulary size and fingerprint."""
+def read_ranking(path: str | Path, vocab_size: int, fingerprint: str | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, counts) [V] int64 from ``path``, checked against the target's vocabulary size and fingerprint."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -86,14 +87,14 @@ def read_ranking(path: str | Path, vocab_size: int, fingerprint: str | None = No
         meta = f.metadata() or {}
         if meta.get("format") != RANKING_FORMAT:
             raise UserError(f"{path}: not a draft vocabulary ranking (format {meta.get('format')!r})")
-        order = f.get_tensor("order")
+        order, counts = f.get_tensor("order"), f.get_tensor("counts")
     if fingerprint and meta.get("fingerprint") not in ("", fingerprint):
         raise UserError(f"{path}: ranking made for target {meta.get('fingerprint')}, this target is {fingerprint}; "
                         "rerun the draft_vocab stage")
     if order.shape != (vocab_size,):
         raise UserError(f"{path}: ranking of {order.shape[0]} tokens, the target has {vocab_size}; "
                         "rerun the draft_vocab stage")
-    return order.long()
+    return order.long(), counts.long()
 
 
 def top_ids(order: torch.Tensor, n: int) -> torch.Tensor:
@@ -159,35 +160,24 @@ def speculators_maps(vocab: DraftVocab) -> tuple[torch.Tensor, torch.Tensor]:
     return d2t - torch.arange(d2t.shape[0]), vocab.t2d.cpu() >= 0
 
 
-def load_ranked_vocab(vocab: DraftVocab, path: str | Path = RANKING_PATH, fingerprint: str | None = None) -> None:
-    """Give ``vocab`` the first ``vocab.size`` tokens of the ranking at ``path``."""
-    vocab.set_ids(top_ids(read_ranking(path, vocab.target_size, fingerprint), vocab.size))
+def load_ranked_vocab(vocab: DraftVocab, path: str | Path = RANKING_PATH, fingerprint: str | None = None) -> float:
+    """Give ``vocab`` the first ``vocab.size`` tokens of the ranking at ``path``; returns their coverage."""
+    order, counts = read_ranking(path, vocab.target_size, fingerprint)
+    vocab.set_ids(top_ids(order, vocab.size))
+    return coverage(counts.numpy(), order.numpy(), vocab.size)
 
 
 # -- the stage -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DraftVocabConfig(Section):
-    """Params section ``draft_vocab``: ``report_sizes``, vocabulary sizes whose coverage the stage records
-    (beside ``draft.vocab_size`` of every variant that sets one)."""
+    """Params section ``draft_vocab``: ``report_sizes``, vocabulary sizes whose coverage the stage records (a
+    training run prints its own ``draft.vocab_size``'s)."""
 
     report_sizes: tuple[int, ...] = (1024, 8192, 32000)
 
     def validate(self) -> None:
         for n in self.report_sizes:
             positive("report_sizes", n)
-
-
-def requested_sizes(params: str | Path, cfg: DraftVocabConfig) -> list[int]:
-    """``report_sizes`` and every variant's ``draft.vocab_size`` (null ones skipped), sorted, once each."""
-    from dspark_core.config import read_yaml
-    from dspark_core.variants import section_for_variant
-
-    sizes = set(cfg.report_sizes)
-    for variant in read_yaml(params).get("variants") or {}:
-        n = section_for_variant(params, "draft", variant).get("vocab_size")
-        if n is not None:
-            sizes.add(int(n))
-    return sorted(sizes)
 
 
 def run_draft_vocab_stage(params: str | Path, target_dir: Path = Path("data/target"),
@@ -210,6 +200,6 @@ def run_draft_vocab_stage(params: str | Path, target_dir: Path = Path("data/targ
     stats = {"target_vocab_size": vocab, "answers": len(answers), "answer_tokens": int(counts.sum()),
              "distinct_tokens": int((counts > 0).sum()),
              "coverage": [{"vocab_size": n, "coverage": coverage(counts, order, n)}
-                          for n in requested_sizes(params, cfg) if n <= vocab]}
+                          for n in sorted(set(cfg.report_sizes)) if n <= vocab]}
     write_json(report, stats)
     return stats
