@@ -17,6 +17,9 @@ frozen LM head kept in bf16) and ``bf16`` (bf16 weights and AdamW state, no auto
     python benchmarks/bench_train_step.py    # H200: amp + bf16, L = 2048, 4096 -> reports/bench/train_step.json
     python benchmarks/bench_train_step.py --precision amp --recompute --profile   # one mode, layer recompute, kernels
     python benchmarks/bench_train_step.py --tiny --out /tmp/x.json   # CPU smoke run on tiny shapes
+    python benchmarks/bench_train_step.py --vocab-size 32000 --out reports/bench/train_step_v32k.json
+        # a reduced draft vocabulary (draft.vocab_size): the draft's head and W2 over 32,000 tokens, the teacher
+        # over all 151,936; the batch's tokens are drawn from those 32,000 (the ranking's full coverage)
     torchrun --nproc_per_node 4 benchmarks/bench_train_step.py --precision bf16 \
         --baseline reports/bench/train_step.json --out reports/bench/train_step_ddp4.json   # 4 GPUs, DDP
 
@@ -68,11 +71,11 @@ def build(args, precision: str,
           device: torch.device) -> tuple[DSparkTrainModel, torch.optim.Optimizer, list[torch.nn.Parameter]]:
     tc = target_config(args.tiny)
     cfg = DraftConfig(num_draft_layers=5, block_size=7, mask_token_id=tc.vocab_size - 1, num_anchors=args.anchors,
-                      markov_rank=16 if args.tiny else 256)
+                      markov_rank=16 if args.tiny else 256, vocab_size=args.vocab_size)
     frozen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     lm = torch.randn(tc.vocab_size, tc.hidden_size, device=device, dtype=frozen_dtype) * 0.02  # tied embed/LM head
     with torch.device(device):  # build the weights where they will live
-        draft = DSparkDraft(cfg, tc, lm, lm, aux_layer_ids=AUX_LAYERS)
+        draft = DSparkDraft(cfg, tc, lm, lm, aux_layer_ids=AUX_LAYERS)  # a draft vocabulary: ids 0 .. N-1
     draft.gradient_checkpointing = args.recompute
     draft.compile_layers = args.compile_layers
     param_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -89,8 +92,8 @@ def make_batch(args, length: int, device: torch.device, seed: int) -> dict[str, 
     tc = target_config(args.tiny)
     g = torch.Generator().manual_seed(seed)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    item = random_item(length, tc.vocab_size, len(AUX_LAYERS), tc.hidden_size, prompt_len=max(1, length // 16),
-                       generator=g, dtype=dtype)
+    item = random_item(length, args.vocab_size or tc.vocab_size, len(AUX_LAYERS), tc.hidden_size,
+                       prompt_len=max(1, length // 16), generator=g, dtype=dtype)
     batch = {k: v.unsqueeze(0) for k, v in item.items()}
     batch["lengths"] = torch.tensor([length])
     batch = add_anchor_fields(batch, args.anchors, 7, g)
@@ -138,7 +141,8 @@ def run_length(args, precision: str, model, opt, params, length: int, device: to
     loss = float(loss)
     step_s = slowest((time.perf_counter() - t0) / args.steps, d)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    row = {"precision": precision, "chunk": model.loss_cfg.vocab_chunk_slots, "L": length, "step_s": step_s,
+    row = {"precision": precision, "chunk": model.loss_cfg.vocab_chunk_slots, "L": length,
+           "draft_vocab_size": args.vocab_size, "step_s": step_s,
            "tokens_per_s": d.world_size * length / step_s, "peak_gib": peak, "loss": loss,
            "warmup_s": warm_s, "valid_slots": int(batches[0]["slot_valid"].sum()), "world_size": d.world_size}
     ref = reference_run(args.reference, length) if not args.tiny else None
@@ -217,6 +221,8 @@ def main() -> None:
     ap.add_argument("--no-compile-layers", dest="compile_layers", action="store_false",
                     help="run the draft layers eagerly (default: each layer step compiled, flex inside)")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one extra step")
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="draft.vocab_size: a reduced draft vocabulary of this many tokens (default: the target's)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench" / "train_step.json")
