@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from dspark_core.draft.model import DSparkDraft
 from dspark_core.draft.vocab import (DraftVocab, count_tokens, coverage, rank_tokens, read_ranking,
                                      run_draft_vocab_stage, speculators_maps, top_ids)
 from dspark_core.errors import UserError
@@ -227,3 +228,14 @@ def test_task_takes_the_first_n_tokens_of_the_ranking(tmp_path, capsys):
     assert f"the 30 most frequent of 272 tokens, {share:.2%} of the train answer tokens" in capsys.readouterr().out
     with pytest.raises(Exception, match="reranker reads W2 rows"):
         DraftConfig(kind="reranker", vocab_size=30).validate()
+
+    from dspark_core.draft.model import save_draft
+
+    saved = DSparkDraft(cfg, target.config, target.get_input_embeddings().weight,
+                        target.get_output_embeddings().weight, aux_layer_ids=(0, 2))
+    saved.draft_vocab.set_ids(_ids(272, 30, seed=9))  # another selection than the ranking's
+    save_draft(tmp_path / "saved", saved)
+    task.init_checkpoint = tmp_path / "saved"  # a warm start from a saved draft keeps its own maps (and W2 rows)
+    warm = task.build_model(torch.device("cpu"), torch.float32).draft
+    assert warm.draft_vocab.d2t.tolist() == _ids(272, 30, seed=9).tolist()
+    torch.testing.assert_close(warm.markov.w2.weight, saved.markov.w2.weight)
