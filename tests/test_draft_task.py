@@ -55,7 +55,8 @@ def _ranked_task(target, items, vocab_size: int, tmp_path) -> DSparkTask:
 
 @pytest.mark.parametrize("vocab_size", [None, 192])
 def test_short_training_run_lowers_loss_and_raises_tau_prob(setup, vocab_size, tmp_path):
-    """``vocab_size`` 192: a reduced draft vocabulary (92% of the answer tokens), its tau_prob still measured against the full teacher."""
+    """``vocab_size`` 192: a reduced draft vocabulary (92% of the answer tokens), its tau_prob still measured
+    against the full teacher."""
     target, train_items, eval_items = setup
     task = _task(target, train_items) if vocab_size is None else _ranked_task(target, train_items, vocab_size,
                                                                               tmp_path)

@@ -176,7 +176,8 @@ def test_reduced_training_forward_equals_single_block_inference_and_offline_over
         cache = draft.new_context_cache(batch=1, max_len=64)
         draft.extend_context(cache, batch["aux_hidden"][bb:bb + 1, :pos])
         seen: list = []
-        prop = draft.propose(cache, batch["input_ids"][bb, pos].view(1), teacher_forcing(batch["targets"][bb, aa], seen))
+        anchor = batch["input_ids"][bb, pos].view(1)
+        prop = draft.propose(cache, anchor, teacher_forcing(batch["targets"][bb, aa], seen))
         valid = int(batch["slot_valid"][bb, aa].sum())
         torch.testing.assert_close(torch.cat(seen)[:valid], train_logits[bb, aa, :valid], rtol=0, atol=1e-5)
         assert prop.probs[..., outside].eq(0).all() and prop.num_tokens == S
