@@ -276,7 +276,7 @@ def bench_spec(args, device: torch.device, dtype: torch.dtype) -> dict:
     from dspark_core.decoding.bench_online import (BenchOnlineConfig, decode_dataset, make_engine, peer_comparison,
                                           read_jsonl_prompts, resolve_engine, stop_ids_of, summarize,
                                           truncated_assistant)
-    from dspark_core.draft.model import load_draft
+    from dspark_core.checkpoint import load_draft
     from dspark_core.target import load_target
 
     model, tok = load_target(args.target, dtype=dtype, device=device)

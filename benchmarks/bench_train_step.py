@@ -17,6 +17,8 @@ frozen LM head kept in bf16) and ``bf16`` (bf16 weights and AdamW state, no auto
     python benchmarks/bench_train_step.py    # H200: amp + bf16, L = 2048, 4096 -> reports/bench/train_step.json
     python benchmarks/bench_train_step.py --precision amp --recompute --profile   # one mode, layer recompute, kernels
     python benchmarks/bench_train_step.py --tiny --out /tmp/x.json   # CPU smoke run on tiny shapes
+    python benchmarks/bench_train_step.py --precision bf16 --markov-head rnn --out reports/bench/train_step_rnn.json
+    python benchmarks/bench_train_step.py --precision bf16 --mixed 4 [--packed] --out reports/bench/train_step_mix.json
     python benchmarks/bench_train_step.py --vocab-size 32000 --out reports/bench/train_step_v32k.json
         # a reduced draft vocabulary (draft.vocab_size): the draft's head and W2 over 32,000 tokens, the teacher
         # over all 151,936; the batch's tokens are drawn from those 32,000 (the ranking's full coverage)
@@ -51,6 +53,7 @@ from dspark_core.dist import Dist, init_distributed  # noqa: E402
 from dspark_core.draft.anchors import add_anchor_fields  # noqa: E402
 from dspark_core.draft.config import DraftConfig, LossConfig  # noqa: E402
 from dspark_core.draft.model import DSparkDraft  # noqa: E402
+from dspark_core.draft.packing import collate_packed  # noqa: E402
 from dspark_core.draft.synthetic import random_item  # noqa: E402
 from dspark_core.draft.task import DSparkTrainModel, draft_denominators  # noqa: E402
 from dspark_core.testing import QWEN3_4B_SHAPES  # noqa: E402
@@ -71,7 +74,8 @@ def build(args, precision: str,
           device: torch.device) -> tuple[DSparkTrainModel, torch.optim.Optimizer, list[torch.nn.Parameter]]:
     tc = target_config(args.tiny)
     cfg = DraftConfig(num_draft_layers=5, block_size=7, mask_token_id=tc.vocab_size - 1, num_anchors=args.anchors,
-                      markov_rank=16 if args.tiny else 256, vocab_size=args.vocab_size)
+                      markov_rank=16 if args.tiny else 256, markov_head=args.markov_head,
+                      confidence_with_markov=args.markov_head != "none", vocab_size=args.vocab_size)
     frozen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     lm = torch.randn(tc.vocab_size, tc.hidden_size, device=device, dtype=frozen_dtype) * 0.02  # tied embed/LM head
     with torch.device(device):  # build the weights where they will live
@@ -92,8 +96,15 @@ def make_batch(args, length: int, device: torch.device, seed: int) -> dict[str, 
     tc = target_config(args.tiny)
     g = torch.Generator().manual_seed(seed)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    item = random_item(length, args.vocab_size or tc.vocab_size, len(AUX_LAYERS), tc.hidden_size,
-                       prompt_len=max(1, length // 16), generator=g, dtype=dtype)
+    vocab = args.vocab_size or tc.vocab_size  # token ids drawn from the draft vocabulary when it is reduced
+    if args.mixed:  # N samples of L/8 .. L tokens: one a row (padded to the longest), or packed into rows of L
+        lens = torch.randint(max(8, length // 8), length + 1, (args.mixed,), generator=g).tolist()
+        items = [random_item(n, vocab, len(AUX_LAYERS), tc.hidden_size, prompt_len=max(1, n // 16),
+                             generator=g, dtype=dtype) for n in lens]
+        batch = collate_packed(items, args.anchors, 7, length if args.packed else 1, g)
+        return {k: v.to(device) for k, v in batch.items()}
+    item = random_item(length, vocab, len(AUX_LAYERS), tc.hidden_size, prompt_len=max(1, length // 16),
+                       generator=g, dtype=dtype)
     batch = {k: v.unsqueeze(0) for k, v in item.items()}
     batch["lengths"] = torch.tensor([length])
     batch = add_anchor_fields(batch, args.anchors, 7, g)
@@ -141,9 +152,11 @@ def run_length(args, precision: str, model, opt, params, length: int, device: to
     loss = float(loss)
     step_s = slowest((time.perf_counter() - t0) / args.steps, d)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    tokens = int(batches[0]["lengths"].sum()) if args.mixed else length  # a step's real tokens (first batch)
     row = {"precision": precision, "chunk": model.loss_cfg.vocab_chunk_slots, "L": length,
            "draft_vocab_size": args.vocab_size, "step_s": step_s,
-           "tokens_per_s": d.world_size * length / step_s, "peak_gib": peak, "loss": loss,
+           "tokens_per_s": d.world_size * tokens / step_s, "peak_gib": peak, "loss": loss,
+           "mixed": args.mixed, "packed": args.packed, "rows": int(batches[0]["input_ids"].shape[0]),
            "warmup_s": warm_s, "valid_slots": int(batches[0]["slot_valid"].sum()), "world_size": d.world_size}
     ref = reference_run(args.reference, length) if not args.tiny else None
     if ref is not None:
@@ -215,6 +228,11 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, nargs="+", default=[512], help="loss.vocab_chunk_slots (one run each)")
     ap.add_argument("--precision", choices=("amp", "bf16"), nargs="+", default=["amp", "bf16"],
                     help="amp: fp32 weights + AdamW state, bf16 autocast (the trainer's way); bf16: bf16 weights")
+    ap.add_argument("--markov-head", choices=("vanilla", "gated", "rnn", "none"), default="vanilla",
+                    help="draft.markov_head (none: the confidence head reads h only)")
+    ap.add_argument("--mixed", type=int, default=0,
+                    help="a step is N samples of L/8..L tokens, one a row padded to the longest (default 0: one of L)")
+    ap.add_argument("--packed", action="store_true", help="with --mixed: pack the samples into rows of L tokens")
     ap.add_argument("--recompute", action="store_true", help="activation checkpointing of each draft layer")
     ap.add_argument("--no-fused", dest="fused", action="store_false", help="foreach AdamW instead of fused")
     ap.add_argument("--compile", action="store_true", help="torch.compile the whole training forward")
@@ -231,6 +249,8 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, default=None,
                     help="one-process JSON of the same settings: adds scaling_efficiency (torchrun runs)")
     args = ap.parse_args()
+    if args.packed and not args.mixed:
+        raise SystemExit("--packed needs --mixed N (the samples to pack)")
     if args.baseline is not None and not args.baseline.is_file():
         raise SystemExit(f"--baseline {args.baseline}: file not found")
     args.lengths = args.lengths or ([64, 128] if args.tiny else [2048, 4096])

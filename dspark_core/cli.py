@@ -4,6 +4,8 @@
     dspark cache verify data/cache/eval.zarr --target data/target -n 4
     dspark cache info data/cache/train.zarr
     dspark stages list | run TARGET...    # dvc.yaml's commands without DVC (a machine where DVC is not installed)
+    dspark export data/train/baseline/final OUT --layout deepspec   # to a serving engine's DSpark layout
+    dspark import PUBLISHED_DRAFT OUT                               # a DeepSpec / speculators draft -> dspark's
 """
 
 from __future__ import annotations
@@ -101,6 +103,28 @@ def stages_run(targets: list[str] = typer.Argument(None, help="stages (and what 
         plan(stages, targets)  # raises on the unknown names
     for name, seconds in run(order, params):
         typer.echo(f"{name}\t{seconds}")
+
+
+@app.command("export")
+def export_cmd(draft_dir: Path, out_dir: Path,
+               layout: str = typer.Option(..., help="deepspec (Qwen3DSparkModel: vLLM, SGLang, ...) | speculators"),
+               dtype: str = typer.Option("bfloat16", help="bfloat16 | float16 | float32"),
+               target: Path = typer.Option(Path("data/target"), help="the target the draft was trained on")) -> None:
+    """Write a trained draft as config.json + model.safetensors + README.md (the serve command) in LAYOUT."""
+    from dspark_core.export.run import export_dir
+
+    variant = draft_dir.parent.name if draft_dir.name == "final" else draft_dir.name  # data/train/<variant>/final
+    for out in export_dir(draft_dir, out_dir, [layout], dtype, target, variant=variant, subdirs=False):
+        typer.echo(f"exported {draft_dir} -> {out} ({layout}, {dtype})")
+
+
+@app.command("import")
+def import_cmd(src_dir: Path, out_dir: Path,
+               target: Path = typer.Option(Path("data/target"), help="the draft's target")) -> None:
+    """Read a DeepSpec- or speculators-layout draft and save it as a dspark draft (for eval_offline / bench_online)."""
+    from dspark_core.export.run import import_dir
+
+    typer.echo(f"imported {src_dir} -> {import_dir(src_dir, out_dir, target)}")
 
 
 def main() -> None:

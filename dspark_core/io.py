@@ -1,4 +1,6 @@
-"""Crash-safe file helpers: every write goes to a temp file in the same folder, then ``os.replace``."""
+"""Crash-safe file helpers: every write goes to a temp file in the same folder, is flushed to disk (fsync), then
+``os.replace``-d over the target and the folder's entry flushed too: after a crash the file is the old one or the
+new one, whole."""
 
 from __future__ import annotations
 
@@ -25,10 +27,29 @@ def atomic_path(path: str | Path, suffix: str = "") -> Iterator[Path]:
         yield tmp_path
         if tmp_path.exists():
             os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual file mode
+            fsync_path(tmp_path)
         os.replace(tmp_path, path)
+        fsync_dir(path.parent)
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+def fsync_path(path: str | Path) -> None:
+    """Flush a written file (or, opened read-only, a folder's entries) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Flush a folder's entries (a rename into it) to disk; a no-op where folders cannot be opened."""
+    try:
+        fsync_path(path)
+    except OSError:  # e.g. Windows cannot open a folder
+        pass
 
 
 def _umask() -> int:

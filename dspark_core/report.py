@@ -2,11 +2,13 @@
 
 Reads the metrics JSON the other stages wrote (``reports/eval_offline/<v>.json``, ``reports/bench_online/<v>.json``,
 ``reports/dmtd/<v>.json``) for the variants listed in params.yaml and writes:
-- ``reports/summary.md``: a table per family (DSpark variants, DMTD variants);
+- ``reports/summary.md``: a table per family (DSpark variants, DMTD variants) and, for a draft with extra anchor
+  sets (Draft Memory: ``post_error/...`` keys), the draft and the reference draft on exactly those anchors;
 - ``reports/plots/dspark_accept_rate.png``: offline accept_rate@i per DSpark variant;
 - ``reports/plots/dmtd_quality_speed.png``: DMTD perplexity vs decode speedup per variant;
 - ``reports/metrics/``: the headline figures people compare, flat, one small JSON per variant
-  (``draft/<v>.json``: tau_prob, accept_rate@i, mal, tokens_per_s, speedup (+ the reranker's gains; with GPU
+  (``draft/<v>.json``: tau_prob, accept_rate@i, mal, tokens_per_s, speedup (+ the reranker's gains; the tau_prob of
+  a draft's extra anchor sets, ``post_error/tau_prob`` and ``post_error/<reference>/tau_prob``; with GPU
   kernels speedup_vs_fastest_ar; with ``bench_online.also_temperatures`` mal@t<T>, speedup@t<T> and, with
   kernels, speedup_vs_fastest_ar@t<T>);
   ``dmtd/<v>.json``: perplexity, token_acc, accuracy, tokens_per_s, speedup; ``data.json``: regenerate and
@@ -58,7 +60,25 @@ def dspark_rows(variants: Sequence[str], root: Path = REPORTS) -> list[dict[str,
                      **{k: off.get(k) for k in RERANK_KEYS}, "reranker_share": on.get("reranker_share_of_cycle"),
                      "_rates": [off.get(f"accept_rate@{i}") for i in range(64) if f"accept_rate@{i}" in off],
                      "_speedup_vs_fastest_ar": on.get("speedup_vs_fastest_ar"),  # GPU kernels: both modes' AR
-                     "_at_temperature": on.get("at_temperature") or {}})  # bench_online.also_temperatures
+                     "_at_temperature": on.get("at_temperature") or {},  # bench_online.also_temperatures
+                     "_anchor_set_tau": {k: x for k, x in off.items() if k.endswith("/tau_prob")}})
+    return rows
+
+
+ANCHOR_SET_COLUMNS = ("tau_prob", "accept_rate@0", "accept_rate@1", "ce", "num_blocks")
+
+
+def anchor_set_rows(variants: Sequence[str], root: Path = REPORTS) -> list[dict[str, Any]]:
+    """One row per (variant, extra anchor set, measured draft) from keys ``<set>/<key>`` (the variant itself) and
+    ``<set>/<reference>/<key>`` (the reference draft on the same anchors), e.g. Draft Memory's ``post_error``."""
+    rows = []
+    for v in variants:
+        off = _load(root / "eval_offline" / f"{v}.json") or {}
+        prefixes = sorted({k[:-len("/tau_prob")] for k in off if k.endswith("/tau_prob")})
+        for prefix in prefixes:
+            anchor_set, _, measured = prefix.partition("/")
+            rows.append({"variant": v, "anchors": anchor_set, "measured draft": measured or v,
+                         **{c: off.get(f"{prefix}/{c}") for c in ANCHOR_SET_COLUMNS}})
     return rows
 
 
@@ -82,10 +102,18 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_summary(dspark: list[dict[str, Any]], dmtd: list[dict[str, Any]], path: Path) -> None:
+def write_summary(dspark: list[dict[str, Any]], dmtd: list[dict[str, Any]], path: Path,
+                  anchor_sets: list[dict[str, Any]] | None = None) -> None:
     text = ("# dspark summary\n\nMade by the `report` stage from the metrics under reports/ "
             "(`dvc metrics show` has every key).\n\n## DSpark drafts (offline teacher-forced / online)\n\n"
-            + markdown_table(dspark) + "\n## Parallel DMTD\n\n" + markdown_table(dmtd))
+            "Offline columns: every draft at the same random anchors of the eval cache (Draft Memory without memory: "
+            "there is no previous block at a random anchor).\n\n" + markdown_table(dspark))
+    if anchor_sets:
+        text += ("\n## Offline metrics at a draft's own anchor sets, beside the reference draft on the same anchors\n\n"
+                 "post_error: Draft Memory's anchors right after its first greedy error in a block, the draft with "
+                 "the kept memory; the reference draft reads the same context, anchors and targets, no memory.\n\n"
+                 + markdown_table(anchor_sets))
+    text += "\n## Parallel DMTD\n\n" + markdown_table(dmtd)
     with atomic_path(path, ".md") as tmp:
         tmp.write_text(text)
 
@@ -146,6 +174,7 @@ def headline_metrics(dspark: list[dict[str, Any]], dmtd: list[dict[str, Any]], r
         m.update({f"accept_rate@{i}": x for i, x in enumerate(r["_rates"])})
         m.update({k: r[k] for k in RERANK_KEYS})
         m["speedup_vs_fastest_ar"] = r["_speedup_vs_fastest_ar"]
+        m.update(r["_anchor_set_tau"])  # e.g. post_error/tau_prob, post_error/baseline/tau_prob
         for temp, row in r["_at_temperature"].items():
             m.update({f"mal@t{temp}": row.get("mal"), f"speedup@t{temp}": row.get("speedup"),
                       f"speedup_vs_fastest_ar@t{temp}": row.get("speedup_vs_fastest_ar")})
@@ -182,6 +211,6 @@ def run_report(params: str | Path, root: Path = REPORTS) -> None:
     variants = list((doc.get("variants") or {}).keys())
     dmtd_variants = list((doc.get("dmtd") or {}).get("variants") or [])
     dspark, dmtd = dspark_rows(variants, root), dmtd_rows(dmtd_variants, root)
-    write_summary(dspark, dmtd, root / "summary.md")
+    write_summary(dspark, dmtd, root / "summary.md", anchor_set_rows(variants, root))
     write_headlines(headline_metrics(dspark, dmtd, root), root / "metrics")
     plot(dspark, dmtd, root / "plots")

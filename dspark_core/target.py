@@ -169,9 +169,14 @@ def load_target(path: str | Path, dtype: str | torch.dtype = "float32", device: 
 # ----------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Yield an empty temp dir beside ``path``; on success it replaces ``path`` (old one removed)."""
+    """Yield an empty temp dir beside ``path``; on success it replaces ``path`` (old one removed).
+
+    What a killed earlier writer of ``path`` left beside it (its ``.<name>.*.tmp`` / ``.<name>.old-*``) is removed
+    first: a stage's output has one writer, so such leftovers belong to no one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in [*path.parent.glob(f".{path.name}.*.tmp"), *path.parent.glob(f".{path.name}.old-*")]:
+        shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink()
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     umask = os.umask(0)
     os.umask(umask)

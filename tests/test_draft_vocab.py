@@ -187,7 +187,7 @@ def test_reduced_draft_saves_its_maps_and_loads_them(tmp_path):
     from safetensors.torch import load_file
 
     from dspark_core.decoding.static_draft import draft_kernels_problem, static_draft_problem
-    from dspark_core.draft.model import load_draft, save_draft
+    from dspark_core.checkpoint import load_draft, save_draft
     from dspark_core.testing import tiny_model
 
     target = tiny_model("qwen3")
@@ -202,6 +202,10 @@ def test_reduced_draft_saves_its_maps_and_loads_them(tmp_path):
     torch.testing.assert_close(back.draft_vocab.t2d, draft.draft_vocab.t2d)
     assert back.cfg.vocab_size == 50 and static_draft_problem(back) is None  # the static engine, its torch draft path
     assert "reduced draft vocabulary" in draft_kernels_problem(back)
+    from dspark_core.export.common import check_exportable
+
+    with pytest.raises(UserError, match="reduced draft vocabulary .draft.vocab_size 50.; the exporters do not write"):
+        check_exportable(back, "speculators")  # never an export whose W2 rows silently mean other tokens
     from test_draft_model import _draft
 
     assert not any(k.startswith("draft_vocab") for k in _draft(target).own_state_dict())  # the default: no maps
@@ -230,7 +234,7 @@ def test_task_takes_the_first_n_tokens_of_the_ranking(tmp_path, capsys):
     with pytest.raises(Exception, match="reranker reads W2 rows"):
         DraftConfig(kind="reranker", vocab_size=30).validate()
 
-    from dspark_core.draft.model import save_draft
+    from dspark_core.checkpoint import save_draft
 
     saved = DSparkDraft(cfg, target.config, target.get_input_embeddings().weight,
                         target.get_output_embeddings().weight, aux_layer_ids=(0, 2))

@@ -19,8 +19,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -31,11 +36,12 @@ import yaml
 
 from dspark_core.cache import CacheConfig, CacheDataset, build_store, run_cache
 from dspark_core.cache.store import open_store
+from dspark_core.checkpoint import load_draft, save_draft
 from dspark_core.config import ParamsError
-from dspark_core.data.prompts import PrepareConfig, run_prepare
+from dspark_core.data.prompts import PrepareConfig, Prompt, run_prepare, write_prompts
+from dspark_core.data.regenerate import RegenerateConfig, run_regenerate
 from dspark_core.decoding.bench_online import run_bench_online_stage
-from dspark_core.draft import DraftConfig, DSparkDraft, save_draft
-from dspark_core.draft.model import load_draft
+from dspark_core.draft import DraftConfig, DSparkDraft
 from dspark_core.draft.stage import run_eval_offline_stage, run_train_stage
 from dspark_core.target import TargetConfig, load_target, read_fingerprint, run_target
 from dspark_core.testing import NAN_TOKEN, save_tiny_target, write_regen
@@ -47,6 +53,11 @@ LAYERS = [1, 3]  # tiny targets have 6 decoder layers: 5 is the final one
 LENGTHS = [(20, 30), (60, 40), (10, 20), (30, 35), (15, 20), (8, 14)]
 N_TOKENS = sum(min(a + b, 96) for a, b in LENGTHS)  # 298
 FP = r"[0-9a-f]{16}"
+DRAFT = "data/train/baseline/final"
+CKPT = "data/train/baseline/checkpoints/step_00000001"
+# a train@baseline run stopped after step 1 of 2 (its outputs, and its report folder)
+TRAINED = (("trained_out", "data/train/baseline"), ("trained_reports", "reports/train/baseline"))
+NOT_UTF8 = b'{"turns": ["Hi"]}\n{"turns": ["caf\xe9 au lait"]}\n'  # latin-1 e-acute in line 2
 
 PARAMS: dict[str, Any] = {
     "target": {"source": "hf_dir", "path": "no/such/hf_dir", "out_dir": "data/target"},
@@ -62,6 +73,8 @@ PARAMS: dict[str, Any] = {
     "eval_offline": {"batch_size": 2, "num_anchors": 4},
     "bench_online": {"datasets": ["jsonl:prompts.jsonl"], "max_prompts": 2, "max_new_tokens": 8, "max_len": 256,
                      "peers": [], "device": "cpu", "out_dir": "reports/bench_online"},
+    "regenerate": {"backend": "hf", "device": "cpu", "threads": 1, "max_new_tokens": 12, "batch_size": 2,
+                   "splits": ["train"]},
 }
 
 
@@ -88,7 +101,22 @@ def assets(tmp_path_factory) -> dict[str, Path]:
     model.save_pretrained(nan_target)
     a["nan_target"] = nan_target
     a["nan_regen"] = write_regen(root / "nan_regen" / "train.parquet", LENGTHS, poison=2)
+    trained = _stopped_training(root / "trained", a)
+    a["trained_out"], a["trained_reports"] = trained / "data/train/baseline", trained / "reports/train/baseline"
     return a
+
+
+def _stopped_training(root: Path, assets: dict[str, Path]) -> Path:
+    """A project whose train@baseline stopped (time budget) after step 1 of 2: a checkpoint to resume from."""
+    cwd = Path.cwd()
+    Project(root, assets)
+    try:
+        os.chdir(root)
+        run_train_stage(Path("params.yaml"), "baseline", time_budget_s=1e-9)
+    finally:
+        os.chdir(cwd)
+    assert (root / "data/train/baseline/checkpoints/step_00000001/manifest.json").is_file()
+    return root
 
 
 class Project:
@@ -140,18 +168,23 @@ def prepare() -> Callable[[], Any]:
     return lambda: run_prepare(PrepareConfig.load("params.yaml", "prepare"))
 
 
-def cli(script: str, *args: str) -> Callable[[], Any]:
-    """``python stages/<script>.py ARGS`` in this process (typer's runner): re-raises what the command raised."""
+def invoke_stage(script: str, *args: str):
+    """Run ``python stages/<script>.py ARGS`` in this process (typer's runner); returns typer's result."""
     import typer
     from typer.testing import CliRunner
 
+    spec = importlib.util.spec_from_file_location(f"_stage_{script}", REPO / "stages" / f"{script}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    app = typer.Typer()
+    app.command()(mod.main)
+    return CliRunner().invoke(app, list(args))
+
+
+def cli(script: str, *args: str) -> Callable[[], Any]:
+    """``python stages/<script>.py ARGS`` in this process: re-raises what the command raised."""
     def run() -> None:
-        spec = importlib.util.spec_from_file_location(f"_stage_{script}", REPO / "stages" / f"{script}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        app = typer.Typer()
-        app.command()(mod.main)
-        res = CliRunner().invoke(app, list(args))
+        res = invoke_stage(script, *args)
         if res.exception is not None and not isinstance(res.exception, SystemExit):
             raise res.exception
         raise AssertionError(f"exit code {res.exit_code} without an exception: {res.output}")
@@ -334,6 +367,44 @@ def draft_on(target: str):
     return setup
 
 
+def damaged_file(call: Callable[[], Any], rel: str, how: str, copies=(("draft", DRAFT),)):
+    """``rel`` truncated by 100 bytes (``how="truncate"``) or one byte flipped inside it (``"flip"``), after each
+    asset of ``copies`` (asset, path) was put at its path."""
+    def setup(p: Project):
+        for asset, dst in copies:
+            p.put(asset, dst)
+        f = p.root / rel
+        b = bytearray(f.read_bytes())
+        if how == "truncate":
+            del b[-100:]
+        else:
+            b[-20] ^= 0x01
+        f.write_bytes(bytes(b))
+        return call
+    return setup
+
+
+def regenerate() -> Callable[[], Any]:
+    return lambda: run_regenerate(RegenerateConfig.load("params.yaml", "regenerate"))
+
+
+def prompts_parquet(turns: tuple[str, ...]):
+    def setup(p: Project):
+        write_prompts(p.root / "data/prompts/train.parquet", [Prompt("q0", "test", ("Say yes.",)),
+                                                             Prompt("q1", "test", turns)])
+        return regenerate()
+    return setup
+
+
+def raw_file(call: Callable[[Project], Callable[[], Any]], name: str, data: bytes):
+    """``name`` holds ``data`` (bytes, e.g. not UTF-8) when ``call``'s setup has run."""
+    def setup(p: Project):
+        run = call(p)
+        (p.root / name).write_bytes(data)
+        return run
+    return setup
+
+
 # -- the catalogue ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Case:
@@ -474,6 +545,31 @@ CASES = [
     Case("draft/other_architecture", draft_on("shallow_target"),
          r"data/train/baseline/final/config.json: draft trained for another target: its target.num_hidden_layers is "
          r"6, the given target \(data/target\) has 4"),
+    # 9. damaged checkpoints: size / sha256 of manifest.json, checked before a weight is read
+    Case("checkpoint/truncated_draft_eval", damaged_file(eval_offline(), f"{DRAFT}/model.safetensors", "truncate"),
+         rf"{DRAFT}/model.safetensors: \d+ bytes, manifest.json records \d+ \(truncated or replaced\); retrain the "
+         rf"draft or restore {DRAFT} \(`dvc checkout`\)", EVAL_OUT),
+    Case("checkpoint/altered_draft_bench", damaged_file(bench(), f"{DRAFT}/model.safetensors", "flip"),
+         rf"{DRAFT}/model.safetensors: SHA-256 differs from the one manifest.json records \(the file is damaged\)",
+         BENCH_OUT),
+    Case("checkpoint/truncated_train_resume", damaged_file(train(), f"{CKPT}/model.safetensors", "truncate", TRAINED),
+         rf"{CKPT}/model.safetensors: \d+ bytes, manifest.json records \d+ \(truncated or replaced\); delete {CKPT} "
+         r"and point data/train/baseline/checkpoints/latest.json at an earlier step"),
+    # 10. empty prompts and prompts that are not UTF-8: refused naming the line (no prompt silently dropped)
+    Case("prompt/prepare_empty_turn", prepare_from(['{"turns": ["What is 2 + 3?"]}', '{"turns": ["  "]}']),
+         r"src.jsonl:2: field 'turns' must be a non-empty list of non-empty strings, got \"\['  '\]\"",
+         ("data/prompts",)),
+    Case("prompt/bench_empty_turn", bench_prompts(['{"turns": ["Hi"]}', '{"turns": [""]}']),
+         r"prompts.jsonl: line 2: 'turns' must be a non-empty list of non-empty strings", BENCH_OUT),
+    Case("prompt/regenerate_empty_turn", prompts_parquet(("",)),
+         r"data/prompts/train.parquet: row id='q1' has an empty turn \(\[''\]\); fix the prompts",
+         ("reports/regenerate_stats.json", "data/regen/parts")),
+    Case("prompt/prepare_not_utf8", raw_file(prepare_from([]), "src.jsonl", NOT_UTF8),
+         r"src.jsonl:2: not valid UTF-8 \(byte 0xe9 at column 16\); save the file as UTF-8", ("data/prompts",)),
+    Case("prompt/bench_not_utf8", raw_file(bench_prompts([]), "prompts.jsonl", NOT_UTF8),
+         r"prompts.jsonl:2: not valid UTF-8 \(byte 0xe9 at column 16\)", BENCH_OUT),
+    Case("too_long/cache_prompt_alone", regen_rows([(120, 10)] + LENGTHS, cache={"on_too_long": "error"}),
+         r"data/regen/train.parquet: row 0 \(id 's000'\) has 130 tokens > cache.max_length=96", CACHE_OUT),
 ]
 
 
@@ -523,7 +619,8 @@ def test_bad_input_gives_one_clear_error(case: Case, project: Project):
 def test_catalogue_covers_every_item():
     """The issue's eight kinds of bad input each have cases; names are unique."""
     kinds = {c.name.split("/")[0] for c in CASES}
-    assert kinds == {"variant", "params", "layers", "cache", "nan", "empty", "too_long", "target", "draft"}
+    assert kinds == {"variant", "params", "layers", "cache", "nan", "empty", "too_long", "target", "draft",
+                     "checkpoint", "prompt"}
     assert len({c.name for c in CASES}) == len(CASES)
 
 
@@ -541,3 +638,125 @@ def test_verify_lists_damaged_chunks(project: Project):
     assert [b["chunk"] for b in report["chunks"]["bad"]] == ["aux_hidden/c/0/0/0"]
     clean = verify_cache("data/cache/eval.zarr", "data/target", n_samples=0)
     assert clean["ok"] and clean["chunks"]["bad"] == [] and clean["chunks"]["checked"] > 0
+
+
+def test_prompt_over_max_length_is_cut_and_counted(project: Project):
+    """The default ``cache.on_too_long: truncate`` keeps a sample longer than ``cache.max_length`` cut to it and
+    counts it in the stats; one whose prompt alone fills max_length has no response token left and is counted
+    as such (its loss mask is empty, so it trains nothing)."""
+    regen_rows([(120, 10)] + LENGTHS)(project)
+    shutil.rmtree(project.root / "data/cache")
+    stats = cache()()
+    assert stats["truncated_samples"] == 2 and stats["no_response_samples"] == 1  # rows 0 (130) and 2 (100)
+    ds = CacheDataset("data/cache/train.zarr")
+    cut = [ds[n] for n in range(len(ds)) if not ds[n]["loss_mask"].any()]
+    assert len(cut) == 1 and cut[0]["input_ids"].shape[0] == 96
+
+
+# -- the command line: exit status 2 and one line; kill -9 then the same command resumes to the same bytes -----
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+       "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+
+
+def _start(root: Path, *argv: str) -> subprocess.Popen:
+    """``python ARGV`` in ``root``; its stderr goes to ``<root>.stderr`` (a file: a pipe nobody reads while the
+    process runs could fill up and stall it)."""
+    with open(_stderr(root), "w") as err:
+        return subprocess.Popen([sys.executable, *argv], cwd=root, env=ENV, stdout=subprocess.DEVNULL, stderr=err)
+
+
+def _stderr(root: Path) -> Path:
+    return root.with_name(f"{root.name}.stderr")
+
+
+def test_user_error_exits_2_with_one_line(tmp_path, assets):
+    """``python stages/eval_offline.py`` on a truncated draft: status 2, one ``error:`` line on stderr naming the
+    file, no traceback (every stage runs under the same ``run_stage``; the in-process cases cover the messages)."""
+    p = Project(tmp_path / "proj", assets)
+    damaged_file(None, f"{DRAFT}/model.safetensors", "truncate")(p)
+    before = _tree(p.root)
+    proc = _start(p.root, str(REPO / "stages" / "eval_offline.py"), "--variant", "baseline")
+    proc.wait(timeout=300)
+    err = _stderr(p.root).read_text()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2, err[-2000:]
+    assert len(errors) == 1, err[-2000:]
+    assert re.search(rf"^error: {DRAFT}/model.safetensors: \d+ bytes, manifest.json records \d+ \(truncated or "
+                     r"replaced\); retrain the draft", errors[0]), errors[0]
+    assert "Traceback" not in err, err[-2000:]
+    assert _tree(p.root) == before
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+KILLED = {  # stage -> (params over PARAMS, outputs removed first, what must be on disk when it is killed)
+    "regenerate": ({}, ("data/regen",), "data/regen/parts/train/part-00000.parquet"),
+    "cache": ({"cache": {"batch_tokens": 100}}, ("data/cache",), "data/cache/train.zarr/zarr.json"),
+    "train": ({"train": {"total_steps": 4, "max_steps": 4}}, (), "data/train/baseline/checkpoints/latest.json"),
+}
+
+
+def _run_stage(stage: str) -> None:
+    """``python stages/<stage>.py`` (in this process: the interpreter start is the slow part here); it must succeed."""
+    res = invoke_stage(stage)
+    if res.exception is not None and not isinstance(res.exception, SystemExit):
+        raise res.exception
+    assert res.exit_code == 0, res.output
+
+
+def _kill_project(root: Path, assets: dict[str, Path], stage: str) -> Project:
+    over, remove, _ = KILLED[stage]
+    p = Project(root, assets)
+    p.params(**over)
+    for rel in remove:
+        shutil.rmtree(p.root / rel)
+    write_prompts(p.root / "data/prompts/train.parquet",
+                  [Prompt(f"q{i}", "test", (f"Question {i}: name {i + 2} colours.",)) for i in range(6)])
+    return p
+
+
+def _compared(stage: str, root: Path) -> dict[str, bytes]:
+    if stage == "regenerate":
+        return {"train.parquet": (root / "data/regen/train.parquet").read_bytes()}
+    if stage == "cache":
+        return _files(root / "data/cache/train.zarr")
+    return _files(root / DRAFT)
+
+
+def test_kill_9_then_the_same_command_resumes_to_the_same_bytes(tmp_path, assets, monkeypatch, one_thread):
+    """regenerate, cache and train, each killed with SIGKILL once part of its output is written
+    (``tests/_paused_stage.py`` holds the command there), then the same command again: the output is byte for byte
+    that of an uninterrupted run (regenerate's final parquet, every file of the cache store, the exported draft)."""
+    procs = {}
+    for stage in KILLED:  # start the three at once: their interpreters start while the references run here
+        p = _kill_project(tmp_path / f"killed_{stage}", assets, stage)
+        procs[stage] = (p, _start(p.root, str(REPO / "tests" / "_paused_stage.py"), str(tmp_path / f"{stage}.held"),
+                                  stage), tmp_path / f"{stage}.held")
+    try:
+        refs = {}
+        for stage in KILLED:
+            ref = _kill_project(tmp_path / f"ref_{stage}", assets, stage)
+            monkeypatch.chdir(ref.root)
+            _run_stage(stage)
+            refs[stage] = _compared(stage, ref.root)
+        for stage, (p, proc, held) in procs.items():
+            deadline = time.monotonic() + 300
+            while not held.exists():
+                assert proc.poll() is None, f"{stage} ended unheld: {_stderr(p.root).read_text()[-2000:]}"
+                assert time.monotonic() < deadline, f"{stage} was not held in 300 s"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=60)
+            assert (p.root / KILLED[stage][2]).is_file(), stage  # part of the output was written
+            monkeypatch.chdir(p.root)
+            _run_stage(stage)
+            got = _compared(stage, p.root)
+            assert got.keys() == refs[stage].keys(), stage
+            assert [k for k in got if got[k] != refs[stage][k]] == [], stage
+    finally:
+        for _, proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=60)

@@ -82,7 +82,7 @@ def _naive_dspark_total(draft, batch, cfg: LossConfig):
     """The whole objective with full-vocabulary tensors for every slot (DeepSpec's way)."""
     h = draft.forward_train(batch["input_ids"], batch["aux_hidden"], batch["anchors"], batch["anchor_valid"])
     m = draft.markov_features(batch["prev_tokens"], h, None)  # [B, A, S, r]
-    logits = h @ draft.lm_head_weight.t() + m @ draft.markov.w2.weight.t()  # [B, A, S, V]
+    logits = h @ draft.lm_head_weight.t() + draft.markov_block(m, h) @ draft.markov.w2.weight.t()  # [B, A, S, V]
     tpos = batch["anchors"].unsqueeze(-1) + torch.arange(h.shape[2])  # [B, A, S]
     teacher_h = torch.stack([batch["last_hidden"][b][tpos[b].clamp(max=batch["input_ids"].shape[1] - 1)]
                              for b in range(h.shape[0])])  # [B, A, S, Ht]
@@ -98,10 +98,12 @@ def _naive_dspark_total(draft, batch, cfg: LossConfig):
     return total, {"ce": (w * ce).sum(), "l1": (w * l1).sum(), "conf": (w * conf).sum(), "tau_prob": tau}, den
 
 
-def test_dspark_sums_match_the_naive_objective_on_a_draft():
+@pytest.mark.parametrize("markov_head", ["vanilla", "gated", "rnn"])
+def test_dspark_sums_match_the_naive_objective_on_a_draft(markov_head):
     target = tiny_model("qwen3")
     torch.manual_seed(0)
-    cfg_d = DraftConfig(num_draft_layers=2, block_size=4, mask_token_id=259, num_anchors=6, markov_rank=8)
+    cfg_d = DraftConfig(num_draft_layers=2, block_size=4, mask_token_id=259, num_anchors=6, markov_rank=8,
+                        markov_head=markov_head)
     draft = DSparkDraft(cfg_d, target.config, target.get_input_embeddings().weight,
                         target.get_output_embeddings().weight, aux_layer_ids=[0, 3])
     with torch.no_grad():

@@ -66,3 +66,30 @@ def test_report_headline_files_follow_params(tmp_path):
     assert not stale.exists() and (tmp_path / "metrics" / "draft" / "baseline.json").is_file()
     assert json.loads((tmp_path / "metrics" / "data.json").read_text()) == {
         "regenerate_tokens_per_s": 100.0, "cache_tokens_per_s": 800.0, "bytes_per_token": 4000.0}
+
+
+def test_report_compares_memory_with_the_reference_at_the_same_post_error_anchors(tmp_path):
+    """Draft Memory's post_error/... keys (the draft with memory) and post_error/baseline/... (the baseline on the
+    same anchors) become two rows of one table; the main table keeps the random-anchor figures."""
+    (tmp_path / "eval_offline").mkdir()
+    (tmp_path / "eval_offline" / "draft_memory.json").write_text(json.dumps(
+        {"tau_prob": 2.5, "accept_rate@0": 0.75, "post_error/tau_prob": 1.75, "post_error/accept_rate@0": 0.5,
+         "post_error/accept_rate@1": 0.25, "post_error/ce": 2.0, "post_error/num_blocks": 12,
+         "post_error/baseline/tau_prob": 1.5, "post_error/baseline/accept_rate@0": 0.375,
+         "post_error/baseline/accept_rate@1": 0.125, "post_error/baseline/ce": 2.25,
+         "post_error/baseline/num_blocks": 12}))
+    (tmp_path / "eval_offline" / "baseline.json").write_text(json.dumps({"tau_prob": 2.25}))
+    params = tmp_path / "params.yaml"
+    params.write_text("variants:\n  baseline: {}\n  draft_memory: {}\n")
+    run_report(params, root=tmp_path)
+    text = (tmp_path / "summary.md").read_text()
+    assert "| draft_memory | 2.500 | 0.750 |" in text and "| baseline | 2.250 |" in text
+    table = text.split("## Offline metrics at a draft's own anchor sets")[1].split("## Parallel DMTD")[0]
+    header = "| variant | anchors | measured draft | tau_prob | accept_rate@0 | accept_rate@1 | ce | num_blocks |"
+    assert header in table
+    assert "| draft_memory | post_error | draft_memory | 1.750 | 0.500 | 0.250 | 2.000 | 12 |" in table
+    assert "| draft_memory | post_error | baseline | 1.500 | 0.375 | 0.125 | 2.250 | 12 |" in table
+    assert "\n| baseline |" not in table  # no row of its own for a draft without extra anchor sets
+    head = json.loads((tmp_path / "metrics" / "draft" / "draft_memory.json").read_text())
+    assert (head["tau_prob"], head["post_error/tau_prob"], head["post_error/baseline/tau_prob"]) == (2.5, 1.75, 1.5)
+    assert "post_error/tau_prob" not in json.loads((tmp_path / "metrics" / "draft" / "baseline.json").read_text())

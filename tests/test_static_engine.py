@@ -39,7 +39,8 @@ needs_triton = pytest.mark.skipif(not triton_ok(DEVICE), reason="needs Triton on
 
 
 def _setup(family: str, block: int = BLOCK, seed: int = 0, vocab: int = 16, layers: int = 6, aux=(0, 2, 4),
-           fit=None, steps: int = FIT_STEPS, draft_vocab: tuple[int, ...] | None = None):
+           fit=None, steps: int = FIT_STEPS, markov_head: str = "vanilla",
+           draft_vocab: tuple[int, ...] | None = None):
     """A target with a 16-token vocabulary and a 2-layer DSpark draft: random, or with ``fit=(prompts,
     max_new_tokens)`` trained ``steps`` steps on the target's own greedy continuations of those prompts, so it is
     right part of the time (a random draft almost never is: the identity tests would not exercise acceptance).
@@ -48,7 +49,7 @@ def _setup(family: str, block: int = BLOCK, seed: int = 0, vocab: int = 16, laye
                        num_hidden_layers=layers).to(DEVICE)
     torch.manual_seed(seed)
     cfg = DraftConfig(num_draft_layers=2, block_size=block, mask_token_id=None, num_anchors=4, markov_rank=8,
-                      vocab_size=None if draft_vocab is None else len(draft_vocab))
+                      markov_head=markov_head, vocab_size=None if draft_vocab is None else len(draft_vocab))
     draft = DSparkDraft(cfg, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
                         aux_layer_ids=aux).to(DEVICE).eval()
     if draft_vocab is not None:
@@ -114,6 +115,25 @@ def test_static_matches_ar_and_reference_engine_with_a_reduced_draft_vocabulary(
     res = static.generate(PROMPT, MAX_NEW)
     assert res.tokens == ar_tokens == ref.tokens and not set(ar_tokens) <= set(vocab)
     assert res.accepted_per_cycle == ref.accepted_per_cycle and sum(res.accepted_per_cycle) > 0
+
+
+@pytest.mark.parametrize("markov_head", ["gated", "rnn"])
+def test_markov_head_types_match_ar_in_every_engine(markov_head):
+    """Greedy output == the target's AR output for a gated / rnn Markov head, in the reference engine and the
+    static one (chain and tree: the rnn state follows each node's path), with the same cycles; the chain
+    accepts part of the time (1 < MAL < BLOCK + 1)."""
+    model, draft = _setup("qwen3", fit=([PROMPT], MAX_NEW), markov_head=markov_head)
+    runner = TargetRunner(model, max_len=96, aux_layer_ids=draft.aux_layer_ids)
+    ar = ARDecoder(runner).generate(PROMPT, MAX_NEW)
+    branches = ((1, 2), (2, 1))
+    ref = SpeculativeDecoder(runner, draft, block_size=BLOCK).generate(PROMPT, MAX_NEW)
+    static = StaticSpeculativeDecoder(runner, draft).generate(PROMPT, MAX_NEW)
+    ref_tree = SpeculativeDecoder(runner, draft, block_size=BLOCK, tree_branches=branches).generate(PROMPT, MAX_NEW)
+    static_tree = StaticSpeculativeDecoder(runner, draft, tree_branches=branches).generate(PROMPT, MAX_NEW)
+    assert ref.tokens == static.tokens == ref_tree.tokens == static_tree.tokens == ar.tokens
+    assert static.accepted_per_cycle == ref.accepted_per_cycle
+    assert static_tree.accepted_per_cycle == ref_tree.accepted_per_cycle
+    assert_partial_acceptance(static, BLOCK)
 
 
 @pytest.mark.parametrize("cut", [False, True])
@@ -202,6 +222,21 @@ def test_static_kernels_match_ar(family):
     ref = SpeculativeDecoder(eager, draft, block_size=BLOCK).generate(PROMPT, 14)
     assert res.accepted_per_cycle == ref.accepted_per_cycle
     assert sum(res.accepted_per_cycle) > 0
+    assert_partial_acceptance(res, BLOCK)
+
+
+@needs_triton
+def test_static_kernels_with_an_rnn_markov_head_match_ar():
+    """The Triton draft block with a Markov head the slot kernels do not compute (rnn: its torch slots read the
+    block's states): AR's output and the eager reference engine's cycles."""
+    model, draft = _setup("qwen3", layers=3, aux=(0, 1), fit=([PROMPT], MAX_NEW), markov_head="rnn")
+    runner = TargetRunner(model, max_len=48, aux_layer_ids=draft.aux_layer_ids, kernels=True)
+    ar = ARDecoder(runner).generate(PROMPT, 14)
+    res = StaticSpeculativeDecoder(runner, draft, kernels=True).generate(PROMPT, 14)
+    assert res.tokens == ar.tokens
+    eager = TargetRunner(model, max_len=48, aux_layer_ids=draft.aux_layer_ids)
+    assert res.accepted_per_cycle == SpeculativeDecoder(eager, draft, block_size=BLOCK).generate(PROMPT, 14
+                                                                                                ).accepted_per_cycle
     assert_partial_acceptance(res, BLOCK)
 
 

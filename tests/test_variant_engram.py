@@ -4,14 +4,17 @@ inference for each variant, the zero-init equivalences, parameter counts at seed
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from _draft_utils import seed000_param_counts, teacher_forcing
 from dspark_core.cache.dataset import CacheCollator
+from dspark_core.checkpoint import load_draft, save_draft
 from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.draft.config import DraftConfig, EngramConfig
-from dspark_core.draft.model import DSparkDraft, load_draft, save_draft
+from dspark_core.draft.model import DSparkDraft
 from dspark_core.draft.synthetic import items_from_target
 from dspark_core.draft.model import build_draft, draft_class
 from dspark_core.draft.variants.engram import (EngramTable, build_frozen_table, is_prime, read_frozen_table,
@@ -160,6 +163,146 @@ def test_replace_is_not_the_baseline_and_reads_the_pre_anchor_feature():
     torch.testing.assert_close(x[valid][:, 1:], z[valid].unsqueeze(1).expand(-1, S - 1, -1), rtol=0, atol=1e-6)
     assert (x[valid][:, 0] == target.get_input_embeddings().weight[batch["input_ids"].gather(1, batch["anchors"])
                                                                    [valid]]).all()
+
+
+# -- the variants' formulas on a 4-wide example, written out by hand ------------------------------------------------
+# Every head row holds one vector, so the feature is known without the hash: e = [1, -2] (order 1) ++ [0.5, 3]
+# (order 2) where both n-grams are complete, [1, -2, 0, 0] at position 0 (no bigram), zeros at position -1.
+E_FULL, E_UNIGRAM = [1.0, -2.0, 0.5, 3.0], [1.0, -2.0, 0.0, 0.0]
+HAND_ENGRAM = EngramConfig(orders=(1, 2), heads_per_order=1, table_rows=5)
+
+
+def _rms(v: list[float]) -> list[float]:
+    """N: x / sqrt(mean(x^2) + 1e-6), no affine."""
+    scale = 1.0 / math.sqrt(sum(x * x for x in v) / len(v) + 1e-6)
+    return [x * scale for x in v]
+
+
+def _matvec(w: list[list[float]], x: list[float]) -> list[float]:
+    return [sum(a * b for a, b in zip(row, x)) for row in w]
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def _hand_draft(kind: str):
+    """A 4-wide target (vocab 8, MASK = token 7), r = 2, block of 3, tables filled with E_FULL's halves."""
+    model = tiny_model("qwen3", vocab_size=8, hidden_size=4, intermediate_size=8, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=2, num_hidden_layers=3, eos_token_id=None, pad_token_id=None)
+    cfg = DraftConfig(num_draft_layers=1, block_size=3, mask_token_id=7, num_anchors=2, markov_rank=2, kind=kind,
+                      engram=HAND_ENGRAM)
+    d = build_draft(cfg, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
+                    aux_layer_ids=(0, 1)).eval()
+    with torch.no_grad():
+        d.engram_table.tables[0].weight.copy_(torch.tensor([E_FULL[:2]] * 5))
+        d.engram_table.tables[1].weight.copy_(torch.tensor([E_FULL[2:]] * 5))
+    return d
+
+
+def _set(param: torch.Tensor, values) -> None:
+    with torch.no_grad():
+        param.copy_(torch.tensor(values, dtype=param.dtype))
+
+
+HAND_IDS = torch.tensor([[3, 5, 2, 6, 1, 4]])  # [1, L]
+
+
+def test_engram_markov_gate_by_hand():
+    """m_i = W1[t_{i-1}] + g_i v_i, q = N(W_Q N(h)), k = N(W_K N(e)), v = W_V N(e), s = q.k / sqrt(r),
+    g = sigmoid(sign(s) sqrt(max(|s|, 1e-6))), against plain arithmetic at two anchors (one at position 0)."""
+    d = _hand_draft("engram_markov")
+    w_q, w_k, w_v = [[1.0, 0.0, 2.0, -1.0], [0.5, 1.0, 0.0, 0.0]], [[0.0, 1.0, 0.0, 2.0], [1.0, 0.0, -1.0, 0.0]], \
+        [[0.5, -1.0, 0.0, 1.0], [2.0, 0.0, 1.0, 0.0]]
+    _set(d.engram_q.weight, w_q)
+    _set(d.engram_k.weight, w_k)
+    _set(d.engram_v.weight, w_v)
+    w1 = [[0.1 * t, -0.2 * t] for t in range(8)]
+    _set(d.markov.w1.weight, w1)
+    anchors = torch.tensor([[0, 3]])  # [1, A]
+    prev = torch.tensor([[[3, 5, 2], [6, 1, 4]]])  # [1, A, S]: t_0 = the anchor, then the reference tokens
+    hidden = torch.tensor([[[[3.0, -1.0, 0.5, 2.0], [-2.0, 1.0, 3.0, 0.0], [0.2, 0.4, -3.0, 1.0]],
+                            [[1.0, 1.0, 1.0, -1.0], [0.0, -2.0, 4.0, 1.0], [5.0, 0.0, 0.0, -1.0]]]])
+    with torch.no_grad():
+        got = d.markov_features(prev, hidden, {"input_ids": HAND_IDS, "anchors": anchors})  # [1, A, S, r]
+    signs = set()
+    for a in range(2):
+        for i in range(3):
+            e = E_UNIGRAM if int(anchors[0, a]) + i == 0 else E_FULL  # the prefix ending at t_{i-1}
+            e_bar = _rms(e)
+            q = _rms(_matvec(w_q, _rms(hidden[0, a, i].tolist())))
+            k = _rms(_matvec(w_k, e_bar))
+            v = _matvec(w_v, e_bar)
+            s = sum(x * y for x, y in zip(q, k)) / math.sqrt(2)
+            g = _sigmoid(math.copysign(math.sqrt(max(abs(s), 1e-6)), s))
+            want = [w1[int(prev[0, a, i])][c] + g * v[c] for c in range(2)]
+            torch.testing.assert_close(got[0, a, i], torch.tensor(want), rtol=1e-5, atol=1e-6)
+            signs.add(s > 0)
+    assert signs == {True, False}  # both branches of sign(s) are exercised
+
+
+def test_engram_mask_gated_input_by_hand():
+    """Slot j >= 1: E(MASK) + tanh(theta_j) N(P e_{a-1}) (the norm after the projection); the anchor: E(x_a)."""
+    d = _hand_draft("engram_mask_gated")
+    p = [[1.0, 0.0, 0.0, 1.0], [0.0, 2.0, 0.0, 0.0], [-1.0, 0.0, 3.0, 0.0], [0.0, 0.0, 1.0, 1.0]]
+    _set(d.engram_proj.weight, p)
+    _set(d.engram_gate, [0.7, -1.3])
+    emb = [[float(t), 1.0, -float(t), 0.5] for t in range(8)]
+    _set(d.embedding_matrix(), emb)
+    anchors = torch.tensor([[2, 4]])  # e_{a-1} at positions 1 and 3: both n-grams complete
+    with torch.no_grad():
+        x = d.block_inputs(HAND_IDS.gather(1, anchors), {"input_ids": HAND_IDS, "anchors": anchors})  # [1, A, S, 4]
+    z = _rms(_matvec(p, E_FULL))
+    for a in range(2):
+        anchor_tok = int(HAND_IDS[0, anchors[0, a]])
+        torch.testing.assert_close(x[0, a, 0], torch.tensor(emb[anchor_tok]), rtol=0, atol=0)
+        for j, theta in ((1, 0.7), (2, -1.3)):
+            want = [emb[7][c] + math.tanh(theta) * z[c] for c in range(4)]
+            torch.testing.assert_close(x[0, a, j], torch.tensor(want), rtol=1e-5, atol=1e-6)
+
+
+def test_engram_mask_replace_input_by_hand():
+    """Slots 1..S-1 = N(P e_{a-1}), no MASK embedding and no gate; the anchor keeps E(x_a)."""
+    d = _hand_draft("engram_mask_replace")
+    p = [[0.0, 1.0, 1.0, 0.0], [2.0, 0.0, 0.0, -1.0], [0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]]
+    _set(d.engram_proj.weight, p)
+    emb = [[1.0, float(t), 0.0, -2.0] for t in range(8)]
+    _set(d.embedding_matrix(), emb)
+    anchors = torch.tensor([[1, 5]])  # e_{a-1} at 0 (unigram only) and at 4
+    with torch.no_grad():
+        x = d.block_inputs(HAND_IDS.gather(1, anchors), {"input_ids": HAND_IDS, "anchors": anchors})
+    for a, e in ((0, E_UNIGRAM), (1, E_FULL)):
+        torch.testing.assert_close(x[0, a, 0], torch.tensor(emb[int(HAND_IDS[0, anchors[0, a]])]), rtol=0, atol=0)
+        z = _rms(_matvec(p, e))
+        for j in (1, 2):
+            torch.testing.assert_close(x[0, a, j], torch.tensor(z), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_predecessor_gives_the_zero_feature(kind):
+    """An anchor at the first token (training batch, and the engine's first cycle on a one-token prompt) and an
+    invalid block read e_{a-1} = 0: the MASK slots are E(MASK) (gated) or 0 (replace). An anchor at the answer
+    start reads the prompt's last token like any other predecessor (the engine's history holds the prompt)."""
+    d = _hand_draft(kind)
+    train = {"input_ids": HAND_IDS, "anchors": torch.tensor([[0, 2, 4]]),
+             "anchor_valid": torch.tensor([[True, True, False]])}
+    first_cycle = {"input_ids": HAND_IDS[:, :1], "anchors": torch.tensor([[0]])}  # one-token prompt
+    for extras in (train, first_cycle):
+        anchor_tok = extras["input_ids"].gather(1, extras["anchors"])
+        e = d.pre_anchor_features(anchor_tok, extras)  # [1, A, H]
+        assert torch.equal(e[0, 0], torch.zeros(4))
+        if kind == "engram_markov":
+            continue
+        x = d.block_inputs(anchor_tok, extras)  # [1, A, S, 4]
+        mask_row = d.embedding_matrix()[7] if kind == "engram_mask_gated" else torch.zeros(4)
+        assert torch.equal(x[0, 0, 1:], mask_row.expand(2, 4))
+    e = d.pre_anchor_features(HAND_IDS.gather(1, train["anchors"]), train)
+    torch.testing.assert_close(e[0, 1], torch.tensor(E_FULL))  # answer start at 2: the prompt's tokens 0, 1
+    assert torch.equal(e[0, 2], torch.zeros(4))  # an invalid block
+    if kind == "engram_markov":  # e_{i-1} = 0 only before the sequence: slot 0 of an anchor at 0 reads e(t_0)
+        feats = d.prev_features(torch.zeros(1, 1, 3, dtype=torch.long), {"input_ids": HAND_IDS,
+                                                                         "anchors": torch.tensor([[0]])})
+        torch.testing.assert_close(feats[0, 0], torch.tensor([E_UNIGRAM, E_FULL, E_FULL]))
 
 
 # -- parameter counts at seed shapes ------------------------------------------------------------------------

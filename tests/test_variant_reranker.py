@@ -14,9 +14,10 @@ import torch.nn.functional as F
 
 from _draft_utils import seed000_param_counts, teacher_forcing
 from dspark_core.cache.dataset import CacheCollator
+from dspark_core.checkpoint import load_draft, save_draft
 from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.draft.config import DraftConfig, LossConfig, RerankerConfig
-from dspark_core.draft.model import DSparkDraft, build_draft, load_draft, save_draft
+from dspark_core.draft.model import DSparkDraft, build_draft
 from dspark_core.draft.synthetic import items_from_target
 from dspark_core.draft.task import DSparkTask, task_class
 from dspark_core.draft.variants.reranker import RerankerTask, keep_dspark_on_ties, top_candidates
@@ -109,6 +110,31 @@ def test_training_scores_equal_single_block_inference(family):
             torch.testing.assert_close(got[out["candidates"][n]], out["scores"][n], rtol=0, atol=1e-5)
             checked += 1
     assert checked > 20
+
+
+def test_candidates_and_teacher_argmax_in_one_precision_under_autocast():
+    """prepare_batch runs under the trainer's bf16 autocast; its candidates, teacher argmax and teacher
+    probabilities equal those that decoding's logits (slot_logits + markov_bias, no autocast) give on the same
+    states, and rank_outputs' l_i on the candidates equals those logits."""
+    target = tiny_model("qwen3")
+    draft = _draft(target)
+    raw = _batch(target, anchors=6)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        batch = draft.prepare_batch(raw)
+        h = draft.forward_train(raw["input_ids"], raw["aux_hidden"], raw["anchors"], raw["anchor_valid"],
+                                extras=raw)  # the states prepare_batch scored: [B, A, S, H]
+        m = draft.markov_features(raw["prev_tokens"], h, raw)
+        out = draft.rank_outputs(h, batch)
+    b, a, j = batch["slot_valid"].bool().nonzero(as_tuple=True)
+    with torch.no_grad():
+        logits = draft.slot_logits(h[b, a, j]) + draft.markov_bias(m[b, a, j])  # [N, V] what propose scores
+        teacher = torch.softmax(draft.slot_logits(batch["last_hidden"][b, batch["anchors"][b, a] + j]), -1)
+    cand = top_candidates(logits, SMALL.top_k)
+    assert torch.equal(batch["rank_candidates"][b, a, j], cand)
+    assert torch.equal(batch["rank_target"][b, a, j], teacher.argmax(-1))
+    torch.testing.assert_close(batch["rank_teacher_p"][b, a, j], teacher.gather(-1, cand), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(out["dspark"], logits.gather(-1, cand), rtol=1e-6, atol=1e-5)
+    assert logits.dtype == teacher.dtype == torch.float32 and len(b) > 30
 
 
 def test_prefix_kv_grows_in_the_block_and_is_cleared_each_cycle():

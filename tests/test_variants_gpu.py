@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
+from dspark_core.checkpoint import load_draft
 from dspark_core.draft.config import DraftConfig, LossConfig
-from dspark_core.draft.model import draft_kinds, load_draft
+from dspark_core.draft.model import draft_kinds
 from dspark_core.draft.synthetic import items_from_target
 from dspark_core.draft.task import task_class
 from dspark_core.testing import tiny_model

@@ -425,9 +425,10 @@ def read_prompts(path: str | Path) -> list[Prompt]:
     groups = rows.get("group") or [None] * n
     prompts = [Prompt(i, s, tuple(t or ()), d or domain_of_source(s), g)
                for i, s, t, d, g in zip(rows["id"], rows["source"], rows["turns"], domains, groups)]
-    bad = next((p.id for p in prompts if not p.turns), None)
+    bad = next((p for p in prompts if not p.turns or not all(isinstance(t, str) and t.strip() for t in p.turns)), None)
     if bad is not None:
-        raise UserError(f"{path}: row id={bad!r} has an empty 'turns' list")
+        what = "an empty 'turns' list" if not bad.turns else f"an empty turn ({list(bad.turns)[:3]!r})"
+        raise UserError(f"{path}: row id={bad.id!r} has {what}; fix the prompts (rerun the prepare stage)")
     return prompts
 
 

@@ -490,14 +490,25 @@ def iter_jsonl(path: str | Path, source: str | None = None) -> Iterator[Prompt]:
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, line) of a text file, gunzipped when its name ends in ``.gz``; a damaged file is named."""
+    """(line number, line) of a text file, gunzipped when its name ends in ``.gz``; a damaged file is named, a
+    line that is not UTF-8 by its number and byte offset (the file is refused: no prompt is silently dropped)."""
     opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rt", encoding="utf-8") as fh:
-            yield from enumerate(fh, 1)
-    except (OSError, EOFError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: cannot be read as {'gzip-compressed ' if path.suffix == '.gz' else ''}UTF-8 "
-                        f"text ({e})") from None
+        with opener(path, "rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                yield lineno, utf8_line(raw, path, lineno)
+    except (OSError, EOFError) as e:
+        raise UserError(f"{path}: cannot be read as {'gzip-compressed ' if path.suffix == '.gz' else ''}text "
+                        f"({e})") from None
+
+
+def utf8_line(raw: bytes, path: Path, lineno: int) -> str:
+    """Line ``lineno`` of ``path`` decoded; bytes that are not UTF-8 are a :class:`UserError` naming the place."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                        "save the file as UTF-8") from None
 
 
 def _jsonl_record(line: str, path: Path, lineno: int, source: str) -> Prompt:

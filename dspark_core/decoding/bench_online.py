@@ -45,6 +45,7 @@ from typing import Any, Sequence
 import torch
 
 from dspark_core.config import Section, non_negative, positive, require
+from dspark_core.data.sources import utf8_line
 from dspark_core.errors import UserError
 from dspark_core.io import atomic_path, write_json
 from dspark_core.decoding.ar import ARDecoder
@@ -180,7 +181,8 @@ def read_jsonl_prompts(path: Path) -> list[dict[str, Any]]:
         raise UserError(f"{path}: JSONL prompt file not found")
     out = []
     # split on "\n" only: str.splitlines() also splits inside strings holding U+2028 / U+0085 (valid JSON)
-    for i, line in enumerate(path.read_text(encoding="utf-8").split("\n")):
+    for i, raw in enumerate(path.read_bytes().split(b"\n")):
+        line = utf8_line(raw, path, i + 1)
         if not line.strip():
             continue
         try:
@@ -188,8 +190,9 @@ def read_jsonl_prompts(path: Path) -> list[dict[str, Any]]:
         except ValueError as e:
             raise UserError(f"{path}: line {i + 1}: not JSON ({e})") from e
         turns = rec.get("turns")
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-            raise UserError(f"{path}: line {i + 1}: 'turns' must be a non-empty list of strings")
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+            raise UserError(f"{path}: line {i + 1}: 'turns' must be a non-empty list of non-empty strings, "
+                            f"got {str(turns)[:80]!r}")
         out.append({"source": rec.get("source", path.stem), "domain": rec.get("domain"), "turns": turns})
     return out
 
@@ -472,7 +475,7 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
                      cfg: BenchOnlineConfig, *, out_json: str | Path | None = None,
                      plots_dir: str | Path | None = None, expected_fingerprint: str | None = None) -> dict[str, Any]:
     """Benchmark the draft in ``draft_dir`` on the target in ``target_dir``; returns (and writes) the metrics."""
-    from dspark_core.draft.model import load_draft
+    from dspark_core.checkpoint import load_draft
     from dspark_core.target import load_target
 
     device, dtype, graphs = resolve_device(cfg)

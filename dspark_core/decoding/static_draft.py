@@ -100,6 +100,7 @@ class StaticDraft:
         self.block_visible = torch.ones(s, dtype=torch.bool, device=self.device)  # [S]
         self.tokens = torch.zeros(s, dtype=torch.long, device=self.device)  # [S] the last proposal
         self._tree_tables: dict = {}  # TreeLayout -> per-depth Markov row tables (Triton path)
+        self.markov = None  # the Triton Markov slots (a vanilla head on the kernels path)
         with torch.no_grad():
             cos, sin = draft.rope(self.k[0, 0, 0], self.key_pos.unsqueeze(0))  # [1, M, d]
         self.cos, self.sin = cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()  # [M, d]
@@ -107,8 +108,9 @@ class StaticDraft:
             from dspark_core.kernels.markov import MarkovSampler
 
             self.fused = [fuse_layer(layer) for layer in draft.layers]  # re-points Q/K/V, gate/up to views
+            vanilla = draft.markov is not None and draft.markov.kind == "vanilla"  # the kernels' formula
             self.markov = MarkovSampler(draft.markov.w1.weight.detach(), draft.markov.w2.weight.detach()) \
-                if draft.markov is not None else None
+                if vanilla else None
             self.q_stats = torch.zeros(s, 2, device=self.device, dtype=torch.float32)  # [S, 2] (max, mass) of q
 
     # -- context --------------------------------------------------------------------------------
@@ -148,11 +150,11 @@ class StaticDraft:
         """Greedy block at anchor [1] (token) / p [1] (position): tokens [S] (into ``self.tokens``) and the final
         draft states h [S, H] (for the confidence head; the Triton path skips them without ``need_hidden``)."""
         if self.kernels:
-            hidden, base = self._block_kernels(anchor, p, need_hidden)
+            hidden, base = self._block_kernels(anchor, p, need_hidden or self._head_reads_hidden)
         else:
             hidden = self._block_torch(anchor, p)  # [S, H]
             base = self.draft.slot_logits(hidden)  # [S, V] float32
-        self._markov_slots(base, anchor)
+        self._markov_slots(base, anchor, hidden)
         return self.tokens, hidden
 
     @torch.no_grad()
@@ -164,18 +166,19 @@ class StaticDraft:
         from dspark_core.decoding.sampling import logits_to_probs, race_sample
 
         if self.kernels:
-            hidden, base = self._block_kernels(anchor, p, need_hidden)
+            hidden, base = self._block_kernels(anchor, p, need_hidden or self._head_reads_hidden)
         else:
             hidden = self._block_torch(anchor, p)  # [S, H]
             base = self.draft.slot_logits(hidden)  # [S, V] float32
         if self._sample_kernel_applies(params):
             self._sampled_slots_kernel(base, anchor, params.temperature, q_out, race)
             return self.tokens, hidden
-        draft, prev = self.draft, anchor.view(1)
+        draft, prev, state = self.draft, anchor.view(1), None
         for i in range(self.block_size):
             logits = base[i : i + 1].float()  # [1, V]
             if draft.markov is not None:
-                logits = logits + draft.markov_bias(draft.markov_features(prev, None, None)).float()
+                bias, state = self._markov_bias(prev, hidden, i, state)
+                logits = logits + bias
             q_out[i].copy_(logits_to_probs(logits, params)[0])
             self.tokens[i].copy_(race_sample(q_out[i], race[i]))
             prev = self.tokens[i : i + 1]
@@ -241,11 +244,12 @@ class StaticDraft:
         branch's first token the second best of its depth's slot (same previous token as the main chain's),
         then its greedy Markov continuation. With the Triton draft, one launch per depth for all its rows."""
         if self.kernels:
-            _, base = self._block_kernels(anchor, p, need_hidden=False)
+            hidden, base = self._block_kernels(anchor, p, need_hidden=self._head_reads_hidden)
         else:
-            base = self.draft.slot_logits(self._block_torch(anchor, p))  # [S, V] float32
+            hidden = self._block_torch(anchor, p)  # [S, H]
+            base = self.draft.slot_logits(hidden)  # [S, V] float32
         rows = layout.markov_rows()
-        if self.kernels and self.draft.markov is not None:
+        if self.markov is not None:
             tables = self._tree_tables.get(layout)
             if tables is None:
                 tables = [torch.tensor(r, dtype=torch.int32, device=self.device) for r in rows]  # [rows_d, 3] each
@@ -253,38 +257,54 @@ class StaticDraft:
             for d, table in enumerate(tables):
                 self.markov.rows(base[d].contiguous(), tok, table)
             return
+        states: dict = {0: None}  # row -> the Markov head's state after it (rnn: it follows the node's path)
         for d, picks in enumerate(rows):
             for prev, out, out2 in picks:
-                self._slot(base[d], tok[prev : prev + 1], tok[out : out + 1],
-                           None if out2 < 0 else tok[out2 : out2 + 1])
+                states[out] = states[out2] = self._slot(base[d], tok[prev : prev + 1], tok[out : out + 1],
+                                                        None if out2 < 0 else tok[out2 : out2 + 1], hidden, d,
+                                                        states[prev])
 
-    def _slot(self, base: torch.Tensor, prev: torch.Tensor, out: torch.Tensor, out2: torch.Tensor | None = None
-              ) -> None:
+    def _slot(self, base: torch.Tensor, prev: torch.Tensor, out: torch.Tensor, out2: torch.Tensor | None,
+              hidden: torch.Tensor | None, slot: int, state: torch.Tensor | None) -> torch.Tensor | None:
         """The torch path of one tree pick: out = argmax(base [V] + Markov bias of prev [1]), out2 = the second
-        best (``MarkovArgmax.rows`` on the Triton path)."""
-        draft = self.draft
+        best (``MarkovArgmax.rows`` on the Triton path). Returns the Markov head's state after the pick."""
         logits = base.view(1, -1)  # [1, V]
-        if draft.markov is not None:
-            logits = logits + draft.markov_bias(draft.markov_features(prev, None, None)).float()
+        if self.draft.markov is not None:
+            bias, state = self._markov_bias(prev, hidden, slot, state)
+            logits = logits + bias
         first, second = top2_reference(logits)
         out.copy_(first)
         if out2 is not None:
             out2.copy_(second)
+        return state
 
-    def _markov_slots(self, base: torch.Tensor, anchor: torch.Tensor) -> None:
+    @property
+    def _head_reads_hidden(self) -> bool:
+        """The Markov head type reads the slots' draft states (gated, rnn): the Triton block must return them."""
+        return self.draft.markov is not None and self.draft.markov.kind != "vanilla"
+
+    def _markov_bias(self, prev: torch.Tensor, hidden: torch.Tensor | None, slot: int, state: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The torch path's Markov bias of slot ``slot`` after token prev [1]: (bias [1, V] float32, next state)."""
+        draft = self.draft
+        h = hidden[slot : slot + 1] if hidden is not None else None  # [1, H]
+        u, state = draft.markov_step(draft.markov_features(prev, h, None), h, state)  # [1, r]
+        return draft.markov_bias(u).float(), state
+
+    def _markov_slots(self, base: torch.Tensor, anchor: torch.Tensor, hidden: torch.Tensor | None) -> None:
         """tokens[i] = argmax(base[i] + Markov bias of the previous token), slot by slot on the device."""
         draft = self.draft
         if draft.markov is None:
             self.tokens.copy_(base.argmax(dim=-1))
             return
-        prev = anchor.view(1)
+        prev, state = anchor.view(1), None
         for i in range(self.block_size):
             out = self.tokens[i : i + 1]
-            if self.kernels:
+            if self.markov is not None:
                 self.markov(base[i].contiguous(), prev, out)
             else:
-                m = draft.markov_features(prev, None, None)  # [1, r]
-                out.copy_((base[i : i + 1] + draft.markov_bias(m).float()).argmax(dim=-1))
+                bias, state = self._markov_bias(prev, hidden, i, state)
+                out.copy_((base[i : i + 1] + bias).argmax(dim=-1))
             prev = out
 
     @torch.no_grad()

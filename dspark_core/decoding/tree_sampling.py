@@ -149,12 +149,17 @@ def propose_tree(draft: Any, cache: Any, anchor: torch.Tensor, layout: TreeLayou
             return dist.argmax(dim=-1)
         return torch.multinomial(dist, 1, generator=generator)[:, 0]
 
+    states: dict[int, torch.Tensor | None] = {0: None}  # row -> the Markov head's state after it (rnn)
     for d, picks in enumerate(layout.markov_rows()):  # slot d: nodes at depth d + 1
         for prev, out, out2 in picks:
             prefix = tok[anc[prev][: depth[prev] + 1]].view(1, -1)  # [1, d+1] anchor .. the parent
             slot_extras = {**(extras or {}), "block_prefix": prefix}
             m = draft.markov_features(tok[prev : prev + 1], hidden[:, d], slot_extras)  # [1, r] | None
-            logits = base[:, d] if m is None else base[:, d] + draft.markov_bias(m).float()  # [1, V]
+            logits = base[:, d]  # [1, V]
+            if m is not None:  # the state follows the node's path: its parent's, then both children's
+                u, states[out] = draft.markov_step(m, hidden[:, d], states[prev])  # [1, r]
+                states[out2] = states[out]
+                logits = logits + draft.markov_bias(u).float()
             logits = draft.score_candidates(logits, hidden[:, d], prefix, d, slot_extras)  # [1, V]
             q = logits_to_probs(logits, params)  # [1, V]
             x = draw(q)  # [1]

@@ -281,12 +281,14 @@ def resolve_checkpoint(path) -> Path:
 
 def load_weights(model: nn.Module, checkpoint) -> None:
     """Copy the tensors of a checkpoint's ``model.safetensors`` (see ``resolve_checkpoint``) into ``model``."""
-    from safetensors.torch import load_file
+    from dspark_core.checkpoint import load_checked_weights
 
-    path = resolve_checkpoint(checkpoint) / "model.safetensors"
+    folder = resolve_checkpoint(checkpoint)
+    path = folder / "model.safetensors"
+    weights = load_checked_weights(folder, f"retrain the DMTD variant or restore {folder} (`dvc checkout`)")
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, value in load_file(str(path)).items():
+        for name, value in weights.items():
             if name not in params or params[name].shape != value.shape:
                 raise ValueError(f"{path}: tensor {name!r} {tuple(value.shape)} does not match the DMTD model "
                                  "(another target or config?)")

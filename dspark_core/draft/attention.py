@@ -9,7 +9,8 @@ Key/value layout of the multi-anchor training forward::
 
 Visibility of query row q of batch b (its block a = q // S, anchor position p = anchors[b, a]):
 
-- context kv c:  c < p, and block a is valid. Padding is never seen: a valid anchor has p + 1 < length.
+- context kv c:  c < p, and block a is valid. Padding is never seen: a valid anchor has p + 1 < length. In a
+  packed row (``draft/packing.py``) also c >= the start of the anchor's document.
 - extra kv e:    extra_owner[b, e] == a, and block a is valid (a Draft Memory entry belongs to one block).
 - block kv j:    j // S == a: its own block, bidirectionally, for *every* block. Dummy (invalid) blocks
   see only themselves, so no row is empty: a fully masked row would give NaN in SDPA (and in its
@@ -52,8 +53,10 @@ def _flex_kernel_options() -> dict[str, Any] | None:
 
 
 def make_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, ctx_len: int, block_size: int,
-                  extra_owner: torch.Tensor | None = None) -> Callable[..., torch.Tensor]:
-    """``mask_mod(b, h, q_idx, kv_idx) -> bool`` for anchors [B, A], anchor_valid [B, A], extra_owner [B, E].
+                  extra_owner: torch.Tensor | None = None,
+                  anchor_start: torch.Tensor | None = None) -> Callable[..., torch.Tensor]:
+    """``mask_mod(b, h, q_idx, kv_idx) -> bool`` for anchors [B, A], anchor_valid [B, A], extra_owner [B, E];
+    ``anchor_start [B, A]`` (packed rows, ``draft/packing.py``): the context a block sees starts there, not at 0.
 
     Works on scalars (flex) and on broadcastable index tensors (the dense mask). The context length
     is captured as a tensor so a compiled flex kernel does not specialise on it.
@@ -67,6 +70,8 @@ def make_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, ctx_len: in
         blk = q_idx // block_size
         valid = anchor_valid[b, blk]
         visible = (kv_idx < c_len) & (kv_idx < anchors[b, blk]) & valid
+        if anchor_start is not None:
+            visible = visible & (kv_idx >= anchor_start[b, blk])  # its own document only
         visible = visible | ((kv_idx >= own_start) & ((kv_idx - own_start) // block_size == blk))
         if extra_owner is not None and n_extra > 0:
             e = (kv_idx - c_len).clamp(0, n_extra - 1)
@@ -104,12 +109,13 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def build_attention_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, ctx_len: int, block_size: int,
-                         extra_owner: torch.Tensor | None = None, backend: str = "auto") -> AttentionMask:
+                         extra_owner: torch.Tensor | None = None, backend: str = "auto",
+                         anchor_start: torch.Tensor | None = None) -> AttentionMask:
     """The training mask for anchors [B, A] over keys [context C | extra E | blocks A*S]."""
     batch, num_anchors = anchors.shape
     q_len = num_anchors * block_size
     kv_len = ctx_len + (0 if extra_owner is None else extra_owner.shape[1]) + q_len
-    mask_mod = make_mask_mod(anchors, anchor_valid, ctx_len, block_size, extra_owner)
+    mask_mod = make_mask_mod(anchors, anchor_valid, ctx_len, block_size, extra_owner, anchor_start)
     if resolve_backend(backend, anchors.device) == "dense":
         return AttentionMask(dense=dense_mask(mask_mod, batch, q_len, kv_len, anchors.device))
     return AttentionMask(block_mask=_block_mask(mask_mod, batch, q_len, kv_len, anchors.device))

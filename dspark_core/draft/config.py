@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 
 from dspark_core.config import Section, non_negative, one_of, positive, require
 
-MARKOV_HEADS = ("vanilla", "none")
+MARKOV_HEADS = ("vanilla", "gated", "rnn", "none")
+# the kinds whose Markov calls all go through the head type (markov_step / markov_block): gated / rnn heads allowed
+MIXING_HEAD_KINDS = ("baseline", "engram_markov", "engram_mask_gated", "engram_mask_replace")
+LAYER_STYLES = ("target", "qwen3")
 ENGRAM_SOURCES = ("trainable", "frozen")
 MEMORY_ONLINE = ("chained", "first_stage")
 
@@ -98,8 +101,9 @@ class DraftConfig(Section):
     block_size: int = 7                 # S slots: [anchor, MASK x (S-1)]
     mask_token_id: int | None = None    # None (or >= vocab): a learned mask embedding
     num_anchors: int = 512              # anchors sampled per training sample (at most)
+    packed_length: int | None = None    # training rows pack samples up to this many tokens (draft/packing.py)
     markov_rank: int = 256
-    markov_head: str = "vanilla"        # vanilla | none
+    markov_head: str = "vanilla"        # vanilla | gated | rnn | none (draft/heads.py)
     confidence_head: bool = True
     confidence_with_markov: bool = True
     hidden_size: int | None = None      # None: the target's
@@ -108,6 +112,7 @@ class DraftConfig(Section):
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     vocab_size: int | None = None       # None: the target's; N: the N most frequent answer tokens (draft/vocab.py)
+    layer_style: str = "target"         # target: the target family's layers; qwen3: Qwen3 layers (q/k RMSNorm)
     kind: str = "baseline"              # the draft class (registered by its class statement, draft/variants/)
     engram: EngramConfig = field(default_factory=EngramConfig)  # read by the engram_* kinds only
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # read by draft_memory only
@@ -126,7 +131,15 @@ class DraftConfig(Section):
         positive("num_draft_layers", self.num_draft_layers)
         positive("block_size", self.block_size)
         positive("num_anchors", self.num_anchors)
+        if self.packed_length is not None:
+            positive("packed_length", self.packed_length)
+            require(self.kind == "baseline", f"packed_length needs kind baseline (kind {self.kind} reads "
+                    "positions across the row); set packed_length: null")
         one_of("markov_head", self.markov_head, MARKOV_HEADS)
+        one_of("layer_style", self.layer_style, LAYER_STYLES)
+        require(self.markov_head in ("vanilla", "none") or self.kind in MIXING_HEAD_KINDS,
+                f"markov_head {self.markov_head} is built for kinds {', '.join(MIXING_HEAD_KINDS)}; kind "
+                f"{self.kind} reads W1 / W2 directly: use markov_head vanilla")
         if self.markov_head != "none":
             positive("markov_rank", self.markov_rank)
         if self.mask_token_id is not None:

@@ -5,9 +5,15 @@ order: the same anchors on every run), the draft runs all blocks in one multi-an
 reference prefix, and the per-slot overlap with the teacher (``lm_head(last_hidden)``), CE and
 confidence are accumulated by :class:`dspark_core.metrics.OfflineMetrics`.
 
-Outputs: the metrics dict (keys exactly ``tau_prob, accept_rate@0.., ce, conf_mae, conf_bias,
-num_blocks, num_tokens``) as JSON, and under ``plots_dir``: ``accept_rate.png`` / ``accept_rate.json``
+Outputs: the metrics dict (keys ``tau_prob, accept_rate@0.., ce, conf_mae, conf_bias, num_blocks,
+num_tokens`` plus a variant's own) as JSON, and under ``plots_dir``: ``accept_rate.png`` / ``accept_rate.json``
 (per slot) and ``confidence_reliability.png`` / ``confidence_reliability.json`` (reliability table).
+
+Anchor sets in the keys: the plain keys are measured at the random anchors above, the same for every draft. A
+draft measured on another anchor set too (``offline_anchor_sets``: Draft Memory's ``post_error``, the anchors right
+after a draft error) reports it as ``<set>/<key>`` (``post_error/tau_prob``), and the ``reference`` draft (the
+baseline) measured on exactly that set's batch as ``<set>/<reference name>/<key>``
+(``post_error/baseline/tau_prob``): a like-for-like comparison. Plots show the plain keys.
 
 Shape legend: B batch, A anchors, S slots, N valid slots.
 """
@@ -20,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dspark_core.config import Section, positive
+from dspark_core.config import Section, positive, require
 from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.draft.config import LossConfig
 from dspark_core.draft.loss import slot_outputs
@@ -37,6 +43,7 @@ class EvalOfflineConfig(Section):
     seed: int = 1234
     num_anchors: int = 256
     calibration_bins: int = 10
+    reference: str = "baseline"  # the variant also measured on another draft's extra anchor sets (post_error)
 
     def validate(self) -> None:
         if self.max_samples is not None:
@@ -44,17 +51,26 @@ class EvalOfflineConfig(Section):
         positive("batch_size", self.batch_size)
         positive("num_anchors", self.num_anchors)
         positive("calibration_bins", self.calibration_bins)
+        require(bool(self.reference) and "/" not in self.reference,
+                f"reference must name a variant (a key of variants); got {self.reference!r}")
 
 
 @torch.no_grad()
 def evaluate_offline(draft, dataset: Sequence[dict[str, torch.Tensor]], cfg: EvalOfflineConfig, *,
                      metrics_path: str | Path | None = None, plots_dir: str | Path | None = None,
                      pad_id: int = 0, chunk_slots: int = 512, device: torch.device | str | None = None,
-                     collator: Any = None, progress: bool = True) -> dict[str, Any]:
-    """Teacher-forced offline metrics of ``draft`` on ``dataset`` (``CacheDataset`` items)."""
+                     collator: Any = None, progress: bool = True, reference: Any = None) -> dict[str, Any]:
+    """Teacher-forced offline metrics of ``draft`` on ``dataset`` (``CacheDataset`` items); ``reference`` (a draft
+    of the same block size, named ``cfg.reference``) is measured on the draft's extra anchor sets."""
     from tqdm.auto import tqdm
 
     draft.eval()
+    if reference is not None:
+        reference.eval()
+        for field in ("block_size", "aux_layer_ids"):
+            if getattr(reference, field) != getattr(draft, field):
+                raise ValueError(f"eval_offline.reference {cfg.reference}: {field} {getattr(reference, field)} "
+                                 f"differs from the draft's {getattr(draft, field)}; compare drafts trained alike")
     device = torch.device(device) if device is not None else draft.fc.weight.device
     n = len(dataset) if cfg.max_samples is None else min(len(dataset), cfg.max_samples)
     if n == 0:
@@ -64,23 +80,38 @@ def evaluate_offline(draft, dataset: Sequence[dict[str, torch.Tensor]], cfg: Eva
 
         collator = CacheCollator(pad_id)
     loss_cfg = LossConfig(vocab_chunk_slots=chunk_slots)  # only the chunking is used here
-    metrics = OfflineMetrics(draft.block_size, cfg.calibration_bins)
+    metrics = {name: OfflineMetrics(draft.block_size, cfg.calibration_bins) for name in _set_keys(draft, reference,
+                                                                                                cfg.reference)}
     gen = torch.Generator().manual_seed(cfg.seed)
     for start in tqdm(range(0, n, cfg.batch_size), desc="eval_offline", unit="batch", disable=not progress):
         items = [dataset[i] for i in range(start, min(n, start + cfg.batch_size))]
         batch = add_anchor_fields(collator(items), cfg.num_anchors, draft.block_size, gen)
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-        _accumulate(draft, batch, loss_cfg, metrics)
-    result = metrics.result()
+        for name, prepared in draft.offline_anchor_sets(batch).items():
+            _accumulate(draft, prepared, loss_cfg, metrics[name])
+            if name and reference is not None:  # the same anchors, targets and validity; no memory of the draft's
+                theirs = {k: v for k, v in prepared.items() if not k.startswith("memory_")}
+                _accumulate(reference, reference.prepare_batch(theirs), loss_cfg,
+                            metrics[f"{name}/{cfg.reference}"])
+    plain = metrics.pop("")
+    result = plain.result()
+    for name, m in metrics.items():
+        result.update({f"{name}/{k}": v for k, v in m.result().items()})
     if metrics_path is not None:
         write_json(metrics_path, result)
     if plots_dir is not None:
-        write_plots(Path(plots_dir), result, metrics.reliability(), draft.block_size)
+        write_plots(Path(plots_dir), result, plain.reliability(), draft.block_size)
     return result
 
 
+def _set_keys(draft, reference, reference_name: str) -> list[str]:
+    """The metric key prefixes: "" (random anchors), each extra anchor set, and ``<set>/<reference>``."""
+    extra = [name for name in draft.offline_anchor_set_names if name]
+    return [""] + extra + ([f"{name}/{reference_name}" for name in extra] if reference is not None else [])
+
+
 def _accumulate(draft, batch: dict[str, torch.Tensor], loss_cfg: LossConfig, metrics: OfflineMetrics) -> None:
-    batch = draft.prepare_batch(batch)  # a variant's model-dependent supervision (identity for the baseline)
+    """One prepared batch (``offline_anchor_sets`` / ``prepare_batch``) of ``draft`` into ``metrics``."""
     hidden = draft.forward_train(batch["input_ids"], batch["aux_hidden"], batch["anchors"], batch["anchor_valid"],
                                  extras=batch)  # [B, A, S, H]
     out = slot_outputs(draft, hidden, batch, loss_cfg, extras=batch)

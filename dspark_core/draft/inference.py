@@ -31,6 +31,7 @@ class BlockDraft(Protocol):
     def slot_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
     def markov_features(self, *args: Any, **kwargs: Any) -> Any: ...
     def markov_bias(self, *args: Any, **kwargs: Any) -> Any: ...
+    def markov_step(self, *args: Any, **kwargs: Any) -> Any: ...
     def confidence_logits(self, *args: Any, **kwargs: Any) -> Any: ...
     def score_candidates(self, *args: Any, **kwargs: Any) -> Any: ...
 
@@ -128,7 +129,8 @@ def propose(draft: BlockDraft, cache: ContextCache, anchor_token: torch.Tensor, 
             confidence_threshold: float = 0.0, extras: Mapping[str, Any] | None = None) -> DraftProposal:
     """One block at anchor position ``cache.length``; tokens chosen slot by slot by ``sample_fn``.
 
-    Slot i: ``logits = lm_head(h_i) + W2 W1[t_{i-1}]`` (``t_0`` = anchor, later the chosen tokens), then the
+    Slot i: ``logits = lm_head(h_i) + W2 u_i`` (u_i from ``markov_step`` on ``m_i = W1[t_{i-1}]``; ``t_0`` = anchor,
+    later the chosen tokens), then the
     candidate-scoring hook, then ``sample_fn(logits [B, V]) -> (token [B], probs [B, V])``. The proposal is
     cut before the first slot whose confidence is below ``confidence_threshold`` (0 keeps all S slots;
     with B > 1 the earliest cut over the batch).
@@ -139,11 +141,15 @@ def propose(draft: BlockDraft, cache: ContextCache, anchor_token: torch.Tensor, 
     hidden = draft.forward_block(cache, anchor_token, extras)  # [B, S, H]
     base = draft.slot_logits(hidden)  # [B, S, V] float32
     prev, prefix = anchor_token, anchor_token.unsqueeze(1)  # [B], [B, 1]
-    tokens, probs, conf = [], [], []
+    tokens, probs, conf, state = [], [], [], None
     for i in range(draft.block_size):
         slot_extras = {**(extras or {}), "block_prefix": prefix}  # a variant's per-slot lookups read the prefix
         m = draft.markov_features(prev, hidden[:, i], slot_extras)  # [B, r] | None
-        logits = base[:, i] if m is None else base[:, i] + draft.markov_bias(m).float()  # [B, V]
+        if m is None:
+            logits = base[:, i]  # [B, V]
+        else:
+            u, state = draft.markov_step(m, hidden[:, i], state)  # [B, r]; the rnn head's state carried on
+            logits = base[:, i] + draft.markov_bias(u).float()  # [B, V]
         logits = draft.score_candidates(logits, hidden[:, i], prefix, i, slot_extras)
         c = draft.confidence_logits(hidden[:, i], m)  # [B] | None
         tok, prob = sample_fn(logits)

@@ -5,7 +5,8 @@ H draft hidden, r Markov rank.
 
 Per valid slot i (position weight ``w_i = exp(-j/gamma)``, j the slot index in its block):
 
-- draft logits ``l_i = lm_head(h_i) + W2 m_i`` -> ``q_i = softmax(l_i)``; teacher
+- draft logits ``l_i = lm_head(h_i) + W2 u_i`` (u_i: the Markov head type's W2 input, ``draft.markov_block``; the
+  features ``m_i`` for a vanilla head) -> ``q_i = softmax(l_i)``; teacher
   ``p_i = softmax(lm_head(last_hidden))`` at the same position (the target's next-token distribution for that slot's token);
 - ``CE_i = -log q_i(token)``, ``L1_i = sum_v |q_i - p_i|``, overlap ``a_i = 1 - 0.5 L1_i`` (stop-gradient);
 - confidence ``BCE_with_logits(s_i, a_i)``.
@@ -52,7 +53,7 @@ def slot_weights(slot_valid: torch.Tensor, gamma: float) -> torch.Tensor:
     return slot_valid.float() * decay
 
 
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b with a float32 result (bf16 inputs accumulate in fp32; CUDA writes fp32 directly when it can)."""
     if a.dtype == torch.float32:
         return a @ b
@@ -174,8 +175,8 @@ class _ChunkedDistill(torch.autograd.Function):
             math = _math_fn(dev)
             for s in range(0, n_slots, chunk):
                 e = min(n_slots, s + chunk)
-                logits = _mm_f32(x_in[s:e].to(cdtype), w_in.t())  # [n, Vd]
-                teacher = _mm_f32(teacher_h[s:e].to(cdtype), w_lm.t())  # [n, V]
+                logits = mm_f32(x_in[s:e].to(cdtype), w_in.t())  # [n, Vd]
+                teacher = mm_f32(teacher_h[s:e].to(cdtype), w_lm.t())  # [n, V]
                 if d2t is not None:  # [n, Vd + 1] both: the teacher's mass outside the draft vocabulary as a column
                     logits, teacher = outside_column(logits, teacher, d2t)
                 ce[s:e], l1[s:e], g = math(logits, teacher, targets[s:e], weights[s:e], ce_alpha, l1_alpha,
@@ -187,7 +188,7 @@ class _ChunkedDistill(torch.autograd.Function):
                 if with_grad:
                     if d2t is not None:
                         g = g[:, :-1].contiguous()  # the outside column's logit is a constant
-                    d_in[s:e] = _mm_f32(g, w_in)  # [dh ; dm]
+                    d_in[s:e] = mm_f32(g, w_in)  # [dh ; dm]
                     if markov is not None:
                         _add_mm_f32_(d_w2, g.t(), x_in[s:e, ht:])  # dW2 += G^T m in the GEMM epilogue
             d_head = d_in[:, :ht] if with_grad else None  # [N, Ht]
@@ -283,11 +284,12 @@ def slot_outputs(draft, hidden: torch.Tensor, batch: Mapping[str, torch.Tensor],
     h = hidden[b, a, j]  # [N, H]
     m_all = draft.markov_features(batch["prev_tokens"], hidden, extras)  # [B, A, S, r] | None
     m = m_all[b, a, j] if m_all is not None else None  # [N, r]
+    u = draft.markov_block(m_all, hidden)[b, a, j] if m_all is not None else None  # [N, r] W2's input
     teacher = batch["last_hidden"][b, batch["anchors"][b, a] + j]  # [N, Ht]
     w2 = draft.markov.w2.weight if m is not None else None
     vocab = getattr(draft, "draft_vocab", None)  # a reduced draft vocabulary (draft/vocab.py) or None
     targets = batch["targets"][b, a, j]  # [N] target ids
-    distill, ce, l1 = chunked_distill(draft.head_states(h), m, w2, draft.lm_head_weight, teacher,
+    distill, ce, l1 = chunked_distill(draft.head_states(h), u, w2, draft.lm_head_weight, teacher,
                                       targets if vocab is None else vocab.to_draft(targets), weights, cfg.ce_alpha,
                                       cfg.l1_alpha, cfg.vocab_chunk_slots, None if vocab is None else vocab.d2t)
     return {"weights": weights, "distill": distill, "ce": ce, "l1": l1, "overlap": overlap_from_l1(l1),

@@ -1,4 +1,5 @@
-"""The DSpark draft (the DSpark paper's baseline draft, as built by DeepSpec), its variant registry, its save/load.
+"""The DSpark draft (the DSpark paper's baseline draft, as built by DeepSpec) and its variant registry
+(saved and loaded by ``dspark_core.checkpoint``).
 
 Shape legend: B batch, L tokens, A anchors, S slots (block_size), Q = A*S block tokens, K aux layers,
 Ht target hidden, H draft hidden, V vocab, r Markov rank, E extra K/V entries, nq / nkv heads, d head dim.
@@ -11,19 +12,21 @@ Architecture (built from the target's HF config, Qwen3 / Qwen2 / Llama):
   the target's frozen embedding (MASK = a token row, or a learned vector when the vocabulary has no
   spare token); projected Ht -> H only when the draft is narrower/wider than the target;
 - ``num_draft_layers`` decoder layers mirroring the target's (Qwen3 q/k RMSNorm, Qwen2 qkv bias, Llama
-  attention/mlp bias flags, the family's MLP, RMSNorm and RoPE): queries from the block states, keys and
+  attention/mlp bias flags, the family's MLP, RMSNorm and RoPE), or with ``layer_style: qwen3`` Qwen3 layers
+  (q/k RMSNorm, the ``attention_bias`` flag on all four projections) on any target, which is what the serving
+  engines' DSpark layout holds (``dspark_core/export``): queries from the block states, keys and
   values from ``[c_0..c_{p-1} ; block states]`` through the layer's own k_proj / v_proj in one attention;
   context RoPE positions 0..p-1;
 - final RMSNorm -> ``h_1..h_S``; frozen LM head of the target (+ H -> Ht projection when widths differ);
-- vanilla Markov head and confidence head (``heads.py``).
+- Markov head (``draft.markov_head``: vanilla, gated, rnn or none) and confidence head (``heads.py``).
 
 Variant hooks, one overridable method each, so a variant subclasses ``DSparkDraft``, adds its
 module in ``__init__`` and overrides one method:
 
 1. :meth:`DSparkDraft.block_inputs` -- the block's input embeddings (Engram-MASK replaces / gates the
    MASK slots with a projected pre-anchor feature read from ``extras``).
-2. :meth:`DSparkDraft.markov_features` -- ``m_i`` fed to W2 and to the confidence head (Engram-Markov
-   adds ``g_i v_i``).
+2. :meth:`DSparkDraft.markov_features` -- ``m_i`` fed to the Markov head type (then W2) and to the confidence
+   head (Engram-Markov adds ``g_i v_i``).
 3. :meth:`DSparkDraft.extra_kv` -- extra K/V sources of every layer's attention (Draft Memory returns
    its memory states with their RoPE positions and owning block); the mask and both attention paths
    already handle them.
@@ -43,7 +46,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
@@ -57,13 +59,11 @@ from dspark_core.config import ParamsError
 from dspark_core.draft import inference
 from dspark_core.draft.attention import AttentionMask, attend, build_attention_mask
 from dspark_core.draft.config import DraftConfig
-from dspark_core.draft.heads import ConfidenceHead, VanillaMarkovHead
+from dspark_core.draft.heads import ConfidenceHead, build_markov_head
 from dspark_core.draft.vocab import DraftVocab
 
 FAMILIES = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}
 FROZEN_KEYS = ("lm_head_weight", "embed_tokens_weight")
-CHECKPOINT_FORMAT = "dspark-draft"
-CHECKPOINT_VERSION = 1
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [B, T, d]
 
 
@@ -240,13 +240,15 @@ class DSparkDraft(nn.Module):
         self.embed_proj = nn.Linear(t_hidden, hid, bias=False) if hid != t_hidden else None
         self.fc = nn.Linear(len(self.aux_layer_ids) * t_hidden, hid, bias=False)  # W_aux
         self.hidden_norm = norm_cls(hid, eps=eps)
-        self.layers = nn.ModuleList(DraftLayer(self.hf_config, self.model_type) for _ in range(cfg.num_draft_layers))
+        self.layer_family = "qwen3" if cfg.layer_style == "qwen3" else self.model_type
+        self.layers = nn.ModuleList(DraftLayer(self.hf_config, self.layer_family)
+                                    for _ in range(cfg.num_draft_layers))
         self.norm = norm_cls(hid, eps=eps)
         self.head_proj = nn.Linear(hid, t_hidden, bias=False) if hid != t_hidden else None
         self.rotary_emb = rotary_cls(config=self.hf_config)
         # draft.vocab_size: the LM head's rows and W2 over the draft vocabulary only (maps in draft_vocab)
         self.draft_vocab = DraftVocab(vocab, cfg.vocab_size) if cfg.vocab_size is not None else None
-        self.markov = VanillaMarkovHead(vocab, cfg.markov_rank, cfg.vocab_size) if cfg.has_markov else None
+        self.markov = build_markov_head(cfg.markov_head, vocab, cfg.markov_rank, hid, cfg.vocab_size)
         conf_rank = cfg.markov_rank if cfg.has_markov and cfg.confidence_with_markov else 0
         self.confidence = ConfidenceHead(hid, conf_rank) if cfg.confidence_head else None
         self._init_weights(float(getattr(target_config, "initializer_range", 0.02)))
@@ -333,10 +335,21 @@ class DSparkDraft(nn.Module):
         logits = (self.head_states(hidden).to(w.dtype) @ w.t()).float()  # [..., Vd]
         return logits if self.draft_vocab is None else self.draft_vocab.expand(logits, float("-inf"))
 
-    def markov_bias(self, m: torch.Tensor) -> torch.Tensor:
-        """W2 m over the target's vocabulary [..., V] (0 outside a reduced draft vocabulary)."""
-        bias = self.markov.bias(m)  # [..., Vd]
+    def markov_bias(self, u: torch.Tensor) -> torch.Tensor:
+        """W2 u over the target's vocabulary [..., V] (0 outside a reduced draft vocabulary): u from ``markov_step`` /
+        ``markov_block`` (for a vanilla head, the features m)."""
+        bias = self.markov.bias(u)  # [..., Vd]
         return bias if self.draft_vocab is None else self.draft_vocab.expand(bias, 0.0)
+
+    def markov_step(self, m: torch.Tensor, hidden: torch.Tensor | None, state: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One slot of the head type: m [B, r] (``markov_features``), h [B, H], the state carried from the slot
+        before (None at slot 0) -> (u [B, r] for ``markov_bias``, the state for the next slot)."""
+        return self.markov.step(m, hidden, state)
+
+    def markov_block(self, m: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Every slot of blocks at once (training, teacher forcing): m [..., S, r], h [..., S, H] -> u [..., S, r]."""
+        return self.markov.block(m, hidden)
 
     def confidence_logits(self, hidden: torch.Tensor, markov: torch.Tensor | None) -> torch.Tensor | None:
         return None if self.confidence is None else self.confidence(hidden, markov)
@@ -351,7 +364,9 @@ class DSparkDraft(nn.Module):
 
     def markov_features(self, prev_tokens: torch.Tensor, hidden: torch.Tensor,
                         extras: Mapping[str, Any] | None) -> torch.Tensor | None:
-        """Hook 2. prev_tokens [...] (t_{i-1}), hidden [..., H] (h_i) -> m_i [..., r] (None without a Markov head)."""
+        """Hook 2. prev_tokens [...] (t_{i-1}), hidden [..., H] (h_i) -> m_i [..., r] (None without a Markov head):
+        the previous token's features, read by the confidence head and turned into W2's input by the head type
+        (``markov_step`` / ``markov_block``)."""
         return None if self.markov is None else self.markov.features(prev_tokens)
 
     def extra_kv(self, extras: Mapping[str, Any] | None, anchors: torch.Tensor,
@@ -368,6 +383,16 @@ class DSparkDraft(nn.Module):
         """Hook 5 (training and eval_offline, no_grad): model-dependent supervision added to a batch before
         its loss denominators are taken (Draft Memory's stage 1). The baseline returns the batch unchanged."""
         return batch
+
+    # eval_offline: the names of the anchor sets ``offline_anchor_sets`` returns ("" = the random anchors)
+    offline_anchor_set_names: tuple[str, ...] = ("",)
+
+    def offline_anchor_sets(self, batch: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """eval_offline (no_grad): ``{name: prepared batch}``, the anchor sets this draft is measured on. ``""``:
+        the evaluation's random anchors, reported under the plain metric keys, the same for every draft; another
+        name (Draft Memory's ``post_error``) prefixes its keys (``post_error/tau_prob``). The baseline: the
+        random anchors through ``prepare_batch``."""
+        return {"": self.prepare_batch(batch)}
 
     def variant_offline_sums(self, hidden: torch.Tensor, batch: Mapping[str, torch.Tensor]
                              ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -402,13 +427,13 @@ class DSparkDraft(nn.Module):
         if bucket > 1:  # static-shape kernels: pad the context to a bucket (padding is never visible: c < anchor)
             length = length + (-length) % bucket
             c = F.pad(c, (0, 0, 0, length - c.shape[1]))  # [B, Lp, H]
-        ctx_pos = torch.arange(length, device=c.device).expand(batch, length)  # [B, L]
-        blk_pos = (anchors.unsqueeze(-1) + torch.arange(slots, device=c.device)).reshape(batch, -1)  # [B, Q]
+        ctx_pos, anchor_pos, start = _positions(extras, anchors, batch, length, c.device)  # [B, L], [B, A]
+        blk_pos = (anchor_pos.unsqueeze(-1) + torch.arange(slots, device=c.device)).reshape(batch, -1)  # [B, Q]
         ctx_rope, blk_rope = self.rope(c, ctx_pos), self.rope(x, blk_pos)
         extra = self.extra_kv(extras, anchors, anchor_valid)
         extra_rope = self.rope(extra.states, extra.positions) if extra is not None else None
         mask = build_attention_mask(anchors, anchor_valid, length, slots,
-                                    extra.owner if extra is not None else None, self.attention_backend)
+                                    extra.owner if extra is not None else None, self.attention_backend, start)
         extra_states = extra.states if extra is not None else None
         step = _compiled_layer_step() if compiled else _layer_step
         for layer in self.layers:
@@ -486,6 +511,20 @@ def build_draft(cfg: DraftConfig, target_config: Any, embed_weight: Any, lm_head
     return draft_class(cfg.kind)(cfg, target_config, embed_weight, lm_head_weight, **kwargs)
 
 
+def _positions(extras: Mapping[str, Any] | None, anchors: torch.Tensor, batch: int, length: int, device: Any
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """RoPE positions of the context [B, L] and of the anchors [B, A], and the anchors' document starts [B, A]
+    (None): row positions, or in a packed batch (``position_ids`` / ``anchor_start`` in ``extras``, see
+    ``draft/packing.py``) positions within each document."""
+    start = extras.get("anchor_start") if extras is not None else None
+    if start is None:
+        return torch.arange(length, device=device).expand(batch, length), anchors, None
+    pos = extras["position_ids"].to(device)  # [B, n]
+    pos = F.pad(pos, (0, length - pos.shape[1]))  # [B, L] (a padded context bucket: never visible)
+    start = start.to(device)
+    return pos, anchors - start, start
+
+
 def _layer_step(layer: DraftLayer, x: torch.Tensor, c: torch.Tensor, ctx_rope: Rope, extra_states: torch.Tensor | None,
                 extra_rope: Rope | None, blk_rope: Rope, mask: AttentionMask) -> torch.Tensor:
     """One layer of the training forward (a function, so it can be recomputed by activation checkpointing)."""
@@ -513,90 +552,3 @@ def _compiled_layer_step():
                 setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
         _COMPILED_STEP.append(torch.compile(_layer_step, dynamic=False))
     return _COMPILED_STEP[0]
-
-
-# -- save / load ---------------------------------------------------------------------------------------
-def draft_checkpoint_config(draft: DSparkDraft) -> dict[str, Any]:
-    return {
-        "format": CHECKPOINT_FORMAT,
-        "format_version": CHECKPOINT_VERSION,
-        "draft": draft.cfg.to_dict(),
-        "aux_layer_ids": list(draft.aux_layer_ids),
-        "mask": {"token_id": draft.mask_token_id, "learned": draft.mask_embedding is not None},
-        "target": {**draft.target_summary, "fingerprint": draft.target_fingerprint},
-        "architecture": {"hidden_size": draft.hidden_size, "intermediate_size": draft.hf_config.intermediate_size,
-                         "num_attention_heads": draft.hf_config.num_attention_heads,
-                         "num_key_value_heads": draft.hf_config.num_key_value_heads,
-                         "head_dim": draft.hf_config.head_dim, "tied_embeddings": draft.tied_embeddings},
-    }
-
-
-def save_draft(out_dir: str | Path, draft: nn.Module, cfg: DraftConfig | None = None) -> Path:
-    """Write ``model.safetensors`` (the draft's own weights, not the target's copies) + ``config.json``."""
-    from safetensors.torch import save_file
-
-    from dspark_core.io import atomic_path, write_json
-
-    draft = getattr(draft, "draft", draft)  # a DSparkTrainModel wraps the draft
-    if not isinstance(draft, DSparkDraft):
-        raise ValueError(f"save_draft: expected a DSparkDraft, got {type(draft).__name__}")
-    if cfg is not None and cfg != draft.cfg:
-        raise ValueError(f"save_draft: cfg {cfg} differs from the draft's own config {draft.cfg}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.detach().contiguous().cpu() for k, v in draft.own_state_dict().items()}
-    with atomic_path(out / "model.safetensors", ".safetensors") as tmp:
-        save_file(weights, str(tmp), metadata={"format": CHECKPOINT_FORMAT})
-    write_json(out / "config.json", draft_checkpoint_config(draft))
-    return out
-
-
-def read_draft_config(path: str | Path) -> dict[str, Any]:
-    f = Path(path) / "config.json"
-    if not f.is_file():
-        raise ValueError(f"{f}: not a DSpark draft checkpoint (no config.json)")
-    try:
-        info = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{f}: not valid JSON ({e})") from None
-    if info.get("format") != CHECKPOINT_FORMAT or info.get("format_version") != CHECKPOINT_VERSION:
-        raise ValueError(f"{f}: format {info.get('format')!r} v{info.get('format_version')!r} is not "
-                         f"{CHECKPOINT_FORMAT!r} v{CHECKPOINT_VERSION}")
-    return info
-
-
-def load_draft(path: str | Path, target_model: nn.Module, expected_fingerprint: str | None = None) -> DSparkDraft:
-    """Rebuild a saved draft on ``target_model`` (its config, embedding and LM head; same device/dtype)."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    info = read_draft_config(path)
-    src = str(path / "config.json")
-    cfg = DraftConfig.from_dict(info["draft"], src=src, prefix="draft.")
-    tc = target_model.config
-    saved = info["target"]
-    where = getattr(tc, "_name_or_path", "") or ""  # the dir the target was loaded from (HF sets it)
-    given = f"the given target ({where})" if where else "the given target"
-    for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers"):
-        have = getattr(tc, key, None) if key != "vocab_size" else target_model.get_output_embeddings().weight.shape[0]
-        if saved.get(key) != have:
-            raise ValueError(f"{src}: draft trained for another target: its target.{key} is {saved.get(key)!r}, "
-                             f"{given} has {have!r}; retrain the draft on this target")
-    if expected_fingerprint is not None and saved.get("fingerprint") not in (None, expected_fingerprint):
-        raise ValueError(f"{src}: draft trained on target fingerprint {saved['fingerprint']}, {given} has "
-                         f"fingerprint {expected_fingerprint}; retrain the draft on this target")
-    lm = target_model.get_output_embeddings().weight
-    draft = build_draft(cfg, tc, target_model.get_input_embeddings().weight, lm,
-                        aux_layer_ids=info["aux_layer_ids"], target_fingerprint=saved.get("fingerprint"))
-    weights = load_file(str(path / "model.safetensors"))
-    own = draft.own_state_dict()
-    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
-    if missing or unexpected:
-        raise ValueError(f"{path / 'model.safetensors'}: weights do not match config.json "
-                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    for k, v in weights.items():
-        if tuple(v.shape) != tuple(own[k].shape):
-            raise ValueError(f"{path / 'model.safetensors'}: {k} has shape {tuple(v.shape)}, "
-                             f"expected {tuple(own[k].shape)}")
-    draft.load_state_dict(weights, strict=False)
-    return draft.to(device=lm.device, dtype=lm.dtype).eval()

@@ -102,28 +102,39 @@ def write_param_counts(model, path: Path, variant: str) -> dict:
     return counts
 
 
+def _trained_draft_dir(variant: str) -> Path:
+    draft_dir = TRAIN_DIR / variant / "final"
+    if not (draft_dir / "config.json").is_file():
+        raise UserError(f"{draft_dir}: no trained draft; run `dvc repro train@{variant}` first")
+    return draft_dir
+
+
 def run_eval_offline_stage(params: Path, variant: str) -> dict:
-    """Teacher-forced metrics of ``data/train/<variant>/final`` on the eval cache -> reports/eval_offline/."""
+    """Teacher-forced metrics of ``data/train/<variant>/final`` on the eval cache -> reports/eval_offline/. A draft
+    with extra anchor sets (Draft Memory's post-error anchors) also gets ``eval_offline.reference``'s draft measured
+    on them."""
     import torch
 
     from dspark_core.cache.dataset import CacheDataset
-    from dspark_core.draft.model import load_draft
+    from dspark_core.checkpoint import load_draft
     from dspark_core.draft.eval_offline import EvalOfflineConfig, evaluate_offline
     from dspark_core.target import load_target, read_fingerprint
 
     cfg = EvalOfflineConfig.load(params, "eval_offline")
     check_variant(params, variant)
-    draft_dir = TRAIN_DIR / variant / "final"
-    if not (draft_dir / "config.json").is_file():
-        raise UserError(f"{draft_dir}: no trained draft; run `dvc repro train@{variant}` first")
+    draft_dir = _trained_draft_dir(variant)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, tok = load_target(TARGET_DIR, dtype="float32", device=device)
     fp = read_fingerprint(TARGET_DIR)["fingerprint"]
     draft = load_draft(draft_dir, target, expected_fingerprint=fp).to(device)
+    reference = None
+    if len(draft.offline_anchor_set_names) > 1:
+        check_variant(params, cfg.reference)
+        reference = load_draft(_trained_draft_dir(cfg.reference), target, expected_fingerprint=fp).to(device)
     data = CacheDataset(CACHE_DIR / "eval.zarr", expected_fingerprint=fp, expected_layer_ids=draft.aux_layer_ids)
     out = Path("reports/eval_offline")
     return evaluate_offline(draft, data, cfg, metrics_path=out / f"{variant}.json", plots_dir=out / variant,
-                            pad_id=tok.pad_token_id or 0, device=device)
+                            pad_id=tok.pad_token_id or 0, device=device, reference=reference)
 
 
 ENGRAM_DIR = Path("data/engram")

@@ -21,6 +21,7 @@ from torch import nn
 
 from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.draft.config import DraftConfig, LossConfig
+from dspark_core.draft.packing import collate_packed
 from dspark_core.draft.loss import dspark_sums, slot_weights
 from dspark_core.draft.model import DSparkDraft, build_draft, draft_class
 from dspark_core.draft.vocab import RANKING_PATH, load_ranked_vocab
@@ -52,22 +53,25 @@ class DSparkTrainModel(nn.Module):
 def load_warm_start(model: nn.Module, ckpt_dir: Path, target_fingerprint: str | None = None) -> None:
     """Copy a trainer checkpoint (``ckpt_dir/model.safetensors``: the trainable weights of another variant's
     ``DSparkTrainModel``), or a saved draft (``save_draft``: ``config.json`` beside it, the draft's own weights,
-    made on the target of ``target_fingerprint``), into ``model``. Each of its weights must exist here with the
+    made on the target of ``target_fingerprint``; or a DeepSpec- / speculators-layout draft, checked by vocabulary,
+    width, layer ids and block size instead), into ``model``. Each of its weights must exist here with the
     same shape; weights it lacks (a variant's own new modules) keep their initialisation."""
-    from safetensors.torch import load_file
+    from dspark_core.checkpoint import load_checked_weights
 
     path = ckpt_dir / "model.safetensors"
     if not path.is_file():
         raise UserError(f"warm start: {path} not found (is the step among the run's kept checkpoints?)")
-    weights = load_file(str(path))
     if (ckpt_dir / "config.json").is_file():  # a saved draft: its names are the draft's, the trainer's say draft.*
-        from dspark_core.draft.model import read_draft_config
+        from dspark_core.export import detect_layout, foreign_warm_start
 
-        saved = read_draft_config(ckpt_dir)["target"].get("fingerprint")
-        if target_fingerprint is not None and saved not in (None, target_fingerprint):
-            raise UserError(f"warm start: {ckpt_dir / 'config.json'}: draft trained on target fingerprint {saved}, "
-                            f"this target's is {target_fingerprint}")
+        if detect_layout(ckpt_dir) is not None:  # DeepSpec / speculators layout: checked by shapes and layer ids
+            weights = foreign_warm_start(ckpt_dir, model.draft)
+        else:
+            _check_saved_fingerprint(ckpt_dir, target_fingerprint)
+            weights = load_checked_weights(ckpt_dir, f"retrain the warm start's source run or restore {ckpt_dir}")
         weights = {f"draft.{k}": v for k, v in weights.items()}
+    else:
+        weights = load_checked_weights(ckpt_dir, f"retrain the warm start's source run or restore {ckpt_dir}")
     params = {**dict(model.named_buffers()), **dict(model.named_parameters())}  # buffers: a draft vocabulary's maps
     bad = [k for k, v in weights.items() if k not in params or tuple(params[k].shape) != tuple(v.shape)]
     if bad:
@@ -75,6 +79,15 @@ def load_warm_start(model: nn.Module, ckpt_dir: Path, target_fingerprint: str | 
     with torch.no_grad():
         for k, v in weights.items():
             params[k].copy_(v)
+
+
+def _check_saved_fingerprint(ckpt_dir: Path, target_fingerprint: str | None) -> None:
+    from dspark_core.checkpoint import read_draft_config
+
+    saved = read_draft_config(ckpt_dir)["target"].get("fingerprint")
+    if target_fingerprint is not None and saved not in (None, target_fingerprint):
+        raise UserError(f"warm start: {ckpt_dir / 'config.json'}: draft trained on target fingerprint {saved}, "
+                        f"this target's is {target_fingerprint}")
 
 
 def freeze_all_but_variant(model: nn.Module) -> None:
@@ -211,7 +224,11 @@ class DSparkTask:
 
     def collate(self, items: list[Any],
                 generator: torch.Generator | Sequence[torch.Generator]) -> dict[str, torch.Tensor]:
-        """Pad ``items`` and add anchors / slot supervision; ``generator``: one per item (or one shared)."""
+        """Pad ``items`` and add anchors / slot supervision; ``generator``: one per item (or one shared). With
+        ``draft.packed_length``, pack them into rows instead (``draft/packing.py``: the same anchors and loss)."""
+        cfg = self.draft_cfg
+        if cfg.packed_length is not None:
+            return collate_packed(items, cfg.num_anchors, cfg.block_size, cfg.packed_length, generator, self.pad_id)
         if self.collator is None:
             from dspark_core.cache.dataset import CacheCollator
 
@@ -235,7 +252,7 @@ class DSparkTask:
 
     def export(self, model: nn.Module, out_dir: str | Path) -> Path:
         """Save the trained draft (``save_draft``) from the trainer's model (plain or DDP-wrapped)."""
-        from dspark_core.draft.model import save_draft
+        from dspark_core.checkpoint import save_draft
 
         inner = getattr(model, "module", model)
         return save_draft(out_dir, inner.draft, self.draft_cfg)

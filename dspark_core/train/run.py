@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from dspark_core.checkpoint import verify_latest_checkpoint
 from dspark_core.io import atomic_path, read_json, sha256_json, write_json
 from dspark_core.train.trainer import TrainConfig, TrainResult, train
 
@@ -115,6 +116,8 @@ def run_training(task: Any, cfg: TrainConfig, run_config: dict[str, Any], report
     d = init_distributed()
     made = [_new_root(out_dir) or out_dir, _new_root(report_dir)]  # what a failed fresh run removes again
     resume = _prepare_out_dir(out_dir, run_config) if d.is_main else True
+    if resume:  # a damaged checkpoint is refused before the curves or the report folder are touched
+        verify_latest_checkpoint(out_dir / "checkpoints")
     try:
         return _run(task, cfg, run_config, out_dir, report_dir, resume, d, time_budget_s, log_step_offset)
     except BaseException:

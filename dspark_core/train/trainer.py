@@ -14,24 +14,20 @@ Launch on several processes with ``torchrun --nproc_per_node N stages/train.py .
 from __future__ import annotations
 
 import math
-import os
-import random
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.utils.data
 from torch import nn
 
+from dspark_core.checkpoint import checkpoint_clock, load_checkpoint, save_checkpoint
 from dspark_core.config import Section, non_negative, one_of, positive, require
 from dspark_core.dist import Dist, init_distributed  # noqa: F401 (init_distributed: re-exported)
 from dspark_core.errors import UserError
-from dspark_core.io import read_json, write_json
 from dspark_core.train.task import TrainTask
 
 
@@ -194,101 +190,6 @@ def micro_slots(micro: int, d: Dist, cfg: TrainConfig) -> range:
 def item_generator(cfg: TrainConfig, step: int, slot: int) -> torch.Generator:
     """The generator of the item at place ``slot`` of step ``step``'s global batch."""
     return torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 65_537 + slot)
-
-
-# -- checkpoints ------------------------------------------------------------------------------
-def _trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
-
-
-def _rng_state() -> dict[str, Any]:
-    st = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
-
-
-def _set_rng_state(st: dict[str, Any]) -> None:
-    torch.set_rng_state(st["torch"])
-    random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
-
-
-def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, opt, sched, keep: int,
-                    optimizer: bool = True, clock: dict[str, float] | None = None) -> Path:
-    """Write ``ckpt_root/step_{step:08d}`` atomically (temp dir + rename), then update ``latest.json`` (with
-    ``clock``: the seconds a time-scheduled run has spent, see :func:`checkpoint_clock`).
-
-    ``optimizer=False`` (the step that ends the lr schedule): no optimizer state -- nothing can continue a
-    finished schedule (another ``total_steps`` is another run), and the state is twice the weights (AdamW);
-    for a DMTD target that is 1 GB a variant, in the workspace and again in DVC's cache."""
-    from safetensors.torch import save_file
-
-    final = ckpt_root / f"step_{step:08d}"
-    tmp = ckpt_root / f".tmp_step_{step:08d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.contiguous().cpu() for k, v in _trainable_state(model).items()}, str(tmp / "model.safetensors"))
-    state = {"scheduler": sched.state_dict(), "step": step, "rng": _rng_state()}
-    if optimizer:
-        state["optimizer"] = opt.state_dict()
-    torch.save(state, tmp / "state.pt")
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    write_json(ckpt_root / "latest.json", {"step": step, "dir": final.name, **(clock or {})})
-    for old in sorted(ckpt_root.glob("step_*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def checkpoint_clock(ckpt_root: Path) -> dict[str, float]:
-    """What ``lr_schedule: time`` resumes from: ``{"spent_s", "origin_s"}`` of the latest checkpoint (the run's
-    seconds so far, and where its schedule's clock started), or {} when there is none."""
-    latest = ckpt_root / "latest.json"
-    info = read_json(latest) if latest.is_file() else {}
-    return {k: float(info[k]) for k in ("spent_s", "origin_s") if k in info}
-
-
-def load_checkpoint(ckpt_root: Path, model: nn.Module, opt, sched, total_steps: int | None = None) -> int:
-    """Restore the latest checkpoint; return the step to continue from (0 when there is none).
-
-    A checkpoint saved without optimizer state (the schedule's last step) restores only at or past
-    ``total_steps``: the run is complete and nothing is trained."""
-    from safetensors.torch import load_file
-
-    latest = ckpt_root / "latest.json"
-    if not latest.is_file():
-        return 0
-    info = read_json(latest)
-    d = ckpt_root / info["dir"]
-    weights = load_file(str(d / "model.safetensors"))
-    params = dict(model.named_parameters())
-    missing = sorted(set(k for k, p in params.items() if p.requires_grad) - set(weights))
-    if missing:
-        raise UserError(f"{d}/model.safetensors: checkpoint lacks trainable parameters {missing[:3]}...: "
-                        "it was made by another model config; delete the checkpoints folder to start over")
-    with torch.no_grad():
-        for k, v in weights.items():
-            if k not in params:
-                raise UserError(f"{d}/model.safetensors: unknown parameter {k!r} (another model config?)")
-            if params[k].shape != v.shape:
-                raise UserError(f"{d}/model.safetensors: {k} has shape {tuple(v.shape)}, "
-                                f"model expects {tuple(params[k].shape)}")
-            params[k].copy_(v)
-    st = torch.load(d / "state.pt", weights_only=False)
-    if "optimizer" not in st:
-        if total_steps is not None and int(st["step"]) < total_steps:
-            raise UserError(f"{d}/state.pt: saved at the end of a {st['step']}-step schedule, without optimizer "
-                            f"state, so it cannot continue to total_steps={total_steps}; delete {ckpt_root} to "
-                            "start over")
-        sched.load_state_dict(st["scheduler"])
-        return int(st["step"])
-    opt.load_state_dict(st["optimizer"])
-    sched.load_state_dict(st["scheduler"])
-    _set_rng_state(st["rng"])
-    return int(st["step"])
 
 
 # -- optimiser ----------------------------------------------------------------------------------

@@ -25,8 +25,10 @@ Training (two forward passes sharing the weights; gradients only through the sec
 The batch keys stage 1 adds: ``memory_hidden [B, A, M, H]`` (old slots 1..S-1, detached), ``memory_positions
 [B, A, M]``, ``memory_valid [B, A, M]``, ``stage1_anchors [B, A]`` (the old anchors),
 ``stage1_matches [B, A]`` (m, -1 for an invalid old block) and ``stage1_kept [B, A]`` (the transition was
-kept). Blocks are re-sorted by new anchor (dropped ones last). eval_offline calls the same hook, so its tau_prob /
-accept_rate@i of this variant are measured at the new anchors (right after a draft error), with memory.
+kept). Blocks are re-sorted by new anchor (dropped ones last). eval_offline measures this variant twice
+(``offline_anchor_sets``): at the random anchors without memory (the plain keys, like every other draft) and through
+this hook at the new anchors right after a draft error, with memory (``post_error/tau_prob``, ...), beside the
+baseline draft at exactly those anchors (``post_error/baseline/tau_prob``, ...): the like-for-like memory comparison.
 
 Online (reference engine): the draft's context cache (:class:`MemoryCache`, one per ``generate``) keeps the last
 proposal's states and its anchor position ``a``; at the next ``propose`` (anchor ``p' = cache.length = a + acc
@@ -53,6 +55,7 @@ from dspark_core.draft.model import DSparkDraft, ExtraKV, family_classes
 PREDICT_CHUNK = 512  # stage 1: slots whose full-vocabulary logits exist at once
 MEMORY_KEYS = ("memory_hidden", "memory_positions", "memory_valid")
 STAGE1_KEYS = ("stage1_anchors", "stage1_matches", "stage1_kept")
+POST_ERROR = "post_error"  # eval_offline's name of the anchor set right after a draft error (metric key prefix)
 
 
 # -- stage 1 and the transition (pure functions, tested against hand-worked examples) ---------------------------
@@ -190,6 +193,14 @@ class DraftMemory(DSparkDraft, kind="draft_memory"):
                                  self.block_size))
         out["slot_index"] = out["slot_valid"].nonzero().t().contiguous()  # [3, N]
         return out
+
+    offline_anchor_set_names = ("", POST_ERROR)
+
+    def offline_anchor_sets(self, batch: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """The random anchors as given (no previous block there, so no memory: the draft's first cycle, comparable
+        with every other draft) and ``post_error``: stage 1's new anchors right after the first draft error, with
+        the kept memory. eval_offline also runs a reference draft (the baseline) on the ``post_error`` batch."""
+        return {"": batch, POST_ERROR: self.prepare_batch(batch)}
 
     # -- online ---------------------------------------------------------------------------------------------
     def online_modes(self) -> tuple[str, ...]:

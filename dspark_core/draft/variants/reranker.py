@@ -17,6 +17,10 @@ ones at inference):
 - q of the slot (what ``sample_fn`` sees): the softmax of ``s_i`` over ``C_i``, zero elsewhere -- a valid
   proposal for exact rejection sampling, and the distribution of the reranked ``tau_prob``.
 
+Precision: ``l_i`` (hence ``C_i``) and the teacher logits are :func:`lm_logits` everywhere -- operands as the LM head
+(and W2) store them, float32 accumulation and result, autocast off -- so ``prepare_batch`` under the trainer's bf16
+autocast, eval_offline and decoding pick candidates and the teacher argmax in one precision.
+
 Training (``RerankerTask``): ``prepare_batch`` (hook 5, no_grad) fixes each valid slot's candidates, the teacher
 argmax ``v*`` and the teacher's probabilities on the candidates; the rank loss is the weighted CE of ``v*`` inside
 ``C_i`` on the slots where ``v*`` is a candidate, weights ``exp(-j/gamma)`` (slot j = 0 first), divided by their
@@ -35,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark_core.draft.config import DraftConfig, RerankerConfig
-from dspark_core.draft.loss import dspark_sums, slot_weights
+from dspark_core.draft.loss import dspark_sums, mm_f32, slot_weights
 from dspark_core.draft.model import DSparkDraft
 from dspark_core.draft.task import DSparkTask, DSparkTrainModel, draft_denominators
 from dspark_core.metrics import tau_prob_per_block
@@ -105,6 +109,14 @@ class PrefixReranker(nn.Module):
         return (k @ u.unsqueeze(-1)).squeeze(-1).float() * self.scale
 
 
+def lm_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., D] @ w [V, D]^T -> [..., V] float32 (no grad): x cast to w's dtype, float32 accumulation and result,
+    whatever autocast is on -- the one precision of the reranker's DSpark logits and teacher logits."""
+    with torch.autocast(x.device.type, enabled=False):
+        flat = x.reshape(-1, x.shape[-1]).to(w.dtype)  # [n, D]
+        return mm_f32(flat, w.t()).view(*x.shape[:-1], w.shape[0])
+
+
 def top_candidates(logits: torch.Tensor, k: int) -> torch.Tensor:
     """logits [..., V] -> the top-k ids [..., k], always holding the first argmax (the DSpark greedy choice)."""
     idx = logits.topk(min(k, logits.shape[-1]), dim=-1).indices  # [..., k]
@@ -153,6 +165,15 @@ class RerankerDraft(DSparkDraft, kind="reranker"):
 
     def set_variant_timing(self, on: bool) -> None:
         self.timing, self.rerank_s = on, 0.0
+
+    # -- the DSpark logits l_i, in the precision of lm_logits (decoding and prepare_batch alike) -----------------
+    def slot_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM-head logits [..., V] float32 of final states [..., H] (:func:`lm_logits`)."""
+        return lm_logits(self.head_states(hidden), self.lm_head_weight)
+
+    def markov_bias(self, m: torch.Tensor) -> torch.Tensor:
+        """W2 m [..., V] float32 (:func:`lm_logits`)."""
+        return lm_logits(m, self.markov.w2.weight)
 
     # -- scoring ---------------------------------------------------------------------------------------
     def candidate_scores(self, dspark: torch.Tensor, hidden: torch.Tensor, prefix: torch.Tensor,
@@ -212,12 +233,11 @@ class RerankerDraft(DSparkDraft, kind="reranker"):
         m = self.markov_features(batch["prev_tokens"], hidden, batch)[b, a, j]  # [N, r]
         head = self.head_states(hidden[b, a, j])  # [N, Ht]
         teach_h = batch["last_hidden"][b, batch["anchors"][b, a] + j]  # [N, Ht]
-        w = self.lm_head_weight
         parts: list[list[torch.Tensor]] = [[], [], [], []]
         for s in range(0, head.shape[0], self.chunk_slots):
             e = s + self.chunk_slots
-            logits = (head[s:e].to(w.dtype) @ w.t()).float() + self.markov_bias(m[s:e]).float()  # [n, V]
-            teacher = torch.softmax((teach_h[s:e].to(w.dtype) @ w.t()).float(), dim=-1)  # [n, V]
+            logits = lm_logits(head[s:e], self.lm_head_weight) + self.markov_bias(m[s:e])  # [n, V], as propose
+            teacher = torch.softmax(lm_logits(teach_h[s:e], self.lm_head_weight), dim=-1)  # [n, V]
             cand = top_candidates(logits, self.top_k)  # [n, K]
             overlap = torch.minimum(torch.softmax(logits, dim=-1), teacher).sum(-1)  # [n]
             for out, val in zip(parts, (cand, teacher.argmax(-1), teacher.gather(-1, cand), overlap)):
@@ -245,10 +265,11 @@ class RerankerDraft(DSparkDraft, kind="reranker"):
         m = self.markov_features(batch["prev_tokens"], hidden, batch)[b, a, j]  # [N, r]
         head = self.head_states(hidden[b, a, j])  # [N, Ht]
         e_out = F.embedding(cand, self.markov.w2.weight)  # [N, K, r]
-        with torch.autocast(head.device.type, enabled=False):  # l_i in float32, as the loss's logits
+        with torch.autocast(head.device.type, enabled=False):  # l_i on the candidates with lm_logits' operands
             lm_rows = F.embedding(cand, self.lm_head_weight).float()  # [N, K, Ht]
-            dspark = torch.einsum("nkh,nh->nk", lm_rows, head.float()) + \
-                torch.einsum("nkr,nr->nk", e_out.float(), m.float())  # [N, K]
+            head_op = head.to(self.lm_head_weight.dtype).float()  # [N, Ht], rounded as lm_logits rounds it
+            dspark = torch.einsum("nkh,nh->nk", lm_rows, head_op) + \
+                torch.einsum("nkr,nr->nk", e_out.float(), m.to(e_out.dtype).float())  # [N, K]
         state = self.prefix_states(batch["prev_tokens"])[b, a, j]  # [N, w]
         scores = dspark + self.reranker.residual(hidden[b, a, j], state, e_out)
         return {"scores": scores, "dspark": dspark, "candidates": cand, "index": torch.stack([b, a, j])}

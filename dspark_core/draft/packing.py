@@ -1,0 +1,116 @@
+"""Packed training batches: several cache samples in one row, each a document of its own.
+
+Shape legend: B rows, L row length, n_i a sample's length, A anchors of a row (``num_anchors`` per packed sample),
+S slots, K aux layers, Ht target hidden.
+
+A padded batch (``CacheCollator`` + ``add_anchor_fields``) spends a row of the longest sample's length on every
+sample. A packed batch lays the samples end to end in rows of at most ``packed_length`` tokens (first fit, in
+order; a longer sample gets a row of its own) and records, per anchor, where its document starts:
+
+- ``anchor_start [B, A]``: the row position of the anchor's document's first token; the draft's attention lets a
+  block see the context ``anchor_start <= j < anchor`` only (``attention.make_mask_mod``);
+- ``position_ids [B, L]``: each token's position within its document (the RoPE positions of context and block);
+- ``doc_ids [B, L]``: the index of each token's sample in the micro-batch (-1 on the row's padding).
+
+Anchors and slot supervision are drawn per sample exactly as the padded batch draws them (the same generator per
+sample, ``sample_anchors`` / ``block_targets`` on the sample alone), then shifted by the sample's row offset, so a
+block never reaches past its document and the loss and its gradients equal the padded batch's (up to the order of
+float sums): ``tests/test_packing.py``.
+
+What packing saves is the padding's share of the context work (features, K/V projections, attention against
+it); the block tokens are the same either way. A packed row holds more anchors, and the dense (CPU) attention
+path's block-to-block grid grows with the square of a row's anchors, so there it is slower (measured on one CPU
+thread, 8 samples of 32-431 tokens, 32 anchors each: 1.76 s/step padded, 2.96 s packed); flex (GPU) skips the
+masked tiles.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from dspark_core.draft.anchors import _generators, block_targets, sample_anchors
+
+ITEM_KEYS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")  # a cache item's per-token tensors
+SLOT_KEYS = ("targets", "prev_tokens", "slot_valid")
+
+
+def pack_rows(lengths: Sequence[int], packed_length: int) -> list[list[int]]:
+    """Sample indices per row: first fit in order into rows of at most ``packed_length`` tokens."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i, n in enumerate(lengths):
+        for r, free in enumerate(room):
+            if n <= free:
+                rows[r].append(i)
+                room[r] -= n
+                break
+        else:
+            rows.append([i])
+            room.append(packed_length - n)
+    return rows
+
+
+def _sample_fields(item: dict[str, Any], num_anchors: int, block_size: int, gen: torch.Generator
+                   ) -> dict[str, torch.Tensor]:
+    """One sample's anchors [A], anchor_valid [A] and slot fields [A, S], as the padded batch draws them."""
+    ids, mask = item["input_ids"].view(1, -1), item["loss_mask"].bool().view(1, -1)
+    anchors, valid = sample_anchors(mask, num_anchors, [gen])
+    out = block_targets(ids, mask, anchors, valid, block_size)
+    return {"anchors": anchors[0], "anchor_valid": valid[0], **{k: out[k][0] for k in SLOT_KEYS}}
+
+
+def collate_packed(items: Sequence[dict[str, Any]], num_anchors: int, block_size: int, packed_length: int,
+                   generator: torch.Generator | Sequence[torch.Generator], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """A packed training batch of cache ``items`` (module docstring); the keys of a padded one plus
+    ``anchor_start``, ``position_ids`` and ``doc_ids``."""
+    if not items:
+        raise ValueError("collate_packed: empty batch")
+    if packed_length < 1:
+        raise ValueError(f"collate_packed: packed_length must be >= 1; got {packed_length}")
+    gens = _generators(generator, len(items))
+    fields = [_sample_fields(it, num_anchors, block_size, g) for it, g in zip(items, gens)]  # in order (shared gen)
+    lengths = [len(it["input_ids"]) for it in items]
+    rows = pack_rows(lengths, packed_length)
+    width = max(sum(lengths[i] for i in row) for row in rows)
+    anchors_per_row = num_anchors * max(len(row) for row in rows)
+    out = _empty_batch(items[0], len(rows), width, anchors_per_row, block_size, pad_id)
+    for r, row in enumerate(rows):
+        start = 0
+        for k, i in enumerate(row):
+            n, f = lengths[i], fields[i]
+            for key in ITEM_KEYS:
+                out[key][r, start:start + n] = items[i][key][:n]
+            out["position_ids"][r, start:start + n] = torch.arange(n)
+            out["doc_ids"][r, start:start + n] = i
+            cols = slice(k * num_anchors, (k + 1) * num_anchors)
+            out["anchors"][r, cols] = f["anchors"] + start
+            out["anchor_valid"][r, cols] = f["anchor_valid"]
+            out["anchor_start"][r, cols] = start
+            for key in SLOT_KEYS:
+                out[key][r, cols] = f[key]
+            start += n
+        out["lengths"][r] = start
+    out["attention_mask"] = out["doc_ids"] >= 0
+    out["slot_index"] = out["slot_valid"].nonzero().t().contiguous()  # [3, N]
+    return out
+
+
+def _empty_batch(first: dict[str, Any], rows: int, width: int, anchors: int, slots: int, pad_id: int
+                 ) -> dict[str, torch.Tensor]:
+    return {
+        "input_ids": torch.full((rows, width), pad_id, dtype=torch.long),  # [B, L]
+        "loss_mask": torch.zeros((rows, width), dtype=torch.bool),  # [B, L]
+        "aux_hidden": first["aux_hidden"].new_zeros((rows, width, *first["aux_hidden"].shape[1:])),  # [B, L, K, Ht]
+        "last_hidden": first["last_hidden"].new_zeros((rows, width, *first["last_hidden"].shape[1:])),  # [B, L, Ht]
+        "position_ids": torch.zeros((rows, width), dtype=torch.long),  # [B, L]
+        "doc_ids": torch.full((rows, width), -1, dtype=torch.long),  # [B, L]
+        "lengths": torch.zeros(rows, dtype=torch.long),  # [B]
+        "anchors": torch.zeros((rows, anchors), dtype=torch.long),  # [B, A]
+        "anchor_valid": torch.zeros((rows, anchors), dtype=torch.bool),  # [B, A]
+        "anchor_start": torch.zeros((rows, anchors), dtype=torch.long),  # [B, A]
+        "targets": torch.zeros((rows, anchors, slots), dtype=torch.long),  # [B, A, S]
+        "prev_tokens": torch.zeros((rows, anchors, slots), dtype=torch.long),  # [B, A, S]
+        "slot_valid": torch.zeros((rows, anchors, slots), dtype=torch.bool),  # [B, A, S]
+    }

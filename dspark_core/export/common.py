@@ -1,0 +1,176 @@
+"""What both serving layouts share: which drafts export, the weight names, writing and reading a directory.
+
+Shape legend: V vocab, Ht target hidden, H draft hidden, K aux layers, r Markov rank, L draft layers.
+
+The serving engines (vLLM's ``Qwen3DSparkModel``, DeepSpec's Qwen3 DSpark draft, ``speculators``' DSpark model)
+run one architecture: the DSpark paper's baseline draft with Qwen3 decoder layers, ``fc`` [H, K*H] over the
+concatenated aux hidden states, the MASK slots fed as a real vocabulary row, a vanilla first-order Markov head and
+an optional confidence head. A dspark draft exports when it is exactly that (:func:`check_exportable` says why not
+otherwise); its weights then map one to one onto the layouts' names (:func:`to_layout_names`). The DeepSpec layout
+holds the target's embedding and LM head beside them (its model has both); the speculators layout leaves them out,
+as speculators' own writer does for a full-vocabulary draft (its loader and vLLM take them from the verifier).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspark_core.errors import UserError
+
+# dspark name prefix -> layout name prefix (everything else keeps its name: fc, hidden_norm, layers.N.*, norm)
+RENAMES = (("markov.w1.", "markov_head.markov_w1."), ("markov.w2.", "markov_head.markov_w2."),
+           ("confidence.", "confidence_head."))
+FROZEN_NAMES = ("embed_tokens.weight", "lm_head.weight")  # the target's copies in an exported directory
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class ForeignDraft:
+    """A draft directory in an engine layout, read back: dspark's ``draft`` params, the aux layer ids (dspark's
+    convention: decoder layer ``i``'s output), and what the draft says of its target."""
+
+    draft: dict[str, Any]
+    aux_layer_ids: tuple[int, ...]
+    target: dict[str, Any] = field(default_factory=dict)  # vocab_size, hidden_size, num_hidden_layers (when known)
+
+
+def check_exportable(draft: Any, layout: str) -> None:
+    """Refuse, naming the variant and why, a draft the engines cannot run as written."""
+    cfg, name = draft.cfg, f"draft.kind {draft.cfg.kind!r}"
+    if cfg.kind != "baseline":
+        raise UserError(f"export --layout {layout}: {name} is not exportable: the serving engines run the DSpark "
+                        "baseline draft only (no Engram table, Draft Memory or prefix reranker); export a "
+                        "baseline-kind draft")
+    if draft.mask_embedding is not None:
+        raise UserError(f"export --layout {layout}: {name} has a learned mask vector; the engines feed MASK as a "
+                        "vocabulary row. Retrain with draft.mask_token_id set to an unused token id of the target's "
+                        f"vocabulary (< {draft.vocab_size})")
+    if draft.hidden_size != draft.target_hidden_size:
+        raise UserError(f"export --layout {layout}: {name} is {draft.hidden_size} wide, the target "
+                        f"{draft.target_hidden_size}; the layouts' fc maps K x the draft width, so the projections "
+                        "do not fold. Retrain with draft.hidden_size null (the target's width)")
+    if draft.layers[0].self_attn.q_norm is None or draft.layer_family != "qwen3":
+        raise UserError(f"export --layout {layout}: {name} has {draft.model_type} layers (no q/k RMSNorm); the "
+                        "engines' DSpark layers are Qwen3's. Retrain with draft.layer_style: qwen3")
+    if not cfg.has_markov:
+        raise UserError(f"export --layout {layout}: {name} has markov_head 'none'; vLLM's DSpark model always runs "
+                        "a vanilla Markov head (markov_w1 / markov_w2). Retrain with draft.markov_head: vanilla")
+    if cfg.markov_head != "vanilla":
+        raise UserError(f"export --layout {layout}: {name} has markov_head {cfg.markov_head!r}; vLLM's DSpark model "
+                        "runs the vanilla Markov head only (markov_w1 / markov_w2), so this draft would load and "
+                        "propose wrong tokens. Retrain with draft.markov_head: vanilla")
+    if getattr(draft, "draft_vocab", None) is not None:  # the layouts' W2 / config would claim the full vocabulary
+        raise UserError(f"export --layout {layout}: {name} has a reduced draft vocabulary (draft.vocab_size "
+                        f"{cfg.vocab_size}); the exporters do not write its t2d / d2t maps yet (draft_vocab.d2t / "
+                        "draft_vocab.t2d in model.safetensors). Export a draft with draft.vocab_size null")
+    if min(draft.aux_layer_ids) < 0:
+        raise UserError(f"export --layout {layout}: aux layer -1 (the embedding output) has no id in the engines' "
+                        f"layouts (aux_layer_ids {list(draft.aux_layer_ids)}); retrain on decoder layers only")
+
+
+def to_layout_names(draft: Any, dtype: torch.dtype, with_target_copies: bool = True) -> dict[str, torch.Tensor]:
+    """The draft's weights under the layouts' names (+ the target's embedding and LM head when
+    ``with_target_copies``), in ``dtype``."""
+    out = {}
+    for name, w in draft.own_state_dict().items():
+        for old, new in RENAMES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+        out[name] = w
+    if with_target_copies:
+        out["embed_tokens.weight"] = draft.embedding_matrix()  # [V, Ht]
+        out["lm_head.weight"] = draft.lm_head_weight  # [V, Ht]
+    return {k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in out.items()}
+
+
+def from_layout_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`to_layout_names` on the draft's own weights (the target's copies dropped)."""
+    out = {}
+    for name, w in weights.items():
+        if name in FROZEN_NAMES:
+            continue
+        for old, new in RENAMES:
+            if name.startswith(new):
+                name = old + name[len(new):]
+        out[name] = w
+    return out
+
+
+def draft_hf_fields(draft: Any) -> dict[str, Any]:
+    """The target's HF config with the draft's depth and widths, as a Qwen3 config dict."""
+    hf = draft.hf_config.to_dict()
+    for key in ("architectures", "auto_map", "_name_or_path", "_model_name_or_path", "transformers_version",
+                "torch_dtype", "dtype", "mlp_bias", "pretraining_tp", "use_sliding_window", "max_window_layers",
+                "sliding_window", "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "return_dict",
+                "output_attentions", "output_hidden_states", "is_encoder_decoder"):
+        hf.pop(key, None)
+    rope = hf.get("rope_parameters") or {}
+    theta = hf.get("rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None)
+    hf.update(model_type="qwen3", num_hidden_layers=draft.cfg.num_draft_layers, head_dim=draft.hf_config.head_dim,
+              layer_types=["full_attention"] * draft.cfg.num_draft_layers, tie_word_embeddings=False,
+              attention_bias=bool(getattr(draft.hf_config, "attention_bias", False)), use_sliding_window=False)
+    if theta is not None:
+        hf["rope_theta"] = theta
+    return hf
+
+
+def head_fields(draft: Any) -> dict[str, Any]:
+    """Markov / confidence head fields, named as both layouts name them."""
+    cfg = draft.cfg
+    return {"markov_rank": cfg.markov_rank if cfg.has_markov else 0, "markov_head_type": "vanilla",
+            "enable_confidence_head": bool(cfg.confidence_head),
+            "confidence_head_with_markov": bool(cfg.confidence_head and cfg.has_markov and cfg.confidence_with_markov)}
+
+
+def draft_params(hf: dict[str, Any], *, block_size: int, mask_token_id: Any, markov_rank: int,
+                 conf: bool, conf_markov: bool, src: str) -> dict[str, Any]:
+    """dspark ``draft`` params of a foreign draft from its Qwen3 config fields."""
+    if not isinstance(mask_token_id, int) or isinstance(mask_token_id, bool):
+        raise UserError(f"{src}: mask_token_id is {mask_token_id!r}; a DSpark draft needs an integer token id")
+    return {"num_draft_layers": int(hf["num_hidden_layers"]), "block_size": int(block_size),
+            "mask_token_id": mask_token_id, "markov_rank": int(markov_rank) or 1,
+            "markov_head": "vanilla" if markov_rank else "none", "confidence_head": bool(conf),
+            "confidence_with_markov": bool(conf_markov), "hidden_size": int(hf["hidden_size"]),
+            "intermediate_size": int(hf["intermediate_size"]), "num_attention_heads": int(hf["num_attention_heads"]),
+            "num_key_value_heads": int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
+            "head_dim": int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]),
+            "layer_style": "qwen3", "kind": "baseline"}
+
+
+def check_markov_type(value: Any, src: str) -> None:
+    if value not in (None, "vanilla"):
+        raise UserError(f"{src}: markov_head_type {value!r} is not supported by dspark (vanilla only); this draft "
+                        "cannot be imported")
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    f = path / "config.json"
+    if not f.is_file():
+        raise UserError(f"{path}: no config.json (not a draft directory)")
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{f}: not valid JSON ({e})") from None
+
+
+def write_dir(out: Path, config: dict[str, Any], weights: dict[str, torch.Tensor], readme: str) -> Path:
+    """config.json + model.safetensors + README.md (+ manifest.json: their sizes and SHA-256, checked on import)
+    written into a temp dir that then replaces ``out`` whole (a crash leaves the old directory or none, never a mix)."""
+    from safetensors.torch import save_file
+
+    from dspark_core.checkpoint import write_manifest
+
+    from dspark_core.io import write_json
+    from dspark_core.target import atomic_dir
+
+    with atomic_dir(out) as tmp:
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "README.md").write_text(readme)
+        write_json(tmp / "config.json", config)
+        write_manifest(tmp, ["config.json", "model.safetensors", "README.md"])
+    return out

@@ -1,0 +1,376 @@
+"""Export to the serving engines' DSpark layouts, proven against the engines' own code (CPU, float32, tiny Qwen3).
+
+1. round trip: export then import gives bit-identical draft outputs (both layouts, and ``dspark export/import``);
+2. ``speculators``' own DSpark model loads the speculators-layout export and gives dspark's block logits (after the
+   Markov bias), confidences and greedy block proposal on the same context and target hidden states;
+3. vLLM's own speculative-config parser resolves the export (both layouts) to method ``dspark`` with the draft's
+   target layer ids, block size and mask id;
+4. a DeepSpec-layout checkpoint written here from the documented names (not by dspark's writer) imports and
+   matches the same weights loaded natively;
+and the refusals: what the engines cannot run is never written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dspark_core.draft.config import DraftConfig
+from dspark_core.checkpoint import load_draft, save_draft
+from dspark_core.draft.model import DSparkDraft, build_draft
+from dspark_core.errors import UserError
+from dspark_core.export import export_draft, load_any_draft
+from dspark_core.testing import save_tiny_target
+
+S, AUX, MASK, CTX = 7, (1, 3), 259, 9  # block size, aux layers, <|mask|>, context length
+
+
+def greedy(logits):
+    return logits.argmax(-1), torch.softmax(logits, -1)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    from dspark_core.target import load_target
+
+    path = save_tiny_target(tmp_path_factory.mktemp("target"))
+    return path, load_target(path, dtype="float32", attn_implementation="eager")[0]
+
+
+def make_draft(model, **over) -> DSparkDraft:
+    cfg = DraftConfig(**{"num_draft_layers": 2, "block_size": S, "mask_token_id": MASK, "markov_rank": 8,
+                         "layer_style": "qwen3", "num_anchors": 4, **over})
+    torch.manual_seed(1)
+    draft = build_draft(cfg, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
+                        aux_layer_ids=AUX)
+    with torch.no_grad():  # peaked distributions and a Markov bias that moves the argmax: a wrong weight shows
+        for name, p in draft.named_parameters():
+            if p.requires_grad and p.dim() == 1:  # norms near 1, biases non-zero
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif p.requires_grad:
+                p.normal_(0.0, 0.5 if name.startswith("markov") else 0.2)
+    return draft.eval()
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return make_draft(target[1])
+
+
+@pytest.fixture(scope="module")
+def context(target):
+    """Token ids [1, CTX + S + 1] and the target's HF hidden_states (embedding output first)."""
+    torch.manual_seed(2)
+    ids = torch.randint(0, 256, (1, CTX + S + 1))
+    with torch.no_grad():
+        hs = target[1](ids, output_hidden_states=True).hidden_states
+    return ids, hs
+
+
+def propose(draft, ids, hs):
+    """dspark's inference: the context 0..CTX-1, anchor at CTX; per-slot logits, tokens, confidences."""
+    aux = torch.stack([hs[i + 1] for i in draft.aux_layer_ids], dim=2)[:, :CTX]  # [1, CTX, K, Ht]
+    cache = draft.new_context_cache(1, 64)
+    draft.extend_context(cache, aux)
+    seen = []
+
+    def sample_fn(logits):
+        seen.append(logits)
+        return greedy(logits)
+
+    out = draft.propose(cache, ids[:, CTX], sample_fn)
+    return torch.stack(seen, dim=1), out.tokens, out.confidence  # [1, S, V], [1, S], [1, S]
+
+
+@pytest.mark.parametrize("layout", ["deepspec", "speculators"])
+def test_round_trip_is_bit_identical(target, draft, context, layout, tmp_path):
+    export_draft(draft, tmp_path, layout, dtype="float32", target=str(target[0]))
+    back = load_any_draft(tmp_path, target[1])
+    for (a, b) in zip(propose(draft, *context), propose(back, *context)):
+        assert torch.equal(a, b)
+    assert "vllm serve" in (tmp_path / "README.md").read_text()
+
+
+def test_a_damaged_export_is_refused_on_import(target, draft, tmp_path):
+    export_draft(draft, tmp_path, "speculators", dtype="float32", target=str(target[0]))
+    f = tmp_path / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-100:-90] = bytes(10)  # same size, other bytes: only the recorded SHA-256 can tell
+    f.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=r"model.safetensors: SHA-256 differs.*export it again"):
+        load_any_draft(tmp_path, target[1])
+    f.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(UserError, match=r"model.safetensors: \d+ bytes, manifest.json records"):
+        load_any_draft(tmp_path, target[1])
+
+
+def test_bf16_export_is_the_default(target, draft, tmp_path):
+    export_draft(draft, tmp_path, "deepspec")
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    assert {w.dtype for w in weights.values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_cli_export_then_import(target, draft, context, tmp_path):
+    from dspark_core.export.run import export_dir, import_dir
+
+    save_draft(tmp_path / "native", draft)
+    export_dir(tmp_path / "native", tmp_path / "out", ["deepspec", "speculators"], "float32", target[0])
+    import_dir(tmp_path / "out" / "speculators", tmp_path / "back", target[0])
+    back = load_draft(tmp_path / "back", target[1])
+    for (a, b) in zip(propose(draft, *context), propose(back, *context)):
+        assert torch.equal(a, b)
+
+
+def speculators_proposal(path, target_model, ids, hs):
+    """speculators' own DSparkDraftModel on the export at ``path``: per-slot logits after its Markov bias, its
+    greedy block and its confidences for the anchor at CTX (eager attention; its own loader and layer ids)."""
+    from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
+
+    cfg = DSparkSpeculatorConfig.from_pretrained(str(path))
+    cfg.transformer_layer_config._attn_implementation = "eager"
+    model = DSparkDraftModel(cfg).eval()
+    loaded = model.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
+    assert loaded.unexpected_keys == []  # what it lacks is the verifier's, read from speculators_config.verifier:
+    assert set(loaded.missing_keys) == {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
+                                        "verifier_norm.weight"}
+    model.load_verifier_weights()
+    assert torch.equal(model.lm_head.weight, target_model.get_output_embeddings().weight)
+    T = ids.shape[1]
+    aux = torch.cat([hs[j] for j in cfg.aux_hidden_state_layer_ids], dim=-1)  # [1, T, K*Ht]: its own layer ids
+    loss_mask = torch.zeros(1, T)
+    loss_mask[0, CTX] = 1  # the one anchor it may pick: position CTX
+    with torch.no_grad():
+        hidden, logits, *_ = model._backbone_forward(aux, ids, loss_mask, hs[-1], torch.zeros_like(ids),
+                                                      max_anchors=1)  # [1, S, H], [1, S, V]
+        prev, tokens, block_logits, conf = [int(ids[0, CTX])], [], [], []
+        for k in range(S):  # greedy, slot by slot: slot k's Markov bias reads the token chosen at k-1
+            prev_ids = torch.tensor([prev + [0] * (S - len(prev))])  # [1, S]
+            bias = model.markov_head.block_bias(prev_token_ids=prev_ids, hidden_states=hidden.view(1, S, -1))
+            slot = logits[0, k] + bias[0, k]  # [V]
+            emb = model.markov_head.prev_embeddings(prev_ids)[0, k]  # [r]
+            conf.append(torch.sigmoid(model.confidence_head(torch.cat([hidden[0, k], emb]))))
+            block_logits.append(slot)
+            tokens.append(int(slot.argmax()))
+            prev.append(tokens[-1])
+    return torch.stack(block_logits), tokens, torch.stack(conf)
+
+
+def check_speculators_parity(draft, target_dir, target_model, context, out):
+    pytest.importorskip("speculators")
+    export_draft(draft, out, "speculators", dtype="float32", target=str(target_dir))
+    logits, tokens, conf = speculators_proposal(out, target_model, *context)
+    ref_logits, ref_tokens, ref_conf = propose(draft, *context)
+    torch.testing.assert_close(logits, ref_logits[0], rtol=1e-4, atol=1e-4)
+    assert tokens == ref_tokens[0].tolist()
+    torch.testing.assert_close(conf, ref_conf[0], rtol=1e-4, atol=1e-5)
+
+
+def test_speculators_model_class_matches(target, draft, context, tmp_path):
+    check_speculators_parity(draft, target[0], target[1], context, tmp_path)
+
+
+def test_speculators_model_class_matches_on_a_llama_target(tmp_path):
+    """The default target family (SmolLM2 is a Llama): the draft's Qwen3 layers on Llama RoPE and norms."""
+    from dspark_core.target import load_target
+
+    path = save_tiny_target(tmp_path / "llama", family="llama")
+    model = load_target(path, dtype="float32", attn_implementation="eager")[0]
+    torch.manual_seed(2)
+    ids = torch.randint(0, 256, (1, CTX + S + 1))
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+    check_speculators_parity(make_draft(model), path, model, (ids, hs), tmp_path / "out")
+
+
+@pytest.mark.parametrize("layout", ["deepspec", "speculators"])
+def test_vllm_parser_resolves_the_export(target, draft, layout, tmp_path):
+    pytest.importorskip("vllm")
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
+
+    export_draft(draft, tmp_path, layout, dtype="float32", target=str(target[0]))
+    tmc = ModelConfig(model=str(target[0]), tokenizer=str(target[0]), dtype="float32", skip_tokenizer_init=True)
+    spec = SpeculativeConfig(model=str(tmp_path), target_model_config=tmc, target_parallel_config=ParallelConfig())
+    hf = spec.draft_model_config.hf_config
+    assert spec.method == "dspark" and spec.num_speculative_tokens == S
+    assert spec.draft_model_config.architectures == ["Qwen3DSparkModel"]
+    assert list(hf.target_layer_ids) == list(AUX) and hf.mask_token_id == MASK and hf.block_size == S
+    assert hf.markov_rank == 8 and hf.markov_head_type == "vanilla" and hf.num_hidden_layers == 2
+
+
+def documented_deepspec_checkpoint(draft, target_path, out):
+    """A DeepSpec-layout directory written from the layout's documented names, without dspark's writer."""
+    tc = json.loads((target_path / "config.json").read_text())
+    config = {**tc, "architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "num_hidden_layers": 2,
+              "num_target_layers": tc["num_hidden_layers"], "block_size": S, "mask_token_id": MASK,
+              "target_layer_ids": list(AUX), "markov_rank": 8, "markov_head_type": "vanilla",
+              "enable_confidence_head": True, "confidence_head_with_markov": True, "num_anchors": 4,
+              "tie_word_embeddings": False}
+    w = {"fc.weight": draft.fc.weight, "hidden_norm.weight": draft.hidden_norm.weight,
+         "norm.weight": draft.norm.weight, "markov_head.markov_w1.weight": draft.markov.w1.weight,
+         "markov_head.markov_w2.weight": draft.markov.w2.weight,
+         "confidence_head.proj.weight": draft.confidence.proj.weight,
+         "confidence_head.proj.bias": draft.confidence.proj.bias,
+         "embed_tokens.weight": draft.embedding_matrix(), "lm_head.weight": draft.lm_head_weight}
+    for i, layer in enumerate(draft.layers):
+        a = layer.self_attn
+        parts = {"input_layernorm": layer.input_layernorm, "post_attention_layernorm": layer.post_attention_layernorm,
+                 "self_attn.q_proj": a.q_proj, "self_attn.k_proj": a.k_proj, "self_attn.v_proj": a.v_proj,
+                 "self_attn.o_proj": a.o_proj, "self_attn.q_norm": a.q_norm, "self_attn.k_norm": a.k_norm,
+                 "mlp.gate_proj": layer.mlp.gate_proj, "mlp.up_proj": layer.mlp.up_proj,
+                 "mlp.down_proj": layer.mlp.down_proj}
+        w.update({f"layers.{i}.{name}.weight": mod.weight for name, mod in parts.items()})
+    out.mkdir()
+    save_file({k: v.detach().clone().contiguous() for k, v in w.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_documented_deepspec_checkpoint_matches_native(target, draft, context, tmp_path):
+    foreign = load_any_draft(documented_deepspec_checkpoint(draft, target[0], tmp_path / "ds"), target[1])
+    native = load_draft(save_draft(tmp_path / "native", draft), target[1])
+    for (a, b) in zip(propose(native, *context), propose(foreign, *context)):
+        assert torch.equal(a, b)
+
+
+def test_foreign_draft_for_another_target_is_refused(target, draft, tmp_path):
+    path = documented_deepspec_checkpoint(draft, target[0], tmp_path / "ds")
+    config = json.loads((path / "config.json").read_text())
+    for key, value, word in (("vocab_size", 512, "vocab_size"), ("hidden_size", 32, "hidden_size"),
+                             ("target_layer_ids", [1, 5], "target layer ids")):
+        (path / "config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(UserError, match=word):
+            load_any_draft(path, target[1])
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"kind": "engram_markov"}, "engram_markov"),
+    ({"kind": "draft_memory"}, "draft_memory"),
+    ({"kind": "reranker"}, "reranker"),
+    ({"mask_token_id": None}, "learned mask vector.*mask_token_id"),
+    ({"hidden_size": 32}, "32 wide"),
+    ({"layer_style": "target"}, None),
+    ({"markov_head": "none", "confidence_with_markov": False}, "markov_head 'none'"),
+    ({"markov_head": "gated"}, "markov_head 'gated'.*vanilla Markov head only"),
+    ({"markov_head": "rnn"}, "markov_head 'rnn'"),
+])
+def test_refusals_name_the_variant(target, over, words, tmp_path):
+    draft = make_draft(target[1], **over)
+    if words is None:  # a Qwen3 target's own layers are Qwen3's: exportable
+        export_draft(draft, tmp_path, "deepspec")
+        return
+    for layout in ("deepspec", "speculators"):
+        with pytest.raises(UserError, match=words):
+            export_draft(draft, tmp_path / layout, layout)
+        assert not (tmp_path / layout).exists()
+
+
+def test_llama_draft_needs_qwen3_layers(tmp_path):
+    from dspark_core.testing import tiny_model
+
+    llama = tiny_model("llama")
+    with pytest.raises(UserError, match="layer_style: qwen3"):
+        export_draft(make_draft(llama, layer_style="target"), tmp_path, "deepspec")
+    export_draft(make_draft(llama), tmp_path, "deepspec")
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3"
+
+
+@pytest.mark.parametrize("layout", ["deepspec", "speculators"])
+def test_warm_start_from_an_engine_layout(target, draft, layout, tmp_path):
+    from dspark_core.draft.config import LossConfig
+    from dspark_core.draft.task import DSparkTrainModel, load_warm_start
+
+    export_draft(draft, tmp_path, layout, dtype="float32")
+    model = target[1]
+    fresh = build_draft(draft.cfg, model.config, model.get_input_embeddings().weight,
+                        model.get_output_embeddings().weight, aux_layer_ids=AUX)
+    load_warm_start(DSparkTrainModel(fresh, LossConfig()), tmp_path, target_fingerprint="another")
+    for (k, v), (k2, v2) in zip(sorted(draft.state_dict().items()), sorted(fresh.state_dict().items())):
+        assert k == k2 and torch.equal(v, v2), k
+    other = build_draft(draft.cfg, model.config, model.get_input_embeddings().weight,
+                        model.get_output_embeddings().weight, aux_layer_ids=(1, 2))
+    with pytest.raises(UserError, match="target layer ids"):
+        load_warm_start(DSparkTrainModel(other, LossConfig()), tmp_path)
+
+
+def _export_project(root: Path, target, draft) -> Path:
+    import shutil
+
+    shutil.copytree(target[0], root / "data/target")
+    save_draft(root / "data/train/baseline/final", draft)
+    (root / "params.yaml").write_text("export: {variants: [baseline], layouts: [deepspec, speculators], "
+                                      "dtype: float32}\n")
+    return root
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_kill_9_in_export_then_the_same_command_gives_the_same_bytes(target, draft, tmp_path, monkeypatch):
+    """``stages/export.py`` killed with SIGKILL between its two layouts (``tests/_paused_stage.py`` holds it there):
+    the finished layout is whole, the other absent, and the same command then writes what an uninterrupted run does."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from dspark_core.export.run import run_export_stage
+
+    repo = Path(__file__).resolve().parents[1]
+    killed = _export_project(tmp_path / "killed", target, draft)
+    held = tmp_path / "held"
+    proc = subprocess.Popen([sys.executable, str(repo / "tests/_paused_stage.py"), str(held), "export"],
+                            cwd=killed, env={**os.environ, "PYTHONPATH": str(repo)}, stderr=subprocess.PIPE)
+    try:
+        ref = _export_project(tmp_path / "ref", target, draft)
+        monkeypatch.chdir(ref)
+        run_export_stage(Path("params.yaml"), "baseline")
+        deadline = time.monotonic() + 300
+        while not held.exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "export was not held in 300 s"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=60)
+    out = killed / "data/export/baseline"
+    finished = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))  # temp dirs aside
+    assert finished == ["deepspec"]  # the speculators layout: none, not half
+    load_any_draft(out / "deepspec", target[1])  # the finished one passes its manifest
+    monkeypatch.chdir(killed)
+    run_export_stage(Path("params.yaml"), "baseline")
+    got, want = _files(killed / "data/export"), _files(ref / "data/export")  # the killed run's temp dir gone too
+    assert got.keys() == want.keys()
+    assert [k for k in got if got[k] != want[k]] == []
+
+
+def test_export_stage_writes_every_layout(target, draft, tmp_path, monkeypatch):
+    import shutil
+
+    from dspark_core.config import ParamsError
+    from dspark_core.export.run import run_export_stage
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(target[0], "data/target")
+    save_draft("data/train/baseline/final", draft)
+    Path("params.yaml").write_text("export: {variants: [baseline], layouts: [deepspec, speculators], "
+                                   "dtype: float32}\n")
+    run_export_stage(Path("params.yaml"), "baseline")
+    for layout in ("deepspec", "speculators"):
+        back = load_any_draft(f"data/export/baseline/{layout}", target[1])
+        assert torch.equal(back.fc.weight, draft.fc.weight)
+        assert "vllm serve data/target" in Path(f"data/export/baseline/{layout}/README.md").read_text()
+    with pytest.raises(ParamsError, match="does not list 'reranker_joint'"):
+        run_export_stage(Path("params.yaml"), "reranker_joint")
+    Path("params.yaml").write_text("export: {layouts: [eagle3]}\n")
+    with pytest.raises(ParamsError, match="layouts"):
+        run_export_stage(Path("params.yaml"), "baseline")
