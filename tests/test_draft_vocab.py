@@ -137,15 +137,16 @@ def test_reduced_distill_matches_the_full_vocabulary_reference(chunk, with_marko
     assert results[1][1][-4:].eq(0).all() and results[1][2][-4:].gt(0).all()  # outside: no CE, L1 kept
 
 
-def _reduced_draft(target, vd: int = 120, seed: int = 1):
+def _reduced_draft(target, vd: int = 120, seed: int = 1, **over):
     from test_draft_model import _draft
 
-    draft = _draft(target, seed=seed, vocab_size=vd)
+    draft = _draft(target, seed=seed, vocab_size=vd, **over)
     draft.draft_vocab.set_ids(_ids(target.config.vocab_size, vd, seed))
     return draft
 
 
-def test_reduced_training_forward_equals_single_block_inference_and_offline_overlap_is_full_vocab():
+@pytest.mark.parametrize("markov_head", ["vanilla", "rnn"])
+def test_reduced_training_forward_equals_single_block_inference_and_offline_overlap_is_full_vocab(markov_head):
     from _draft_utils import teacher_forcing
     from test_draft_model import S, _batch
 
@@ -154,14 +155,14 @@ def test_reduced_training_forward_equals_single_block_inference_and_offline_over
     from dspark_core.testing import tiny_model
 
     target = tiny_model("qwen3")
-    draft = _reduced_draft(target)
+    draft = _reduced_draft(target, markov_head=markov_head)
     d2t = draft.draft_vocab.d2t
     assert draft.markov.w2.weight.shape == (120, 8) and draft.draft_head_weight().shape == (120, 64)
     batch = _batch(target)
     with torch.no_grad():
         h = draft.forward_train(batch["input_ids"], batch["aux_hidden"], batch["anchors"], batch["anchor_valid"])
         m = draft.markov_features(batch["prev_tokens"], h, None)
-        train_logits = draft.slot_logits(h) + draft.markov_bias(m).float()  # [B, A, S, V]
+        train_logits = draft.slot_logits(h) + draft.markov_bias(draft.markov_block(m, h)).float()  # [B, A, S, V]
         out = slot_outputs(draft, h, batch, LossConfig(vocab_chunk_slots=5))
     outside = torch.ones(target.config.vocab_size, dtype=torch.bool)
     outside[d2t] = False
