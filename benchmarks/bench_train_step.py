@@ -19,6 +19,9 @@ frozen LM head kept in bf16) and ``bf16`` (bf16 weights and AdamW state, no auto
     python benchmarks/bench_train_step.py --tiny --out /tmp/x.json   # CPU smoke run on tiny shapes
     python benchmarks/bench_train_step.py --precision bf16 --markov-head rnn --out reports/bench/train_step_rnn.json
     python benchmarks/bench_train_step.py --precision bf16 --mixed 4 [--packed] --out reports/bench/train_step_mix.json
+    python benchmarks/bench_train_step.py --vocab-size 32000 --out reports/bench/train_step_v32k.json
+        # a reduced draft vocabulary (draft.vocab_size): the draft's head and W2 over 32,000 tokens, the teacher
+        # over all 151,936; the batch's tokens are drawn from those 32,000 (the ranking's full coverage)
     torchrun --nproc_per_node 4 benchmarks/bench_train_step.py --precision bf16 \
         --baseline reports/bench/train_step.json --out reports/bench/train_step_ddp4.json   # 4 GPUs, DDP
 
@@ -72,11 +75,11 @@ def build(args, precision: str,
     tc = target_config(args.tiny)
     cfg = DraftConfig(num_draft_layers=5, block_size=7, mask_token_id=tc.vocab_size - 1, num_anchors=args.anchors,
                       markov_rank=16 if args.tiny else 256, markov_head=args.markov_head,
-                      confidence_with_markov=args.markov_head != "none")
+                      confidence_with_markov=args.markov_head != "none", vocab_size=args.vocab_size)
     frozen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     lm = torch.randn(tc.vocab_size, tc.hidden_size, device=device, dtype=frozen_dtype) * 0.02  # tied embed/LM head
     with torch.device(device):  # build the weights where they will live
-        draft = DSparkDraft(cfg, tc, lm, lm, aux_layer_ids=AUX_LAYERS)
+        draft = DSparkDraft(cfg, tc, lm, lm, aux_layer_ids=AUX_LAYERS)  # a draft vocabulary: ids 0 .. N-1
     draft.gradient_checkpointing = args.recompute
     draft.compile_layers = args.compile_layers
     param_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -93,13 +96,14 @@ def make_batch(args, length: int, device: torch.device, seed: int) -> dict[str, 
     tc = target_config(args.tiny)
     g = torch.Generator().manual_seed(seed)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    vocab = args.vocab_size or tc.vocab_size  # token ids drawn from the draft vocabulary when it is reduced
     if args.mixed:  # N samples of L/8 .. L tokens: one a row (padded to the longest), or packed into rows of L
         lens = torch.randint(max(8, length // 8), length + 1, (args.mixed,), generator=g).tolist()
-        items = [random_item(n, tc.vocab_size, len(AUX_LAYERS), tc.hidden_size, prompt_len=max(1, n // 16),
+        items = [random_item(n, vocab, len(AUX_LAYERS), tc.hidden_size, prompt_len=max(1, n // 16),
                              generator=g, dtype=dtype) for n in lens]
         batch = collate_packed(items, args.anchors, 7, length if args.packed else 1, g)
         return {k: v.to(device) for k, v in batch.items()}
-    item = random_item(length, tc.vocab_size, len(AUX_LAYERS), tc.hidden_size, prompt_len=max(1, length // 16),
+    item = random_item(length, vocab, len(AUX_LAYERS), tc.hidden_size, prompt_len=max(1, length // 16),
                        generator=g, dtype=dtype)
     batch = {k: v.unsqueeze(0) for k, v in item.items()}
     batch["lengths"] = torch.tensor([length])
@@ -149,7 +153,8 @@ def run_length(args, precision: str, model, opt, params, length: int, device: to
     step_s = slowest((time.perf_counter() - t0) / args.steps, d)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     tokens = int(batches[0]["lengths"].sum()) if args.mixed else length  # a step's real tokens (first batch)
-    row = {"precision": precision, "chunk": model.loss_cfg.vocab_chunk_slots, "L": length, "step_s": step_s,
+    row = {"precision": precision, "chunk": model.loss_cfg.vocab_chunk_slots, "L": length,
+           "draft_vocab_size": args.vocab_size, "step_s": step_s,
            "tokens_per_s": d.world_size * tokens / step_s, "peak_gib": peak, "loss": loss,
            "mixed": args.mixed, "packed": args.packed, "rows": int(batches[0]["input_ids"].shape[0]),
            "warmup_s": warm_s, "valid_slots": int(batches[0]["slot_valid"].sum()), "world_size": d.world_size}
@@ -234,6 +239,8 @@ def main() -> None:
     ap.add_argument("--no-compile-layers", dest="compile_layers", action="store_false",
                     help="run the draft layers eagerly (default: each layer step compiled, flex inside)")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one extra step")
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="draft.vocab_size: a reduced draft vocabulary of this many tokens (default: the target's)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench" / "train_step.json")

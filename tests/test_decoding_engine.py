@@ -118,11 +118,30 @@ def test_budget_errors():
         SpeculativeDecoder(runner, _draft(model), block_size=0)
 
 
-def _dspark(model, aux, block: int, seed: int = 0) -> DSparkDraft:
+def _dspark(model, aux, block: int, seed: int = 0, vocab: tuple[int, ...] | None = None) -> DSparkDraft:
+    """The random DSpark draft; ``vocab``: a reduced draft vocabulary of these target ids (draft.vocab_size)."""
     torch.manual_seed(seed)
-    cfg = DraftConfig(num_draft_layers=1, block_size=block, mask_token_id=None, num_anchors=4, markov_rank=8)
-    return DSparkDraft(cfg, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
-                       aux_layer_ids=aux).eval()
+    cfg = DraftConfig(num_draft_layers=1, block_size=block, mask_token_id=None, num_anchors=4, markov_rank=8,
+                      vocab_size=None if vocab is None else len(vocab))
+    draft = DSparkDraft(cfg, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
+                        aux_layer_ids=aux).eval()
+    if vocab is not None:
+        draft.draft_vocab.set_ids(torch.tensor(vocab))
+    return draft
+
+
+class ProposalRecorder:
+    """Wraps a draft's ``propose``: keeps every proposal's tokens and q."""
+
+    def __init__(self, draft) -> None:
+        self.tokens, self.probs, self._propose = [], [], draft.propose
+        draft.propose = self
+
+    def __call__(self, *args, **kwargs):
+        prop = self._propose(*args, **kwargs)
+        self.tokens.append(prop.tokens)
+        self.probs.append(prop.probs)
+        return prop
 
 
 class LengthChecker:
@@ -139,15 +158,20 @@ class LengthChecker:
         self.accepting_cycles += info.num_accepted > 0
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-@pytest.mark.parametrize("threshold", [0.0, 0.5])
-def test_greedy_identical_to_ar_with_dspark_draft(family, threshold):
-    """A 16-token vocabulary makes a random draft right often enough for partial acceptances."""
+@pytest.mark.parametrize("family,threshold,reduced", [("qwen3", 0.0, False), ("qwen3", 0.5, False),
+                                                      ("llama", 0.0, False), ("llama", 0.5, False),
+                                                      ("qwen3", 0.0, True), ("llama", 0.5, True)])
+def test_greedy_identical_to_ar_with_dspark_draft(family, threshold, reduced):
+    """A 16-token vocabulary makes a random draft right often enough for partial acceptances. ``reduced``: a
+    draft vocabulary of the AR output's 4 most frequent tokens (as the draft_vocab stage picks them), so the
+    draft can be right but the target also says tokens it cannot propose; the output is still the target's."""
     model = tiny_model(family, vocab_size=16, eos_token_id=None, pad_token_id=None)
-    draft = _dspark(model, (0, 2, 4), BLOCK)
-    runner = TargetRunner(model, max_len=96, aux_layer_ids=draft.aux_layer_ids)
+    runner = TargetRunner(model, max_len=96, aux_layer_ids=(0, 2, 4))
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     ar = ARDecoder(runner).generate(prompt, MAX_NEW)
+    vocab = tuple(sorted(sorted(set(ar.tokens), key=lambda t: (-ar.tokens.count(t), t))[:4])) if reduced else None
+    draft = _dspark(model, (0, 2, 4), BLOCK, vocab=vocab)
+    recorder = ProposalRecorder(draft)
     checker = LengthChecker()
     res = SpeculativeDecoder(runner, draft, block_size=BLOCK, confidence_threshold=threshold,
                              on_cycle=checker).generate(prompt, MAX_NEW)
@@ -156,6 +180,9 @@ def test_greedy_identical_to_ar_with_dspark_draft(family, threshold):
     assert 1.0 < res.mean_accepted_length < BLOCK + 1
     if threshold > 0:
         assert min(res.proposal_lengths) < BLOCK
+    if vocab is not None:
+        assert set(torch.cat(recorder.tokens, 1).flatten().tolist()) <= set(vocab)
+        assert not set(ar.tokens) <= set(vocab)  # the target says tokens the draft cannot
 
 
 # -- the sampled distribution at the engine level ----------------------------------------------
@@ -163,17 +190,19 @@ V = 8
 DRAWS = 1500
 
 
-def test_engine_sampling_matches_target_distribution():
+@pytest.mark.parametrize("vocab", [None, (0, 2, 3, 5, 6)])
+def test_engine_sampling_matches_target_distribution(vocab):
     """First three generated tokens through prefill + speculative cycles (block 3, the random DSpark
     draft: q differs from p) are distributed as the target's processed distribution: joint of (t1, t2)
-    and marginal of t3."""
+    and marginal of t3. ``vocab``: a reduced draft vocabulary (5 of the 8 tokens; q = 0 on the other 3)."""
     small = dict(vocab_size=V, eos_token_id=None, pad_token_id=None, num_hidden_layers=3, hidden_size=32,
                  intermediate_size=64)
     model = tiny_model("qwen3", seed=5, **small)
     params = SamplingParams(temperature=0.9, top_k=6)
     prompt = [1, 5, 2]
     joint, third = _exact_distributions(model, prompt, params)
-    draft = _dspark(model, (0, 1), 3)
+    draft = _dspark(model, (0, 1), 3, vocab=vocab)
+    recorder = ProposalRecorder(draft)
     runner = TargetRunner(model, max_len=16, aux_layer_ids=draft.aux_layer_ids)
     checker = LengthChecker()
     decoder = SpeculativeDecoder(runner, draft, block_size=3, sampling=params, seed=0, on_cycle=checker)
@@ -181,6 +210,11 @@ def test_engine_sampling_matches_target_distribution():
     assert checker.partial_cycles > 100 and checker.accepting_cycles > 100  # both paths well exercised
     assert chisquare_pvalue(samples[:, 0] * V + samples[:, 1], joint.ravel()) > 1e-3
     assert chisquare_pvalue(samples[:, 2], third) > 1e-3
+    if vocab is not None:
+        outside = [t for t in range(V) if t not in vocab]
+        assert torch.cat(recorder.probs, 1)[..., outside].eq(0).all()
+        assert set(torch.cat(recorder.tokens, 1).flatten().tolist()) <= set(vocab)
+        assert any(t in outside for t in samples.ravel())  # the target still says them
 
 
 def _exact_distributions(model, prompt, params) -> tuple[np.ndarray, np.ndarray]:

@@ -54,15 +54,15 @@ def wrong_residual(target_probs, draft_probs, draft_tokens, generator) -> Verifi
     return VerificationResult(n, a, nxt, tuple(draft_tokens[:a].tolist()) + (nxt,))
 
 
-def _simulate(verify, draws: int, seed: int) -> np.ndarray:
-    """Tokens ``[draws, POSITIONS]`` of a speculative process with position-wise fixed P / Q."""
+def _simulate(verify, draws: int, seed: int, draft: torch.Tensor = Q) -> np.ndarray:
+    """Tokens ``[draws, POSITIONS]`` of a speculative process with position-wise fixed P / ``draft`` (Q)."""
     gen = torch.Generator().manual_seed(seed)
     out = np.zeros((draws, POSITIONS), dtype=np.int64)
     for d in range(draws):
         seq: list[int] = []
         while len(seq) < POSITIONS:
             j = len(seq)  # output position of the first proposed token
-            q = Q[j : j + BLOCK]  # [BLOCK, V]
+            q = draft[j : j + BLOCK]  # [BLOCK, V]
             tokens = torch.multinomial(q, 1, generator=gen).squeeze(1)  # [BLOCK]
             seq.extend(verify(P[j : j + BLOCK + 1], q, tokens, gen).committed)
         out[d] = seq[:POSITIONS]
@@ -97,6 +97,17 @@ def test_rejection_sampling_matches_target_at_every_position(correct_samples):
         assert chisquare_pvalue(correct_samples[:, j], P[j].numpy()) > ALPHA, f"position {j}"
     joint = correct_samples[:, 0] * V + correct_samples[:, 1]  # positions 0 and 1 are independent under P
     assert chisquare_pvalue(joint, np.outer(P[0].numpy(), P[1].numpy()).ravel()) > ALPHA
+
+
+def test_rejection_sampling_is_exact_with_a_reduced_draft_vocabulary():
+    """A draft over 5 of the 8 tokens (``draft.vocab_size``: q = 0 on the others, which p still has): the
+    output still follows P; the tokens outside the draft's vocabulary come from the residual only."""
+    inside = torch.tensor([0, 2, 3, 5, 6])
+    q = torch.zeros_like(Q).index_copy(1, inside, Q[:, inside])
+    samples = _simulate(verify_rejection, DRAWS, seed=13, draft=q / q.sum(-1, keepdim=True))
+    for j in range(POSITIONS):
+        assert chisquare_pvalue(samples[:, j], P[j].numpy()) > ALPHA, f"position {j}"
+    assert np.isin(samples, [1, 4, 7]).mean() > 0.2  # the target's tokens the draft cannot propose do occur
 
 
 def test_device_rejection_step_matches_target_at_every_position():

@@ -42,9 +42,24 @@ def _step_loss(task, sums, dens):
     return sum(spec.weight * sums[name] / dens[spec.denominator] for name, spec in task.terms.items())
 
 
-def test_short_training_run_lowers_loss_and_raises_tau_prob(setup):
+def _ranked_task(target, items, vocab_size: int, tmp_path) -> DSparkTask:
+    """A task with ``draft.vocab_size``: the ranking (as the draft_vocab stage makes it) of the items' answers."""
+    from dspark_core.draft.vocab import count_tokens, rank_tokens, write_ranking
+
+    counts = count_tokens([it["input_ids"][it["loss_mask"].bool()].tolist() for it in items], target.config.vocab_size)
+    write_ranking(tmp_path / "ranking.safetensors", rank_tokens(counts), counts, "fp-test")
+    task = _task(target, items, vocab_size=vocab_size)
+    task.vocab_ranking_path = tmp_path / "ranking.safetensors"
+    return task
+
+
+@pytest.mark.parametrize("vocab_size", [None, 192])
+def test_short_training_run_lowers_loss_and_raises_tau_prob(setup, vocab_size, tmp_path):
+    """``vocab_size`` 192: a reduced draft vocabulary (92% of the answer tokens), its tau_prob still measured
+    against the full teacher."""
     target, train_items, eval_items = setup
-    task = _task(target, train_items)
+    task = _task(target, train_items) if vocab_size is None else _ranked_task(target, train_items, vocab_size,
+                                                                              tmp_path)
     torch.manual_seed(0)
     model = task.build_model(torch.device("cpu"), torch.float32)
     ecfg = EvalOfflineConfig(batch_size=3, seed=5, num_anchors=16)

@@ -85,7 +85,7 @@ def first_repro(repo) -> str:
 def test_repro_runs_every_stage_and_writes_headline_metrics(repo, first_repro):
     stages = [s.name for s in load_stages(repo / "dvc.yaml", repo / "params.yaml")]
     ran = _ran(first_repro)
-    assert sorted(ran) == sorted(stages) and len(stages) == 36  # 7 variants x 3 + DMTD 4 x 2 + 6 + export@baseline
+    assert sorted(ran) == sorted(stages) and len(stages) == 40  # 8 variants x 3 + DMTD 4 x 2 + 7 + export@baseline
     params = yaml.safe_load((repo / "params.yaml").read_text())
     for v in params["variants"]:
         m = json.loads((repo / "reports/metrics/draft" / f"{v}.json").read_text())

@@ -39,17 +39,21 @@ needs_triton = pytest.mark.skipif(not triton_ok(DEVICE), reason="needs Triton on
 
 
 def _setup(family: str, block: int = BLOCK, seed: int = 0, vocab: int = 16, layers: int = 6, aux=(0, 2, 4),
-           fit=None, steps: int = FIT_STEPS, markov_head: str = "vanilla"):
+           fit=None, steps: int = FIT_STEPS, markov_head: str = "vanilla",
+           draft_vocab: tuple[int, ...] | None = None):
     """A target with a 16-token vocabulary and a 2-layer DSpark draft: random, or with ``fit=(prompts,
     max_new_tokens)`` trained ``steps`` steps on the target's own greedy continuations of those prompts, so it is
-    right part of the time (a random draft almost never is: the identity tests would not exercise acceptance)."""
+    right part of the time (a random draft almost never is: the identity tests would not exercise acceptance).
+    ``draft_vocab``: the draft predicts over these target ids only (``draft.vocab_size``)."""
     model = tiny_model(family, vocab_size=vocab, eos_token_id=None, pad_token_id=None,
                        num_hidden_layers=layers).to(DEVICE)
     torch.manual_seed(seed)
     cfg = DraftConfig(num_draft_layers=2, block_size=block, mask_token_id=None, num_anchors=4, markov_rank=8,
-                      markov_head=markov_head)
+                      markov_head=markov_head, vocab_size=None if draft_vocab is None else len(draft_vocab))
     draft = DSparkDraft(cfg, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
                         aux_layer_ids=aux).to(DEVICE).eval()
+    if draft_vocab is not None:
+        draft.draft_vocab.set_ids(torch.tensor(draft_vocab))
     if fit is not None:
         prompts, max_new = fit
         fit_draft_to_target(draft, model, prompts, greedy_continuations(model, prompts, max_new), steps, seed=seed)
@@ -94,6 +98,23 @@ def test_static_matches_ar_and_reference_engine(family, cut):
         assert min(res.proposal_lengths) < BLOCK and max(res.proposal_lengths) > 0
     else:
         assert 0 < sum(res.accepted_per_cycle) and min(res.accepted_per_cycle) < BLOCK  # partial acceptances
+
+
+def test_static_matches_ar_and_reference_engine_with_a_reduced_draft_vocabulary():
+    """A draft over 4 of the 16 tokens (those the target's greedy output uses most; it uses 6), fitted
+    to it: the static engine (torch draft path: the fused kernels read all V rows) gives AR's output and the
+    reference engine's decisions, cycle by cycle."""
+    model, _ = _setup("qwen3")
+    ar_tokens = ARDecoder(TargetRunner(model, max_len=96, aux_layer_ids=(0, 2, 4))).generate(PROMPT, MAX_NEW).tokens
+    vocab = tuple(sorted(sorted(range(16), key=lambda t: (-ar_tokens.count(t), t))[:4]))
+    model, draft = _setup("qwen3", fit=([PROMPT], MAX_NEW), draft_vocab=vocab)
+    runner = TargetRunner(model, max_len=96, aux_layer_ids=draft.aux_layer_ids)
+    ref = SpeculativeDecoder(runner, draft, block_size=BLOCK).generate(PROMPT, MAX_NEW)
+    static = StaticSpeculativeDecoder(runner, draft)
+    assert not static.static.kernels
+    res = static.generate(PROMPT, MAX_NEW)
+    assert res.tokens == ar_tokens == ref.tokens and not set(ar_tokens) <= set(vocab)
+    assert res.accepted_per_cycle == ref.accepted_per_cycle and sum(res.accepted_per_cycle) > 0
 
 
 @pytest.mark.parametrize("markov_head", ["gated", "rnn"])

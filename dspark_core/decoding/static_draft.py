@@ -69,6 +69,8 @@ def draft_kernels_problem(draft: DSparkDraft) -> str | None:
         problems.append(f"the draft MLP's act_fn is {type(act).__name__}, not SiLU")
     if draft.block_size + 1 > 16:
         problems.append(f"block_size {draft.block_size} + 1 exceeds the kernels' 16 tokens")
+    if getattr(draft, "draft_vocab", None) is not None:  # the fused LM head and Markov kernels read all V rows
+        problems.append(f"a reduced draft vocabulary (draft.vocab_size {draft.draft_vocab.size}) runs the torch path")
     return "; ".join(problems) if problems else None
 
 

@@ -111,6 +111,7 @@ class DraftConfig(Section):
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
+    vocab_size: int | None = None       # None: the target's; N: the N most frequent answer tokens (draft/vocab.py)
     layer_style: str = "target"         # target: the target family's layers; qwen3: Qwen3 layers (q/k RMSNorm)
     kind: str = "baseline"              # the draft class (registered by its class statement, draft/variants/)
     engram: EngramConfig = field(default_factory=EngramConfig)  # read by the engram_* kinds only
@@ -123,6 +124,10 @@ class DraftConfig(Section):
                 "kind engram_markov needs a Markov head (markov_head is 'none')")
         require(not (self.kind == "reranker" and self.markov_head == "none"),
                 "kind reranker needs a Markov head (its E_in / E_out tables; markov_head is 'none')")
+        require(not (self.kind == "reranker" and self.vocab_size is not None),
+                "kind reranker reads W2 rows by target token id: it needs the full vocabulary (vocab_size null)")
+        if self.vocab_size is not None:
+            positive("vocab_size", self.vocab_size)
         positive("num_draft_layers", self.num_draft_layers)
         positive("block_size", self.block_size)
         positive("num_anchors", self.num_anchors)

@@ -24,6 +24,12 @@ are written once, not re-read and re-written by a second GEMM's epilogue. Only [
 [V, r] gradients are kept for backward, so peak memory is a few [n, V] float32 buffers and the LM-head
 matmuls run 3 times (2 forward, 1 backward) instead of 5 with per-chunk recomputation. The frozen
 LM head gets no gradient.
+
+A reduced draft vocabulary (``draft.vocab_size``, ``draft/vocab.py``): the draft's logits are over its Vd tokens
+only (LM-head rows ``d2t``, W2 [Vd, r]), the teacher's over V; the chunk math sees both as [n, Vd + 1], the last
+column holding the teacher's mass outside the draft vocabulary (:func:`outside_column`), so L1 and the overlap are
+against the full teacher. A slot whose token is outside the draft vocabulary has no CE term (see
+:func:`chunked_distill`).
 """
 
 from __future__ import annotations
@@ -150,17 +156,18 @@ class _ChunkedDistill(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, head_h, markov, w2, lm_w, teacher_h, targets, weights, ce_alpha, l1_alpha, chunk,
-                cdtype, with_grad):
+                cdtype, with_grad, d2t, no_ce):
         n_slots = head_h.shape[0]
         dev = head_h.device
         with torch.autocast(dev.type, enabled=False):
             w_lm = lm_w.to(cdtype)  # [V, Ht] (no copy when already cdtype)
+            w_dr = w_lm if d2t is None else w_lm.index_select(0, d2t)  # the draft's head rows [Vd, Ht]
             ht = head_h.shape[1]
             if markov is not None:  # lm_head(h) + W2 m as one GEMM [h ; m] @ [W_lm ; W2]^T: one pass over [n, V]
-                w_in = torch.cat([w_lm, w2.to(cdtype)], dim=1)  # [V, Ht + r]
+                w_in = torch.cat([w_dr, w2.to(cdtype)], dim=1)  # [Vd, Ht + r]
                 x_in = torch.cat([head_h.to(cdtype), markov.to(cdtype)], dim=1)  # [N, Ht + r]
             else:
-                w_in, x_in = w_lm, head_h  # [V, Ht], [N, Ht]
+                w_in, x_in = w_dr, head_h  # [Vd, Ht], [N, Ht]
             ce = torch.empty(n_slots, device=dev)
             l1 = torch.empty(n_slots, device=dev)
             d_in = torch.empty(n_slots, w_in.shape[1], device=dev) if with_grad else None  # [N, Ht (+ r)]
@@ -168,12 +175,19 @@ class _ChunkedDistill(torch.autograd.Function):
             math = _math_fn(dev)
             for s in range(0, n_slots, chunk):
                 e = min(n_slots, s + chunk)
-                logits = mm_f32(x_in[s:e].to(cdtype), w_in.t())  # [n, V]
+                logits = mm_f32(x_in[s:e].to(cdtype), w_in.t())  # [n, Vd]
                 teacher = mm_f32(teacher_h[s:e].to(cdtype), w_lm.t())  # [n, V]
+                if d2t is not None:  # [n, Vd + 1] both: the teacher's mass outside the draft vocabulary as a column
+                    logits, teacher = outside_column(logits, teacher, d2t)
                 ce[s:e], l1[s:e], g = math(logits, teacher, targets[s:e], weights[s:e], ce_alpha, l1_alpha,
                                            cdtype if with_grad else None)
+                rows = [r - s for r in no_ce if s <= r < e]
+                if rows:  # tokens outside the draft vocabulary: no CE term (undo its gradient, report 0)
+                    g = _drop_ce(g, logits, ce, weights, targets, s, rows, ce_alpha)
                 del logits, teacher
                 if with_grad:
+                    if d2t is not None:
+                        g = g[:, :-1].contiguous()  # the outside column's logit is a constant
                     d_in[s:e] = mm_f32(g, w_in)  # [dh ; dm]
                     if markov is not None:
                         _add_mm_f32_(d_w2, g.t(), x_in[s:e, ht:])  # dW2 += G^T m in the GEMM epilogue
@@ -194,14 +208,44 @@ class _ChunkedDistill(torch.autograd.Function):
         grad_h = (g_distill * d_head).to(h_dt)
         grad_m = (g_distill * d_mk).to(m_dt) if d_mk is not None and ctx.needs_input_grad[1] else None
         grad_w2 = (g_distill * d_w2).to(w2_dt) if d_w2 is not None and ctx.needs_input_grad[2] else None
-        return (grad_h, grad_m, grad_w2) + (None,) * 9
+        return (grad_h, grad_m, grad_w2) + (None,) * 11
+
+
+def outside_column(logits: torch.Tensor, teacher: torch.Tensor, d2t: torch.Tensor):
+    """Draft logits [n, Vd] and teacher logits [n, V] -> both [n, Vd + 1]: the teacher's logits of the draft
+    vocabulary's tokens plus ``logsumexp`` of all others (so its softmax is the target's p on the Vd tokens and
+    the mass outside them), the draft's plus ``-inf`` (q is 0 outside its vocabulary). Then ``sum |q - p|`` over
+    the Vd + 1 columns is the L1 distance to the full-vocabulary teacher."""
+    inside = teacher.index_select(1, d2t)  # [n, Vd]
+    outside = teacher.index_fill_(1, d2t, float("-inf")).logsumexp(dim=-1, keepdim=True)  # [n, 1]
+    return F.pad(logits, (0, 1), value=float("-inf")), torch.cat([inside, outside], dim=1)
+
+
+def _drop_ce(g, logits, ce, weights, targets, start, rows, ce_alpha):
+    """Remove the CE term of chunk rows ``rows`` (their token is outside the draft vocabulary) from the gradient
+    G [n, Vd + 1] (None: no gradient) and set their reported CE to 0."""
+    idx = torch.tensor(rows, device=logits.device)
+    ce[start + idx] = 0.0
+    if g is None:
+        return g
+    w = weights[start + idx].unsqueeze(-1)  # [k, 1]
+    d_ce = torch.softmax(logits[idx], dim=-1) * w  # [k, Vd + 1]: d(w CE)/dl = w (q - onehot)
+    d_ce.scatter_add_(-1, targets[start + idx].unsqueeze(-1), -w)
+    g[idx] = (g[idx].float() - ce_alpha * d_ce).to(g.dtype)
+    return g
 
 
 def chunked_distill(head_h: torch.Tensor, markov: torch.Tensor | None, w2: torch.Tensor | None,
                     lm_w: torch.Tensor, teacher_h: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-                    ce_alpha: float, l1_alpha: float, chunk_slots: int):
+                    ce_alpha: float, l1_alpha: float, chunk_slots: int, d2t: torch.Tensor | None = None):
     """(distill [], ce [N], l1 [N]) for head_h [N, Ht] (draft states the LM head reads), markov [N, r] with
-    w2 [V, r] (or None, None), lm_w [V, Ht] frozen, teacher_h [N, Ht], targets [N], weights [N].
+    w2 [Vd, r] (or None, None), lm_w [V, Ht] frozen, teacher_h [N, Ht], targets [N], weights [N].
+
+    ``d2t`` [Vd] (a reduced draft vocabulary, ``draft/vocab.py``): the draft's logits are over the LM head's rows
+    ``d2t`` and ``targets`` are draft ids (-1: outside the draft vocabulary); the teacher stays the full
+    vocabulary's: ``L1 = sum_{v in draft} |q_v - p_v| + p(outside)`` (q is 0 outside), so the overlap
+    ``1 - L1 / 2`` is the acceptance probability against the target. A slot whose token is outside the draft
+    vocabulary has no CE term (reported CE 0); its L1 term stays. ``d2t`` None: Vd = V, draft ids = target ids.
 
     Matmuls run in the autocast dtype when autocast is on, else in ``lm_w``'s dtype; softmax math in fp32.
     """
@@ -213,8 +257,12 @@ def chunked_distill(head_h: torch.Tensor, markov: torch.Tensor | None, w2: torch
     cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else lm_w.dtype
     inputs = [t for t in (head_h, markov, w2) if t is not None]
     with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    no_ce: list[int] = []
+    if d2t is not None:
+        no_ce = (targets < 0).nonzero().flatten().tolist()  # one host read a step
+        targets = targets.clamp(min=0)
     return _ChunkedDistill.apply(head_h, markov, w2, lm_w, teacher_h, targets, weights.float(), float(ce_alpha),
-                                 float(l1_alpha), int(chunk_slots), cdtype, with_grad)
+                                 float(l1_alpha), int(chunk_slots), cdtype, with_grad, d2t, no_ce)
 
 
 def _valid_slot_index(batch: Mapping[str, torch.Tensor]):
@@ -239,9 +287,11 @@ def slot_outputs(draft, hidden: torch.Tensor, batch: Mapping[str, torch.Tensor],
     u = draft.markov_block(m_all, hidden)[b, a, j] if m_all is not None else None  # [N, r] W2's input
     teacher = batch["last_hidden"][b, batch["anchors"][b, a] + j]  # [N, Ht]
     w2 = draft.markov.w2.weight if m is not None else None
+    vocab = getattr(draft, "draft_vocab", None)  # a reduced draft vocabulary (draft/vocab.py) or None
+    targets = batch["targets"][b, a, j]  # [N] target ids
     distill, ce, l1 = chunked_distill(draft.head_states(h), u, w2, draft.lm_head_weight, teacher,
-                                      batch["targets"][b, a, j], weights, cfg.ce_alpha, cfg.l1_alpha,
-                                      cfg.vocab_chunk_slots)
+                                      targets if vocab is None else vocab.to_draft(targets), weights, cfg.ce_alpha,
+                                      cfg.l1_alpha, cfg.vocab_chunk_slots, None if vocab is None else vocab.d2t)
     return {"weights": weights, "distill": distill, "ce": ce, "l1": l1, "overlap": overlap_from_l1(l1),
             "conf_logits": draft.confidence_logits(h, m), "index": torch.stack([b, a, j])}
 

@@ -60,6 +60,7 @@ from dspark_core.draft import inference
 from dspark_core.draft.attention import AttentionMask, attend, build_attention_mask
 from dspark_core.draft.config import DraftConfig
 from dspark_core.draft.heads import ConfidenceHead, build_markov_head
+from dspark_core.draft.vocab import DraftVocab
 
 FAMILIES = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}
 FROZEN_KEYS = ("lm_head_weight", "embed_tokens_weight")
@@ -245,7 +246,9 @@ class DSparkDraft(nn.Module):
         self.norm = norm_cls(hid, eps=eps)
         self.head_proj = nn.Linear(hid, t_hidden, bias=False) if hid != t_hidden else None
         self.rotary_emb = rotary_cls(config=self.hf_config)
-        self.markov = build_markov_head(cfg.markov_head, vocab, cfg.markov_rank, hid)
+        # draft.vocab_size: the LM head's rows and W2 over the draft vocabulary only (maps in draft_vocab)
+        self.draft_vocab = DraftVocab(vocab, cfg.vocab_size) if cfg.vocab_size is not None else None
+        self.markov = build_markov_head(cfg.markov_head, vocab, cfg.markov_rank, hid, cfg.vocab_size)
         conf_rank = cfg.markov_rank if cfg.has_markov and cfg.confidence_with_markov else 0
         self.confidence = ConfidenceHead(hid, conf_rank) if cfg.confidence_head else None
         self._init_weights(float(getattr(target_config, "initializer_range", 0.02)))
@@ -320,14 +323,23 @@ class DSparkDraft(nn.Module):
         """Final draft states [..., H] -> what the LM head reads [..., Ht]."""
         return self.head_proj(hidden) if self.head_proj is not None else hidden
 
-    def slot_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM-head logits [..., V] (float32) of final states [..., H] (inference; training uses the chunked loss)."""
+    def draft_head_weight(self) -> torch.Tensor:
+        """The LM head's rows the draft predicts over: [V, Ht], or [Vd, Ht] with a reduced draft vocabulary."""
         w = self.lm_head_weight
-        return (self.head_states(hidden).to(w.dtype) @ w.t()).float()
+        return w if self.draft_vocab is None else w.index_select(0, self.draft_vocab.d2t)
+
+    def slot_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM-head logits [..., V] (float32) of final states [..., H] (inference; training uses the chunked loss).
+        A reduced draft vocabulary's tokens get their logits, every other token ``-inf`` (q = 0 there)."""
+        w = self.draft_head_weight()
+        logits = (self.head_states(hidden).to(w.dtype) @ w.t()).float()  # [..., Vd]
+        return logits if self.draft_vocab is None else self.draft_vocab.expand(logits, float("-inf"))
 
     def markov_bias(self, u: torch.Tensor) -> torch.Tensor:
-        """W2 u [..., V]: u from ``markov_step`` / ``markov_block`` (for a vanilla head, the features m)."""
-        return self.markov.bias(u)  # [..., V]
+        """W2 u over the target's vocabulary [..., V] (0 outside a reduced draft vocabulary): u from ``markov_step`` /
+        ``markov_block`` (for a vanilla head, the features m)."""
+        bias = self.markov.bias(u)  # [..., Vd]
+        return bias if self.draft_vocab is None else self.draft_vocab.expand(bias, 0.0)
 
     def markov_step(self, m: torch.Tensor, hidden: torch.Tensor | None, state: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -24,6 +24,7 @@ from dspark_core.draft.config import DraftConfig, LossConfig
 from dspark_core.draft.packing import collate_packed
 from dspark_core.draft.loss import dspark_sums, slot_weights
 from dspark_core.draft.model import DSparkDraft, build_draft, draft_class
+from dspark_core.draft.vocab import RANKING_PATH, load_ranked_vocab
 from dspark_core.errors import UserError
 from dspark_core.metrics import block_counts
 from dspark_core.train.task import TermSpec
@@ -71,7 +72,7 @@ def load_warm_start(model: nn.Module, ckpt_dir: Path, target_fingerprint: str | 
         weights = {f"draft.{k}": v for k, v in weights.items()}
     else:
         weights = load_checked_weights(ckpt_dir, f"retrain the warm start's source run or restore {ckpt_dir}")
-    params = dict(model.named_parameters())
+    params = {**dict(model.named_buffers()), **dict(model.named_parameters())}  # buffers: a draft vocabulary's maps
     bad = [k for k, v in weights.items() if k not in params or tuple(params[k].shape) != tuple(v.shape)]
     if bad:
         raise UserError(f"warm start: {path} does not fit this draft ({bad[:3]} unknown or of another shape)")
@@ -128,6 +129,7 @@ class DSparkTask:
     """
 
     name = "dspark"
+    vocab_ranking_path = RANKING_PATH  # the draft_vocab stage's output (read when draft.vocab_size is set)
 
     def __init_subclass__(cls, kind: str | None = None, **kwargs: Any) -> None:
         """``class MyTask(DSparkTask, kind="my_kind")``: the training task of ``draft.kind: my_kind``."""
@@ -189,6 +191,10 @@ class DSparkTask:
                             aux_layer_ids=self.aux_layer_ids, target_fingerprint=self.target_fingerprint)
         if hasattr(draft, "load_frozen_sources"):  # e.g. a frozen Engram table built by the engram_build stage
             draft.load_frozen_sources()
+        if draft.draft_vocab is not None:  # draft.vocab_size: the first N tokens of the draft_vocab stage's ranking
+            share = load_ranked_vocab(draft.draft_vocab, self.vocab_ranking_path, self.target_fingerprint)
+            print(f"draft vocabulary: the {draft.draft_vocab.size:,} most frequent of {draft.vocab_size:,} tokens, "
+                  f"{share:.2%} of the train answer tokens")
         draft.attention_backend = self.attention_backend
         draft.gradient_checkpointing = self.gradient_checkpointing
         draft = draft.to(device=device, dtype=dtype)

@@ -64,6 +64,10 @@ def check_exportable(draft: Any, layout: str) -> None:
         raise UserError(f"export --layout {layout}: {name} has markov_head {cfg.markov_head!r}; vLLM's DSpark model "
                         "runs the vanilla Markov head only (markov_w1 / markov_w2), so this draft would load and "
                         "propose wrong tokens. Retrain with draft.markov_head: vanilla")
+    if getattr(draft, "draft_vocab", None) is not None:  # the layouts' W2 / config would claim the full vocabulary
+        raise UserError(f"export --layout {layout}: {name} has a reduced draft vocabulary (draft.vocab_size "
+                        f"{cfg.vocab_size}); the exporters do not write its t2d / d2t maps yet (draft_vocab.d2t / "
+                        "draft_vocab.t2d in model.safetensors). Export a draft with draft.vocab_size null")
     if min(draft.aux_layer_ids) < 0:
         raise UserError(f"export --layout {layout}: aux layer -1 (the embedding output) has no id in the engines' "
                         f"layouts (aux_layer_ids {list(draft.aux_layer_ids)}); retrain on decoder layers only")
