@@ -6,10 +6,13 @@ random inputs, for each sequence length L. Shapes: target hidden 2560, 36 target
 Qwen3-4B (FFN 9728, 32 Q / 8 KV heads, head dim 128), 512 anchors, block 7, Markov rank 256,
 confidence head with Markov features.
 
-Reference: a measurement of DeepSpec's own code on one H200 (torch.compile, the same shapes), read from
-``--reference`` (default ``../shared/anchors/deepspec_train_step_h200.json`` beside the checkout: 0.0815 s/step at
-L=2048, 0.0868 s at L=4096, peak 22.5 / 22.8 GiB); its path and values are copied into the output JSON. Target:
->= 1.5x its throughput at <= 0.5x its peak memory. Without the file the ratios are left out.
+Reference: measurements of the peers' own code on one H200 (DeepSpec and ``speculators``, each compiled as it
+compiles, the same shapes; speculators also at a 32,000-token draft vocabulary), read from ``--reference``
+(default ``../shared/anchors/train_step_peers_h200.json`` beside the checkout); its path and values are copied into
+the output JSON, and each row gets ``speedup_vs_<peer>`` / ``peak_ratio_vs_<peer>`` against the peer's run at the
+same L and draft vocabulary. Targets: >= 1.5x DeepSpec's throughput at <= 0.5x its peak memory (``meets_target``);
+>= 1.35x speculators' at <= 0.7x its memory (``meets_speculators_target``). Without the file the ratios are left
+out. ``model_tflop`` counts the step's matrix work (``step_tflop``) and ``mfu`` divides it by ``--peak-tflops``.
 
 Precision modes: ``amp`` (what the shared trainer does: fp32 weights + AdamW state, bf16 autocast,
 frozen LM head kept in bf16) and ``bf16`` (bf16 weights and AdamW state, no autocast).
@@ -58,7 +61,7 @@ from dspark_core.draft.synthetic import random_item  # noqa: E402
 from dspark_core.draft.task import DSparkTrainModel, draft_denominators  # noqa: E402
 from dspark_core.testing import QWEN3_4B_SHAPES  # noqa: E402
 
-DEFAULT_REFERENCE = ROOT.parent / "shared" / "anchors" / "deepspec_train_step_h200.json"
+DEFAULT_REFERENCE = ROOT.parent / "shared" / "anchors" / "train_step_peers_h200.json"
 AUX_LAYERS = (1, 9, 17, 25, 33)
 
 
@@ -158,12 +161,21 @@ def run_length(args, precision: str, model, opt, params, length: int, device: to
            "tokens_per_s": d.world_size * tokens / step_s, "peak_gib": peak, "loss": loss,
            "mixed": args.mixed, "packed": args.packed, "rows": int(batches[0]["input_ids"].shape[0]),
            "warmup_s": warm_s, "valid_slots": int(batches[0]["slot_valid"].sum()), "world_size": d.world_size}
-    ref = reference_run(args.reference, length) if not args.tiny else None
-    if ref is not None:
-        row["speedup_vs_ref"] = ref["step_s"] / step_s
-        row["peak_ratio_vs_ref"] = peak / ref["peak_gib"] if peak is not None else None
-        row["meets_target"] = bool(row["speedup_vs_ref"] >= 1.5 and peak is not None
-                                   and row["peak_ratio_vs_ref"] <= 0.5)
+    row["model_tflop"] = step_tflop(target_config(args.tiny), model.draft, length, args.anchors)
+    if device.type == "cuda" and args.peak_tflops:
+        row["mfu"] = row["model_tflop"] / step_s / args.peak_tflops
+    refs = reference_runs(args.reference, length, args.vocab_size) if not args.tiny else {}
+    for peer, ref in refs.items():
+        sfx = "" if peer == "ref" else f"_{peer}"
+        row[f"speedup_vs{sfx or '_ref'}"] = ref["step_s"] / step_s
+        row[f"peak_ratio_vs{sfx or '_ref'}"] = peak / ref["peak_gib"] if peak is not None else None
+    base = "ref" if "ref" in refs else "deepspec" if "deepspec" in refs else None
+    if base is not None:  # the goal against DeepSpec
+        row["meets_target"] = bool(row[f"speedup_vs_{base}"] >= 1.5 and peak is not None
+                                   and row[f"peak_ratio_vs_{base}"] <= 0.5)
+    if "speculators" in refs:  # the goal against speculators at the same draft vocabulary
+        row["meets_speculators_target"] = bool(row["speedup_vs_speculators"] >= 1.35 and peak is not None
+                                               and row["peak_ratio_vs_speculators"] <= 0.7)
     return row
 
 
@@ -245,7 +257,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench" / "train_step.json")
     ap.add_argument("--reference", type=Path, default=DEFAULT_REFERENCE,
-                    help="JSON of the reference measurement (DeepSpec's code on one H200; runs[].seq_len/step_s/peak_gib)")
+                    help="JSON of reference measurements: runs[] (one peer) or {peer: {runs[]}} "
+                         "(seq_len / step_s / peak_gib[, draft_vocab_size])")
+    ap.add_argument("--peak-tflops", type=float, default=989.0,
+                    help="the GPU's dense bf16 peak for the MFU column (default 989: an H200 SXM)")
     ap.add_argument("--baseline", type=Path, default=None,
                     help="one-process JSON of the same settings: adds scaling_efficiency (torchrun runs)")
     args = ap.parse_args()
@@ -298,12 +313,46 @@ def main() -> None:
         dist.destroy_process_group()
 
 
-def reference_run(path: Path | None, length: int) -> dict | None:
-    """The reference measurement at sequence length ``length`` ({"step_s", "peak_gib", ...}), or None."""
+def reference_runs(path: Path | None, length: int, vocab_size: int | None) -> dict[str, dict]:
+    """The reference measurements at sequence length ``length``, by peer: a file with top-level ``runs`` (one
+    peer: key ``ref``) or one with a ``{"runs": [...]}`` per peer (``deepspec``, ``speculators``; a run's
+    ``draft_vocab_size`` must be ``vocab_size``, or absent / the full vocabulary when ``vocab_size`` is None)."""
     if path is None or not Path(path).is_file():
-        return None
-    runs = json.loads(Path(path).read_text()).get("runs", [])
-    return next((r for r in runs if r.get("seq_len") == length), None)
+        return {}
+    data = json.loads(Path(path).read_text())
+    peers = {"ref": data} if "runs" in data else {k: v for k, v in data.items() if isinstance(v, dict) and "runs" in v}
+    out = {}
+    for peer, block in peers.items():
+        for r in block["runs"]:
+            vocab = r.get("draft_vocab_size")
+            same_vocab = vocab == vocab_size if vocab_size is not None else vocab in (None, QWEN3_4B_SHAPES["vocab_size"])
+            if r.get("seq_len") == length and same_vocab:
+                out[peer] = r
+                break
+    return out
+
+
+def step_tflop(tc, draft: DSparkDraft, length: int, anchors: int) -> float:
+    """Matrix work of one training step in TFLOP (2 per multiply-add; backward = 2x forward for trained weights,
+    1x for the input gradient through frozen ones): the draft layers over the ``anchors * block`` block tokens,
+    their K/V projections over the ``length`` context tokens and attention (each block over half the context on
+    average plus itself), ``fc`` over context and block, the frozen LM head as teacher (forward) and as the
+    draft's head (forward + input gradient), the Markov head's W2, all over the draft's vocabulary where reduced."""
+    c = draft.cfg
+    h, hq, hkv, dh = draft.hidden_size, draft.layers[0].self_attn.num_heads, draft.layers[0].self_attn.num_kv_heads, \
+        draft.layers[0].self_attn.head_dim
+    f = draft.layers[0].mlp.gate_proj.out_features
+    t = anchors * c.block_size  # block tokens
+    layer = h * hq * dh * 2 + h * hkv * dh * 2 + 3 * h * f  # q, o, k, v, gate/up/down weights
+    kv = h * hkv * dh * 2
+    attn = 4 * hq * dh * (length / 2 + c.block_size)  # scores + values per block query
+    v_draft = c.vocab_size or tc.vocab_size
+    work = (6 * layer * t + 6 * kv * length) * c.num_draft_layers + 3 * attn * t * c.num_draft_layers
+    work += 6 * len(draft.aux_layer_ids) * tc.hidden_size * h * (length + t)  # fc
+    work += 2 * tc.vocab_size * h * t + 4 * v_draft * h * t  # teacher logits; draft head forward + input grad
+    if c.markov_head != "none":
+        work += 6 * c.markov_rank * v_draft * t
+    return work / 1e12
 
 
 def write_report(args, device: torch.device, n_params: int, rows: list[dict]) -> dict:
@@ -314,8 +363,10 @@ def write_report(args, device: torch.device, n_params: int, rows: list[dict]) ->
         "torch": torch.__version__,
         "trainable_params": n_params,
         "reference": {"source": str(args.reference) if args.reference and Path(args.reference).is_file() else None,
-                      "runs": {r["L"]: reference_run(args.reference, r["L"]) for r in rows},
-                      "target": ">= 1.5x throughput at <= 0.5x peak memory"},
+                      "runs": {r["L"]: reference_runs(args.reference, r["L"], args.vocab_size) for r in rows},
+                      "target": ">= 1.5x DeepSpec's throughput at <= 0.5x its peak memory (ref); >= 1.35x "
+                                "speculators' at <= 0.7x its memory, same draft vocabulary"},
+        "peak_tflops": args.peak_tflops,
         "results": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -329,15 +380,18 @@ def print_table(report: dict) -> None:
     cfg = report["config"]
     print(f"device {report['device']}, torch {report['torch']}, anchors {cfg['anchors']}, recompute "
           f"{cfg['recompute']}, trainable params {report['trainable_params'] / 1e6:.1f}M")
-    print(f"{'precision':>9} {'chunk':>5} {'L':>6} {'step_s':>9} {'tokens/s':>10} {'peak GiB':>9} {'speedup':>8} "
-          f"{'mem ratio':>9} {'target':>7}")
+    print(f"{'precision':>9} {'vocab':>7} {'L':>6} {'step_s':>9} {'peak GiB':>9} {'TFLOP':>6} {'MFU':>5} "
+          f"{'vs DeepSpec':>11} {'vs specul.':>10} {'mem vs spec.':>12}")
+
+    def fmt(v, spec):
+        return format(v, spec) if v is not None else "-"
+
     for r in report["results"]:
-        peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "-"
-        sp = f"{r['speedup_vs_ref']:.2f}x" if "speedup_vs_ref" in r else "-"
-        mr = f"{r['peak_ratio_vs_ref']:.2f}" if r.get("peak_ratio_vs_ref") is not None else "-"
-        ok = ("yes" if r["meets_target"] else "no") if "meets_target" in r else "-"
-        print(f"{r['precision']:>9} {r['chunk']:>5} {r['L']:>6} {r['step_s']:>9.4f} {r['tokens_per_s']:>10.0f} "
-              f"{peak:>9} {sp:>8} {mr:>9} {ok:>7}")
+        vs_ref = r.get("speedup_vs_ref", r.get("speedup_vs_deepspec"))
+        print(f"{r['precision']:>9} {fmt(r['draft_vocab_size'], 'd') if r['draft_vocab_size'] else 'full':>7} "
+              f"{r['L']:>6} {r['step_s']:>9.4f} {fmt(r['peak_gib'], '.2f'):>9} {r['model_tflop']:>6.1f} "
+              f"{fmt(r.get('mfu'), '.0%'):>5} {fmt(vs_ref, '.2f'):>11} {fmt(r.get('speedup_vs_speculators'), '.2f'):>10} "
+              f"{fmt(r.get('peak_ratio_vs_speculators'), '.2f'):>12}")
 
 
 if __name__ == "__main__":
