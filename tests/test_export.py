@@ -462,3 +462,21 @@ def test_vllm_parser_resolves_a_reduced_export(target, reduced, tmp_path):
     spec = SpeculativeConfig(model=str(tmp_path), target_model_config=tmc, target_parallel_config=ParallelConfig())
     hf = spec.draft_model_config.hf_config
     assert spec.method == "dspark" and hf.draft_vocab_size == N and hf.vocab_size == target[1].config.vocab_size
+
+
+def test_speculators_own_loader_and_writer_round_trip_a_reduced_export(target, reduced, context, tmp_path):
+    """speculators' ``from_pretrained`` keeps the export's reduced head and maps; what its ``save_pretrained``
+    writes back imports into the same dspark draft."""
+    pytest.importorskip("speculators")
+    from speculators.models.dspark import DSparkDraftModel
+
+    export_draft(reduced, tmp_path / "sp", "speculators", dtype="float32", target=str(target[0]))
+    theirs = DSparkDraftModel.from_pretrained(str(tmp_path / "sp"))
+    d2t = reduced.draft_vocab.d2t
+    assert torch.equal(theirs.d2t + torch.arange(N), d2t) and torch.equal(theirs.t2d, reduced.draft_vocab.t2d >= 0)
+    assert torch.equal(theirs.lm_head.weight, target[1].lm_head.weight[d2t])
+    theirs.save_pretrained(str(tmp_path / "resaved"))
+    back = load_any_draft(tmp_path / "resaved", target[1])
+    assert back.cfg.vocab_size == N
+    for (a, b) in zip(propose(reduced, *context), propose(back, *context)):
+        assert torch.equal(a, b)
