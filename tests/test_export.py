@@ -480,3 +480,17 @@ def test_speculators_own_loader_and_writer_round_trip_a_reduced_export(target, r
     assert back.cfg.vocab_size == N
     for (a, b) in zip(propose(reduced, *context), propose(back, *context)):
         assert torch.equal(a, b)
+
+
+def test_cli_export_then_import_of_a_reduced_draft(target, reduced, context, tmp_path):
+    from dspark_core.export.run import export_dir, import_dir
+
+    save_draft(tmp_path / "native", reduced)
+    with pytest.raises(UserError, match=r"export.layouts: \[speculators\]"):
+        export_dir(tmp_path / "native", tmp_path / "out", ["deepspec"], "float32", target[0])
+    export_dir(tmp_path / "native", tmp_path / "out", ["speculators"], "float32", target[0])
+    import_dir(tmp_path / "out" / "speculators", tmp_path / "back", target[0])
+    back = load_draft(tmp_path / "back", target[1])
+    assert back.cfg.vocab_size == N and torch.equal(back.draft_vocab.d2t, reduced.draft_vocab.d2t)
+    for (a, b) in zip(propose(reduced, *context), propose(back, *context)):
+        assert torch.equal(a, b)

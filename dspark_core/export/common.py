@@ -69,8 +69,9 @@ def check_exportable(draft: Any, layout: str) -> None:
     if getattr(draft, "draft_vocab", None) is not None and layout not in REDUCED_VOCAB_LAYOUTS:
         raise UserError(f"export --layout {layout}: {name} has a reduced draft vocabulary (draft.vocab_size "
                         f"{cfg.vocab_size}); the {layout} layout has no d2t / t2d maps, so its W2 and LM head "
-                        f"would claim the full vocabulary. Export it with --layout "
-                        f"{' / '.join(REDUCED_VOCAB_LAYOUTS)} (or retrain with draft.vocab_size null)")
+                        f"would claim the full vocabulary. Export it with --layout {REDUCED_VOCAB_LAYOUTS[0]} "
+                        f"(the export stage: export.layouts: [{REDUCED_VOCAB_LAYOUTS[0]}] in params.yaml), or "
+                        "retrain with draft.vocab_size null")
     if min(draft.aux_layer_ids) < 0:
         raise UserError(f"export --layout {layout}: aux layer -1 (the embedding output) has no id in the engines' "
                         f"layouts (aux_layer_ids {list(draft.aux_layer_ids)}); retrain on decoder layers only")
