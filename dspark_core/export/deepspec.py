@@ -32,7 +32,7 @@ def build_config(draft: Any, dtype: str, target: str) -> dict[str, Any]:
 
 
 def vocab_weights(draft: Any, dtype: Any) -> dict[str, Any]:
-    """None: this layout has no reduced draft vocabulary (``check_exportable`` refuses one)."""
+    """No maps: this layout has no reduced draft vocabulary (``check_exportable`` refuses one)."""
     return {}
 
 

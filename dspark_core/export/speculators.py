@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from dspark_core.errors import UserError
 import torch
 
+from dspark_core.errors import UserError
 from dspark_core.export.common import ForeignDraft, check_markov_type, draft_hf_fields, draft_params, head_fields
 
 TARGET_COPIES = False  # embed_tokens / lm_head left out: taken from the verifier (see common.py)
