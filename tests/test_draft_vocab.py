@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dspark_core.draft.model import DSparkDraft
-from dspark_core.draft.vocab import (DraftVocab, count_tokens, coverage, rank_tokens, read_ranking,
-                                     run_draft_vocab_stage, speculators_maps, top_ids)
+from dspark_core.draft.vocab import (DraftVocab, count_tokens, coverage, from_speculators_maps, rank_tokens,
+                                     read_ranking, run_draft_vocab_stage, speculators_maps, top_ids)
 from dspark_core.errors import UserError
 
 
@@ -86,6 +86,12 @@ def test_maps_round_trip_and_speculators_layout():
     offsets, mask = speculators_maps(vocab)
     assert offsets.tolist() == [1, 3, 3, 6] and mask.dtype == torch.bool and mask.nonzero().flatten().tolist() == \
         [1, 4, 5, 9]
+    back = from_speculators_maps(offsets, mask, "f")  # speculators' form -> dspark's, exactly
+    assert back[0].tolist() == [1, 4, 5, 9] and torch.equal(back[1], vocab.t2d)
+    with pytest.raises(UserError, match="f: d2t / t2d are not one draft vocabulary: the 4 ids"):
+        from_speculators_maps(offsets, mask.index_fill(0, torch.tensor([2]), True), "f")
+    with pytest.raises(UserError, match="expected d2t .N. integer offsets and t2d .V. bool"):
+        from_speculators_maps(offsets, mask.long(), "f")
     with pytest.raises(UserError, match="strictly ascending"):
         vocab.set_ids(torch.tensor([4, 1, 5, 9]))
     with pytest.raises(UserError, match="3 ids; the draft has draft.vocab_size 4"):
@@ -205,8 +211,9 @@ def test_reduced_draft_saves_its_maps_and_loads_them(tmp_path):
     assert "reduced draft vocabulary" in draft_kernels_problem(back)
     from dspark_core.export.common import check_exportable
 
-    with pytest.raises(UserError, match="reduced draft vocabulary .draft.vocab_size 50.; the exporters do not write"):
-        check_exportable(back, "speculators")  # never an export whose W2 rows silently mean other tokens
+    with pytest.raises(UserError, match="reduced draft vocabulary .draft.vocab_size 50.; the deepspec layout has no"):
+        check_exportable(back, "deepspec")  # never an export whose W2 rows silently mean other tokens
+    check_exportable(back, "speculators")  # it writes d2t / t2d (tests/test_export.py)
     from test_draft_model import _draft
 
     assert not any(k.startswith("draft_vocab") for k in _draft(target).own_state_dict())  # the default: no maps

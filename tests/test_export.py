@@ -128,8 +128,9 @@ def test_cli_export_then_import(target, draft, context, tmp_path):
 
 
 def speculators_proposal(path, target_model, ids, hs):
-    """speculators' own DSparkDraftModel on the export at ``path``: per-slot logits after its Markov bias, its
-    greedy block and its confidences for the anchor at CTX (eager attention; its own loader and layer ids)."""
+    """speculators' own DSparkDraftModel on the export at ``path``: per-slot logits after its Markov bias [S, N],
+    its greedy block (target ids, through its own d2t), its confidences for the anchor at CTX, and the target id
+    of each logit column [N] (eager attention; its own loader and layer ids)."""
     from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 
     cfg = DSparkSpeculatorConfig.from_pretrained(str(path))
@@ -137,10 +138,15 @@ def speculators_proposal(path, target_model, ids, hs):
     model = DSparkDraftModel(cfg).eval()
     loaded = model.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
     assert loaded.unexpected_keys == []  # what it lacks is the verifier's, read from speculators_config.verifier:
-    assert set(loaded.missing_keys) == {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
-                                        "verifier_norm.weight"}
+    verifier_owned = {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
+    assert set(loaded.missing_keys) == verifier_owned | ({"lm_head.weight"} if not model.use_draft_vocab else set())
     model.load_verifier_weights()
-    assert torch.equal(model.lm_head.weight, target_model.get_output_embeddings().weight)
+    target_lm = target_model.get_output_embeddings().weight  # [V, Ht]
+    columns = torch.arange(model.draft_vocab_size)  # [N] the target id of each draft id
+    if model.use_draft_vocab:  # its d2t offsets, and the head rows its loader keeps (the draft's own, as written)
+        columns = columns + model.d2t
+        assert torch.equal(model.verifier_lm_head.weight, target_lm[model.t2d])
+    assert torch.equal(model.lm_head.weight, target_lm[columns])
     T = ids.shape[1]
     aux = torch.cat([hs[j] for j in cfg.aux_hidden_state_layer_ids], dim=-1)  # [1, T, K*Ht]: its own layer ids
     loss_mask = torch.zeros(1, T)
@@ -156,17 +162,19 @@ def speculators_proposal(path, target_model, ids, hs):
             emb = model.markov_head.prev_embeddings(prev_ids)[0, k]  # [r]
             conf.append(torch.sigmoid(model.confidence_head(torch.cat([hidden[0, k], emb]))))
             block_logits.append(slot)
-            tokens.append(int(slot.argmax()))
+            tokens.append(int(columns[slot.argmax()]))  # a draft id -> its target id
             prev.append(tokens[-1])
-    return torch.stack(block_logits), tokens, torch.stack(conf)
+    return torch.stack(block_logits), tokens, torch.stack(conf), columns
 
 
 def check_speculators_parity(draft, target_dir, target_model, context, out):
     pytest.importorskip("speculators")
     export_draft(draft, out, "speculators", dtype="float32", target=str(target_dir))
-    logits, tokens, conf = speculators_proposal(out, target_model, *context)
+    logits, tokens, conf, columns = speculators_proposal(out, target_model, *context)
     ref_logits, ref_tokens, ref_conf = propose(draft, *context)
-    torch.testing.assert_close(logits, ref_logits[0], rtol=1e-4, atol=1e-4)
+    kept = torch.arange(draft.vocab_size) if draft.draft_vocab is None else draft.draft_vocab.d2t  # [N]
+    assert torch.equal(columns, kept)
+    torch.testing.assert_close(logits, ref_logits[0][:, kept], rtol=1e-4, atol=1e-4)
     assert tokens == ref_tokens[0].tolist()
     torch.testing.assert_close(conf, ref_conf[0], rtol=1e-4, atol=1e-5)
 
@@ -374,3 +382,115 @@ def test_export_stage_writes_every_layout(target, draft, tmp_path, monkeypatch):
     Path("params.yaml").write_text("export: {layouts: [eagle3]}\n")
     with pytest.raises(ParamsError, match="layouts"):
         run_export_stage(Path("params.yaml"), "baseline")
+
+
+# -- a reduced draft vocabulary (draft.vocab_size N): speculators' d2t / t2d, its own head rows, W2 with N rows --
+N = 100
+
+
+def make_reduced_draft(model, n: int = N, seed: int = 4) -> DSparkDraft:
+    draft = make_draft(model, vocab_size=n)
+    ids = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(seed))[:n].sort().values
+    draft.draft_vocab.set_ids(ids)  # [N] ascending target ids, as the draft_vocab stage's top_ids gives
+    return draft
+
+
+@pytest.fixture(scope="module")
+def reduced(target):
+    return make_reduced_draft(target[1])
+
+
+def test_speculators_loads_a_reduced_vocabulary_and_proposes_the_same_block(target, reduced, context, tmp_path):
+    check_speculators_parity(reduced, target[0], target[1], context, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    v = target[1].config.vocab_size
+    assert config["draft_vocab_size"] == N and config["transformer_layer_config"]["vocab_size"] == v
+    w = load_file(str(tmp_path / "model.safetensors"))
+    d2t = reduced.draft_vocab.d2t
+    assert w["d2t"].dtype == torch.int64 and torch.equal(w["d2t"] + torch.arange(N), d2t)  # offsets
+    assert w["t2d"].dtype == torch.bool and w["t2d"].shape == (v,) and torch.equal(w["t2d"].nonzero().flatten(), d2t)
+    assert w["lm_head.weight"].shape == (N, 64) and torch.equal(w["lm_head.weight"], target[1].lm_head.weight[d2t])
+    assert w["markov_head.markov_w2.weight"].shape == (N, 8) and w["markov_head.markov_w1.weight"].shape == (v, 8)
+    assert not any(k.startswith("draft_vocab") for k in w) and "embed_tokens.weight" not in w
+
+
+def test_reduced_vocabulary_round_trip_and_warm_start(target, reduced, context, tmp_path):
+    from dspark_core.draft.config import LossConfig
+    from dspark_core.draft.task import DSparkTrainModel, load_warm_start
+
+    export_draft(reduced, tmp_path, "speculators", dtype="float32", target=str(target[0]))
+    back = load_any_draft(tmp_path, target[1])
+    assert back.cfg.vocab_size == N and torch.equal(back.draft_vocab.d2t, reduced.draft_vocab.d2t)
+    assert torch.equal(back.draft_vocab.t2d, reduced.draft_vocab.t2d)
+    for (a, b) in zip(propose(reduced, *context), propose(back, *context)):
+        assert torch.equal(a, b)
+    model = target[1]
+    fresh = make_draft(model, vocab_size=N)  # placeholder maps 0 .. N-1: the export's replace them
+    load_warm_start(DSparkTrainModel(fresh, LossConfig()), tmp_path, target_fingerprint="another")
+    for (k, v), (k2, v2) in zip(sorted(reduced.state_dict().items()), sorted(fresh.state_dict().items())):
+        assert k == k2 and torch.equal(v, v2), k
+    with pytest.raises(UserError, match="draft vocabulary 100, this run's draft.vocab_size is null"):
+        load_warm_start(DSparkTrainModel(make_draft(model), LossConfig()), tmp_path)
+
+
+def test_reduced_vocabulary_refused_by_deepspec_and_when_its_maps_or_head_disagree(target, reduced, tmp_path):
+    with pytest.raises(UserError, match="reduced draft vocabulary.*deepspec layout has no d2t / t2d.*--layout "
+                                        "speculators"):
+        export_draft(reduced, tmp_path / "ds", "deepspec")
+    assert not (tmp_path / "ds").exists()
+    out = export_draft(reduced, tmp_path / "sp", "speculators", dtype="float32")
+    w = load_file(str(out / "model.safetensors"))
+    (out / "manifest.json").unlink()  # as a published draft without dspark's manifest: read as it is
+    for key, change, words in (("lm_head.weight", lambda t: t.index_fill(0, torch.tensor([3]), 0.5),
+                                "lm_head.weight .100, 64. is not the given target's LM head rows at d2t"),
+                               ("d2t", lambda t: t.index_fill(0, torch.tensor([3]), 0),
+                                "d2t / t2d are not one draft vocabulary")):
+        save_file({**w, key: change(w[key])}, str(out / "model.safetensors"))
+        with pytest.raises(UserError, match=words):
+            load_any_draft(out, target[1])
+    save_file({k: v for k, v in w.items() if k != "t2d"}, str(out / "model.safetensors"))
+    with pytest.raises(UserError, match="only one of d2t / t2d"):
+        load_any_draft(out, target[1])
+
+
+def test_vllm_parser_resolves_a_reduced_export(target, reduced, tmp_path):
+    pytest.importorskip("vllm")
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
+
+    export_draft(reduced, tmp_path, "speculators", dtype="float32", target=str(target[0]))
+    tmc = ModelConfig(model=str(target[0]), tokenizer=str(target[0]), dtype="float32", skip_tokenizer_init=True)
+    spec = SpeculativeConfig(model=str(tmp_path), target_model_config=tmc, target_parallel_config=ParallelConfig())
+    hf = spec.draft_model_config.hf_config
+    assert spec.method == "dspark" and hf.draft_vocab_size == N and hf.vocab_size == target[1].config.vocab_size
+
+
+def test_speculators_own_loader_and_writer_round_trip_a_reduced_export(target, reduced, context, tmp_path):
+    """speculators' ``from_pretrained`` keeps the export's reduced head and maps; what its ``save_pretrained``
+    writes back imports into the same dspark draft."""
+    pytest.importorskip("speculators")
+    from speculators.models.dspark import DSparkDraftModel
+
+    export_draft(reduced, tmp_path / "sp", "speculators", dtype="float32", target=str(target[0]))
+    theirs = DSparkDraftModel.from_pretrained(str(tmp_path / "sp"))
+    d2t = reduced.draft_vocab.d2t
+    assert torch.equal(theirs.d2t + torch.arange(N), d2t) and torch.equal(theirs.t2d, reduced.draft_vocab.t2d >= 0)
+    assert torch.equal(theirs.lm_head.weight, target[1].lm_head.weight[d2t])
+    theirs.save_pretrained(str(tmp_path / "resaved"))
+    back = load_any_draft(tmp_path / "resaved", target[1])
+    assert back.cfg.vocab_size == N
+    for (a, b) in zip(propose(reduced, *context), propose(back, *context)):
+        assert torch.equal(a, b)
+
+
+def test_cli_export_then_import_of_a_reduced_draft(target, reduced, context, tmp_path):
+    from dspark_core.export.run import export_dir, import_dir
+
+    save_draft(tmp_path / "native", reduced)
+    with pytest.raises(UserError, match=r"export.layouts: \[speculators\]"):
+        export_dir(tmp_path / "native", tmp_path / "out", ["deepspec"], "float32", target[0])
+    export_dir(tmp_path / "native", tmp_path / "out", ["speculators"], "float32", target[0])
+    import_dir(tmp_path / "out" / "speculators", tmp_path / "back", target[0])
+    back = load_draft(tmp_path / "back", target[1])
+    assert back.cfg.vocab_size == N and torch.equal(back.draft_vocab.d2t, reduced.draft_vocab.d2t)
+    for (a, b) in zip(propose(reduced, *context), propose(back, *context)):
+        assert torch.equal(a, b)

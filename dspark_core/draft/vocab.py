@@ -160,6 +160,23 @@ def speculators_maps(vocab: DraftVocab) -> tuple[torch.Tensor, torch.Tensor]:
     return d2t - torch.arange(d2t.shape[0]), vocab.t2d.cpu() >= 0
 
 
+def from_speculators_maps(d2t: torch.Tensor, t2d: torch.Tensor, src: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`speculators_maps`: offsets d2t [N] + bool mask t2d [V] -> dspark's d2t [N] (ascending
+    target ids) and t2d [V] (draft id or -1). ``src`` names the file in errors; maps that disagree are refused."""
+    bad = f"{src}: d2t / t2d are not one draft vocabulary"
+    if d2t.dim() != 1 or t2d.dim() != 1 or d2t.dtype.is_floating_point or t2d.dtype != torch.bool:
+        raise UserError(f"{bad}: expected d2t [N] integer offsets and t2d [V] bool, got d2t {d2t.dtype} "
+                        f"{tuple(d2t.shape)}, t2d {t2d.dtype} {tuple(t2d.shape)}; export the draft again")
+    ids = d2t.long() + torch.arange(d2t.shape[0])  # [N] target ids
+    kept = t2d.nonzero().flatten()  # [N'] ascending target ids
+    if not torch.equal(ids, kept):
+        raise UserError(f"{bad}: the {d2t.shape[0]} ids of d2t (id + offset) are not the {kept.shape[0]} target ids "
+                        "t2d marks, in ascending order; export the draft again")
+    vocab = DraftVocab(t2d.shape[0], ids.shape[0])
+    vocab.set_ids(ids)
+    return vocab.d2t, vocab.t2d
+
+
 def load_ranked_vocab(vocab: DraftVocab, path: str | Path = RANKING_PATH, fingerprint: str | None = None) -> float:
     """Give ``vocab`` the first ``vocab.size`` tokens of the ranking at ``path``; returns their coverage."""
     order, counts = read_ranking(path, vocab.target_size, fingerprint)

@@ -16,8 +16,8 @@ from typing import Any
 
 from dspark_core.errors import UserError
 from dspark_core.export import deepspec, speculators
-from dspark_core.export.common import (DTYPES, ForeignDraft, check_exportable, from_layout_names, read_config,
-                                       to_layout_names, write_dir)
+from dspark_core.export.common import (DTYPES, VOCAB_KEYS, ForeignDraft, check_exportable, check_head_rows,
+                                       from_layout_names, read_config, to_layout_names, write_dir)
 
 LAYOUTS: dict[str, ModuleType] = {deepspec.NAME: deepspec, speculators.NAME: speculators}
 
@@ -49,7 +49,7 @@ def export_draft(draft: Any, out_dir: str | Path, layout: str, dtype: str = "bfl
     check_exportable(draft, layout)
     target = target or getattr(draft.hf_config, "_name_or_path", "") or "TARGET"
     config = mod.build_config(draft, dtype, target)
-    weights = to_layout_names(draft, DTYPES[dtype], mod.TARGET_COPIES)
+    weights = {**to_layout_names(draft, DTYPES[dtype], mod.TARGET_COPIES), **mod.vocab_weights(draft, DTYPES[dtype])}
     return write_dir(Path(out_dir), config, weights, readme(layout, variant, target, out_dir, draft.block_size))
 
 
@@ -111,7 +111,21 @@ def foreign_warm_start(path: str | Path, draft: Any) -> dict[str, Any]:
         raise UserError(f"warm start: {src}: target layer ids {list(foreign.aux_layer_ids)} / block size "
                         f"{foreign.draft['block_size']} differ from this run's {list(draft.aux_layer_ids)} / "
                         f"{draft.block_size}; set cache.aux_layer_ids and draft.block_size to the draft's")
-    return from_layout_names(read_weights(path))
+    if foreign.draft.get("vocab_size") != draft.cfg.vocab_size:
+        raise UserError(f"warm start: {src}: draft vocabulary {foreign.draft.get('vocab_size') or 'full'}, this run's "
+                        f"draft.vocab_size is {draft.cfg.vocab_size or 'null (full)'}; set draft.vocab_size to the "
+                        "draft's")
+    return draft_weights(path, draft.lm_head_weight)
+
+
+def draft_weights(path: Path, lm_head: Any) -> dict[str, Any]:
+    """An engine-layout directory's draft weights under dspark's names, a reduced vocabulary's maps as dspark's
+    ``draft_vocab.*``; its LM head rows checked against ``lm_head`` [V, Ht], the target's."""
+    raw = read_weights(path)
+    f = str(path / "model.safetensors")
+    weights = from_layout_names(raw, f)
+    check_head_rows(raw, weights.get(VOCAB_KEYS[0]), lm_head, f)
+    return weights
 
 
 def read_weights(path: Path) -> dict[str, Any]:
@@ -142,7 +156,7 @@ def load_foreign_draft(path: str | Path, target_model: Any) -> Any:
     draft = build_draft(cfg, target_model.config, target_model.get_input_embeddings().weight, lm,
                         aux_layer_ids=foreign.aux_layer_ids)
     f = path / "model.safetensors"
-    weights = from_layout_names(read_weights(path))
+    weights = draft_weights(path, lm)
     own = draft.own_state_dict()
     missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
     if missing or unexpected:

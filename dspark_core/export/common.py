@@ -27,6 +27,8 @@ RENAMES = (("markov.w1.", "markov_head.markov_w1."), ("markov.w2.", "markov_head
            ("confidence.", "confidence_head."))
 FROZEN_NAMES = ("embed_tokens.weight", "lm_head.weight")  # the target's copies in an exported directory
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+REDUCED_VOCAB_LAYOUTS = ("speculators",)  # layouts that write a reduced draft vocabulary's d2t / t2d maps
+VOCAB_KEYS = ("draft_vocab.d2t", "draft_vocab.t2d")  # dspark's maps (int64); each layout writes its own form
 
 
 @dataclass(frozen=True)
@@ -64,10 +66,12 @@ def check_exportable(draft: Any, layout: str) -> None:
         raise UserError(f"export --layout {layout}: {name} has markov_head {cfg.markov_head!r}; vLLM's DSpark model "
                         "runs the vanilla Markov head only (markov_w1 / markov_w2), so this draft would load and "
                         "propose wrong tokens. Retrain with draft.markov_head: vanilla")
-    if getattr(draft, "draft_vocab", None) is not None:  # the layouts' W2 / config would claim the full vocabulary
+    if getattr(draft, "draft_vocab", None) is not None and layout not in REDUCED_VOCAB_LAYOUTS:
         raise UserError(f"export --layout {layout}: {name} has a reduced draft vocabulary (draft.vocab_size "
-                        f"{cfg.vocab_size}); the exporters do not write its t2d / d2t maps yet (draft_vocab.d2t / "
-                        "draft_vocab.t2d in model.safetensors). Export a draft with draft.vocab_size null")
+                        f"{cfg.vocab_size}); the {layout} layout has no d2t / t2d maps, so its W2 and LM head "
+                        f"would claim the full vocabulary. Export it with --layout {REDUCED_VOCAB_LAYOUTS[0]} "
+                        f"(the export stage: export.layouts: [{REDUCED_VOCAB_LAYOUTS[0]}] in params.yaml), or "
+                        "retrain with draft.vocab_size null")
     if min(draft.aux_layer_ids) < 0:
         raise UserError(f"export --layout {layout}: aux layer -1 (the embedding output) has no id in the engines' "
                         f"layouts (aux_layer_ids {list(draft.aux_layer_ids)}); retrain on decoder layers only")
@@ -78,6 +82,8 @@ def to_layout_names(draft: Any, dtype: torch.dtype, with_target_copies: bool = T
     ``with_target_copies``), in ``dtype``."""
     out = {}
     for name, w in draft.own_state_dict().items():
+        if name in VOCAB_KEYS:
+            continue
         for old, new in RENAMES:
             if name.startswith(old):
                 name = new + name[len(old):]
@@ -88,17 +94,39 @@ def to_layout_names(draft: Any, dtype: torch.dtype, with_target_copies: bool = T
     return {k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in out.items()}
 
 
-def from_layout_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`to_layout_names` on the draft's own weights (the target's copies dropped)."""
+def from_layout_names(weights: dict[str, torch.Tensor], src: str = "model.safetensors") -> dict[str, torch.Tensor]:
+    """Inverse of :func:`to_layout_names` on the draft's own weights (the target's copies dropped); a reduced
+    draft vocabulary's ``d2t`` / ``t2d`` (speculators' form) become dspark's ``draft_vocab.d2t`` / ``t2d``."""
+    from dspark_core.draft.vocab import from_speculators_maps
+
     out = {}
+    if "d2t" in weights or "t2d" in weights:
+        if not ("d2t" in weights and "t2d" in weights):
+            raise UserError(f"{src}: holds only one of d2t / t2d; a reduced draft vocabulary needs both")
+        out.update(zip(VOCAB_KEYS, from_speculators_maps(weights["d2t"], weights["t2d"], src)))
     for name, w in weights.items():
-        if name in FROZEN_NAMES:
+        if name in FROZEN_NAMES or name in ("d2t", "t2d"):
             continue
         for old, new in RENAMES:
             if name.startswith(new):
                 name = old + name[len(new):]
         out[name] = w
     return out
+
+
+def check_head_rows(weights: dict[str, torch.Tensor], d2t: torch.Tensor | None, lm_head: torch.Tensor,
+                    src: str) -> None:
+    """A reduced draft's ``lm_head.weight`` [N, Ht] in the directory must be the target's LM head rows at its
+    target ids ``d2t`` [N] (dspark drafts predict with the frozen target rows; a draft that trained its own
+    head cannot be read as one)."""
+    if d2t is None or "lm_head.weight" not in weights:
+        return
+    head = weights["lm_head.weight"]  # [N, Ht]
+    rows = lm_head.detach().to("cpu").index_select(0, d2t.cpu()).to(head.dtype)  # [N, Ht]
+    if tuple(head.shape) != tuple(rows.shape) or not torch.equal(head, rows):
+        raise UserError(f"{src}: lm_head.weight {tuple(head.shape)} is not the given target's LM head rows at d2t; "
+                        "dspark drafts predict with the target's own rows: import it with the target it was "
+                        "trained on")
 
 
 def draft_hf_fields(draft: Any) -> dict[str, Any]:

@@ -31,6 +31,11 @@ def build_config(draft: Any, dtype: str, target: str) -> dict[str, Any]:
             "dspark_target": target}
 
 
+def vocab_weights(draft: Any, dtype: Any) -> dict[str, Any]:
+    """No maps: this layout has no reduced draft vocabulary (``check_exportable`` refuses one)."""
+    return {}
+
+
 def detect(config: dict[str, Any]) -> bool:
     return ARCHITECTURE in (config.get("architectures") or []) and "speculators_model_type" not in config
 
