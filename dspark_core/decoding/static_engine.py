@@ -5,7 +5,7 @@ sampling, host-side bookkeeping), restricted to a baseline ``DSparkDraft`` (gree
 step of a cycle has a static shape and reads its lengths from device tensors:
 
     propose   tokens t_1..t_S = draft block at (anchor, p), greedy Markov slots      (graph 1)
-    verify    target forward of [anchor, t_1..t_S] at p..p+S (``TargetRunner._step``)  (graph 2)
+    verify    target forward of [anchor, t_1..t_S] at p..p+S (``TargetRunner.step``)  (graph 2)
     accept    a = matching prefix of t vs the target's argmax (capped at the confident slots);
               bonus = target argmax at row a (one Triton kernel with the Triton draft: kernels/accept.py)
     update    draft context K/V of positions p..p+S written (only p..p+a count); p += a + 1; anchor = bonus
@@ -127,7 +127,7 @@ class StaticSpeculativeDecoder:
             from dspark_core.kernels.accept import GreedyAccept
 
             tree = None if self.tree.is_chain else self.tree
-            self._accept = GreedyAccept(self.tree.rows, target._head_w.shape[0], dev, tree=tree)
+            self._accept = GreedyAccept(self.tree.rows, target.vocab_size, dev, tree=tree)
             if tree is not None:
                 self.path = self._accept.path
         self._graphs: tuple | None = None
@@ -161,7 +161,7 @@ class StaticSpeculativeDecoder:
         tokens = self.out[2 : 2 + s]  # [S]
         ids = torch.cat([self.anchor, tokens]).view(1, s + 1)  # [1, S+1]
         pos = self.p + self.verify_slots  # [S+1]
-        logits, aux = self.target._step(ids, pos)  # [1, S+1, V], [1, S+1, K, H]
+        logits, aux = self.target.step(ids, pos)  # [1, S+1, V], [1, S+1, K, H]
         if self.sampling is not None and self._sampled_accept is not None:  # the same step in two kernels
             self._sampled_accept(logits[0], self.q, self.out, self.p, self.anchor, self._rand(s),
                                  self._rand(self.q.shape[1]), self.sampling.temperature)
@@ -193,14 +193,14 @@ class StaticSpeculativeDecoder:
         s, t = self.block_size, self.tables
         ids = self.out[2 + s :].view(1, -1)  # [1, R] the anchor (= the last bonus) and the node tokens
         pos = self.p + t.depth  # [R] logical positions
-        logits, aux = self.target._step(ids, pos, tree=(t.offset, t.back))  # [1, R, V], [1, R, K, H]
+        logits, aux = self.target.step(ids, pos, tree=(t.offset, t.back))  # [1, R, V], [1, R, K, H]
         self.static.extend(aux, pos, slot_offset=t.offset)  # every row's context, in its row's slot like the target
-        kv, draft_kv = (self.target.k_cache, self.target.v_cache), (self.static.k, self.static.v)
+        kv, draft_kv = self.target.caches, (self.static.k, self.static.v)
         if self._accept is not None:  # one launch: accept, then the winning branch's K/V moves (target and draft)
             self._accept(logits[0], self.out, self.p, self.anchor, kv=kv, draft_kv=draft_kv)
         else:
             greedy_accept_tree_reference(logits[0], self.out, self.p, self.anchor, t, self.path)
-            kv_move_reference(*kv, self.path)  # the accepted path's K/V to slots p+1..p+a
+            self.target.move_kv(self.path[1], self.path[2])  # the accepted path's K/V to slots p+1..p+a
             kv_move_reference(*draft_kv, self.path)
 
     # -- CUDA graphs ----------------------------------------------------------------------------
@@ -304,7 +304,7 @@ class StaticSpeculativeDecoder:
         result.stop_reason = "stop" if hit_stop else "length"
         # host view of the target cache: the returned tokens but the last (the next anchor); a last cycle that
         # accepted past the cut or a stop token leaves no trace
-        self.target.length = n_prompt + len(result.tokens) - 1
+        self.target.commit(n_prompt + len(result.tokens) - 1)
         return result
 
     def _first_token(self, logits: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,11 @@ host-side length pointer.
   ``aux_hidden [B, n, K, H]`` (used for verification, n = 1 + proposal, and for AR decoding, n = 1).
 - ``truncate(length)``: roll back; stale K/V beyond ``length`` are never read (causal mask on the
   absolute position) and get overwritten by the next ``forward``.
+- ``step(ids [B, n], pos [n], tree=...)``: the same forward at device positions, sync-free and without
+  moving the host length (what CUDA-graph-captured engines run); ``move_kv(src, dst)`` copies K/V between
+  cache slots (a draft tree's accepted path into place); ``commit(length)`` then sets the host length
+  to what the device-side steps left in the cache. ``caches`` gives the K / V cache tensors to kernels
+  that update them in place (the fused tree accept).
 
 Aux layer ids follow the cache stage: zero-based decoder layer ids, ``-1`` = embedding output; the
 final layer is refused (its HF hidden state is the normalised one).
@@ -364,6 +369,11 @@ class TargetRunner:
     def num_aux_layers(self) -> int:
         return len(self.aux_layer_ids)
 
+    @property
+    def caches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V caches ``[L, B, Hkv, M, D]``, for kernels that move cache slots in place."""
+        return self.k_cache, self.v_cache
+
     def reset(self) -> None:
         self.length = 0
 
@@ -372,6 +382,28 @@ class TargetRunner:
         if not 0 <= length <= self.length:
             raise ValueError(f"truncate length must be in [0, {self.length}]; got {length}")
         self.length = int(length)
+
+    def commit(self, length: int) -> None:
+        """Set the host length to ``length`` (0 <= length <= max_len) after :meth:`step` calls, which write the
+        cache at device positions without moving it: positions below ``length`` must hold the committed tokens."""
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"commit length must be in [0, {self.max_len}]; got {length}")
+        self.length = int(length)
+
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V at cache slots ``src [E]`` to slots ``dst [E]`` (int64 device tensors; all
+        sources are gathered before any destination is written, so a slot may be both)."""
+        for cache in self.caches:  # [L, B, Hkv, M, D]
+            cache.index_copy_(3, dst, cache.index_select(3, src))
+
+    def step(self, ids: torch.Tensor, pos: torch.Tensor, *, tree: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward ``ids [B, n]`` at positions ``pos [n]`` (a device tensor) -> ``logits [B, n, V]``,
+        ``aux [B, n, K, H]``, with no host sync and no change of the host length (see :meth:`commit`): the
+        step CUDA-graph-captured engines replay. ``tree = (offset [n], back [n])``: the rows are a draft
+        tree's (``dspark_core.decoding.tree``): row t at logical position pos[t], written to slot
+        pos[t] + offset[t], attending to its ancestors only (batch 1)."""
+        return self._step(ids, pos, tree=tree)
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, *, last_logits_only: bool = False,
