@@ -317,7 +317,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=None, help="comma list (default: qwen3-4b,smollm2-135m; tiny: tiny-*)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decoder layer (GPU)")
     ap.add_argument("--kernels", action="store_true",
-                    help="the Triton decode step (dspark_core.kernels.decode) for chunks of <= 16 tokens (GPU)")
+                    help="the Triton decode step (dspark_core.kernels) for chunks of <= 16 tokens (GPU)")
     ap.add_argument("--kernel-modes", default=None,
                     help="with --kernels: the small-GEMM families to run, comma list (first = headline and spec "
                          "run's mode); default: $DSPARK_SMALL_GEMM (else mma), then the other")
@@ -367,7 +367,7 @@ def main() -> None:
     bandwidth = copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else (1 << 26))
     modes = _kernel_modes(args, device)
     if modes[0] != "torch":
-        from dspark_core.kernels.decode import set_small_gemm
+        from dspark_core.kernels.linear import set_small_gemm
     rows = {}
     for name in names:
         family, overrides = shapes[name]
@@ -416,7 +416,7 @@ def main() -> None:
         "args": vars(args), "kernel_env": kernel_env(),
     }
     if args.kernels:  # the tuned small-GEMM configurations: DSPARK_KERNEL_CONFIGS=<this JSON> pins them
-        from dspark_core.kernels.decode import kernel_configs
+        from dspark_core.kernels.tuning import kernel_configs
 
         result["kernel_configs"] = kernel_configs(device)
     write_json(args.out, result)
@@ -428,14 +428,14 @@ def _kernel_modes(args, device: torch.device) -> list[str]:
     --kernels."""
     if not args.kernels:
         return ["torch"]
-    from dspark_core.kernels import decode
+    from dspark_core.kernels import linear
 
-    spec = args.kernel_modes or ",".join([decode.SMALL_GEMM] + [m for m in ("mma", "fma") if m != decode.SMALL_GEMM])
+    spec = args.kernel_modes or ",".join([linear.SMALL_GEMM] + [m for m in ("mma", "fma") if m != linear.SMALL_GEMM])
     modes = [m.strip() for m in spec.split(",") if m.strip()]
     bad = [m for m in modes if m not in ("mma", "fma")]
     if bad or not modes:
         raise SystemExit(f"--kernel-modes: {args.kernel_modes!r}; give a comma list of mma, fma")
-    from dspark_core.kernels.decode import small_gemm_problem
+    from dspark_core.kernels.linear import small_gemm_problem
 
     problem = small_gemm_problem(device)
     if problem and "mma" in modes:

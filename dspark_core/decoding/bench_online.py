@@ -88,7 +88,7 @@ class BenchOnlineConfig(Section):
     cuda_graph: bool | None = None        # None: on for cuda
     compile: bool = False                 # torch.compile the decoder layer (GPU)
     kernels: bool | None = None           # the Triton decode step (GPU); None: on for cuda where it applies
-    small_gemm: str | None = None         # mma | fma (kernels.decode); None: $DSPARK_SMALL_GEMM, else mma
+    small_gemm: str | None = None         # mma | fma (kernels.linear); None: mma where it applies
     kernel_config_store: str | None = "~/.cache/dspark/kernel_configs"  # tuned tiles per device + target
     ar_all_modes: bool = True             # with kernels: AR again in the other small-GEMM mode (fastest AR)
     engine: str = "auto"                  # reference | static | auto (static for greedy on cuda where it applies)
@@ -528,7 +528,7 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
                         "confidence_threshold": cfg.confidence_threshold, "max_new_tokens": cfg.max_new_tokens,
                         "tree_branches": [list(b) for b in cfg.tree_branches]}
     if kernels:
-        from dspark_core.kernels.decode import close_config_store, kernel_configs
+        from dspark_core.kernels.tuning import close_config_store, kernel_configs
 
         metrics["setup"]["kernel_configs"] = kernel_configs(device)["configs"]
         close_config_store()
@@ -567,16 +567,16 @@ def setup_kernels(cfg: BenchOnlineConfig, target_dir: str | Path, device: torch.
     """The small-GEMM mode (``bench_online.small_gemm``; mma where it applies) and the config store: the tiles
     tuned for this target on this device, pinned from the store file when an earlier run made it, and
     added to it otherwise -- so every run sums in the same order (the bits of mma-mode outputs)."""
-    from dspark_core.kernels import decode
+    from dspark_core.kernels import linear, tuning
     from dspark_core.target import read_fingerprint
 
     if cfg.small_gemm is not None:
-        decode.set_small_gemm(cfg.small_gemm)
-    out: dict[str, Any] = {"small_gemm": decode.resolve_small_gemm(device), "kernel_config_file": None}
+        linear.set_small_gemm(cfg.small_gemm)
+    out: dict[str, Any] = {"small_gemm": linear.resolve_small_gemm(device), "kernel_config_file": None}
     if cfg.kernel_config_store:
         fingerprint = read_fingerprint(target_dir)["fingerprint"]
-        path = decode.kernel_store_path(cfg.kernel_config_store, device, fingerprint)
-        pins = decode.use_config_store(path, device, fingerprint)
+        path = tuning.kernel_store_path(cfg.kernel_config_store, device, fingerprint)
+        pins = tuning.use_config_store(path, device, fingerprint)
         out.update(kernel_config_file=str(path), kernel_configs_pinned=len(pins))
     return out
 
@@ -587,15 +587,15 @@ def ar_in_other_modes(model: torch.nn.Module, cfg: BenchOnlineConfig, runs: dict
     """AR decoding of the same prompts in each other small-GEMM mode that applies (kernels on): the generations
     per dataset and mode, the current mode's from ``runs``. Every speedup is then also reported against the fastest
     AR of all modes (issue 18): a mode that makes the verify cheap may make the AR step slow."""
-    from dspark_core.kernels import decode
+    from dspark_core.kernels import linear
 
-    main = decode.SMALL_GEMM
+    main = linear.SMALL_GEMM
     device = next(model.parameters()).device
     by_mode = {name: {main: run.ar} for name, run in runs.items()}
-    for mode in decode.SMALL_GEMM_MODES:
-        if mode == main or (mode == "mma" and decode.small_gemm_problem(device)):
+    for mode in linear.SMALL_GEMM_MODES:
+        if mode == main or (mode == "mma" and linear.small_gemm_problem(device)):
             continue
-        decode.set_small_gemm(mode)
+        linear.set_small_gemm(mode)
         try:
             runner = make_runner(model, cfg, aux_layer_ids, block, graphs, kernels=True)
             ar = ARDecoder(runner, sampling=cfg.sampling, seed=cfg.seed)
@@ -605,7 +605,7 @@ def ar_in_other_modes(model: torch.nn.Module, cfg: BenchOnlineConfig, runs: dict
                 by_mode[name][mode] = [ar.generate(p, cfg.max_new_tokens, stops) for p in run.prompts]
             del ar, runner
         finally:
-            decode.set_small_gemm(main)
+            linear.set_small_gemm(main)
     return by_mode
 
 

@@ -15,7 +15,7 @@ so a whole speculative cycle can be captured as one CUDA graph (``dspark_core.de
   the previous token there.
 
 ``kernels=True`` (Triton on CUDA, or its interpreter in tests) runs the draft layers through the same
-fused kernels as the target's decode step (``dspark_core.kernels.decode``: norm folded into the Q/K/V and
+fused kernels as the target's decode step (``dspark_core.kernels``: norm folded into the Q/K/V and
 gate/up products, q/k norm + RoPE + cache write, split-KV attention; the block's own K/V are written at
 positions p..p+S-1 of the cache and every block query sees keys <= p+S-1, i.e. bidirectional within the
 block) and each Markov slot through one kernel (``dspark_core.kernels.markov``; a sampled slot too at a plain
@@ -128,7 +128,8 @@ class StaticDraft:
 
     def _extend_kernels(self, aux_hidden: torch.Tensor, pos: torch.Tensor, slot_offset: torch.Tensor | None = None
                         ) -> None:
-        from dspark_core.kernels.decode import fused_linear, qk_norm_rope_cache
+        from dspark_core.kernels.linear import fused_linear
+        from dspark_core.kernels.rope import qk_norm_rope_cache
 
         draft, n = self.draft, aux_hidden.shape[1]
         flat = aux_hidden.reshape(n, -1).to(self.dtype)  # [n, K*Ht]
@@ -210,7 +211,9 @@ class StaticDraft:
 
     def _block_kernels(self, anchor: torch.Tensor, p: torch.Tensor, need_hidden: bool
                        ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        from dspark_core.kernels.decode import decode_attention, fused_linear, qk_norm_rope_cache
+        from dspark_core.kernels.attention import decode_attention
+        from dspark_core.kernels.linear import fused_linear
+        from dspark_core.kernels.rope import qk_norm_rope_cache
 
         draft, s, eps = self.draft, self.block_size, self.eps
         x = draft._block_states(anchor.view(1, 1), None)[0].contiguous()  # [S, H]

@@ -29,7 +29,7 @@ half shared by all layers: weights are arguments), which fuses the element-wise 
 matmuls. Outputs of a graph replay live in static buffers: they are valid until the next ``forward``.
 
 ``kernels=True`` (CUDA, batch 1) runs every chunk of n <= 16 tokens through the Triton kernels of
-``dspark_core.kernels.decode`` instead: 6 kernels per decoder layer (norm fused into the Q/K/V and
+``dspark_core.kernels`` instead: 6 kernels per decoder layer (norm fused into the Q/K/V and
 gate/up matrix-vector products, SiLU and residual adds in their epilogues, q/k norm + RoPE + cache write
 in one kernel, split-KV attention). The Q/K/V and gate/up weights are concatenated once and the HF
 module weights re-pointed to views of the concatenation (values unchanged, no second copy).
@@ -47,7 +47,7 @@ weight-read limit 520 tokens/s at the measured 4.2 TB/s copy bandwidth):
 | same, ``mma`` with session 10's swap-AB + split-K tiles (``reports/bench/decode_modes_h200``) | 2.91 ms | 339.7 | 65 % | 3.01 ms |
 
 Both kernel modes are batch-invariant (verify logits bit for bit those of AR steps); ``fma`` is the fast AR
-step, ``mma`` (the default where bf16 tensor cores exist) the cheap verify (see ``dspark_core.kernels.decode``).
+step, ``mma`` (the default where bf16 tensor cores exist) the cheap verify (see ``dspark_core.kernels.linear``).
 
 Shape legend: B batch, n tokens in this call, M cache positions (max_len rounded up to 16), L decoder
 layers, Hq / Hkv query / KV heads, D head dim, G = Hq / Hkv, H hidden, F FFN width, K aux layers, V vocab.
@@ -304,7 +304,7 @@ class TargetRunner:
         self.kernels = bool(kernels)
         if self.kernels:
             _check_kernels(model, batch_size)
-            from dspark_core.kernels.decode import resolve_small_gemm
+            from dspark_core.kernels.linear import resolve_small_gemm
 
             resolve_small_gemm(next(model.parameters()).device)  # mma where it applies, else fma (says why)
             self._fused = self._fuse_weights(model)  # before _init_weights: it re-points the HF weights
@@ -514,14 +514,16 @@ class TargetRunner:
 
     @staticmethod
     def _kernel_max_tokens() -> int:
-        from dspark_core.kernels.decode import MAX_TOKENS
+        from dspark_core.kernels.linear import MAX_TOKENS
 
         return MAX_TOKENS
 
     def _kernel_step(self, ids: torch.Tensor, pos: torch.Tensor, *, head: str = "all",
                      tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The Triton path of :meth:`_step` (batch 1, n <= 16 tokens; see the module docstring)."""
-        from dspark_core.kernels.decode import decode_attention, fused_linear, qk_norm_rope_cache
+        from dspark_core.kernels.attention import decode_attention
+        from dspark_core.kernels.linear import fused_linear
+        from dspark_core.kernels.rope import qk_norm_rope_cache
 
         n, eps = ids.shape[1], self._spec.eps
         x = F.embedding(ids[0], self._embed_w)  # [n, H]
