@@ -273,9 +273,9 @@ def bench_ar(name: str, family: str, overrides: dict, args, device: torch.device
 
 def bench_spec(args, device: torch.device, dtype: torch.dtype) -> dict:
     """Speculative vs AR with a trained draft on a real target (greedy), via the bench_online pieces."""
-    from dspark_core.decoding.bench_online import (BenchOnlineConfig, decode_dataset, make_engine, peer_comparison,
-                                          read_jsonl_prompts, resolve_engine, stop_ids_of, summarize,
-                                          truncated_assistant)
+    from dspark_core.bench.online import (BenchOnlineConfig, decode_dataset, make_engine, read_jsonl_prompts,
+                                          resolve_engine, stop_ids_of, summarize)
+    from dspark_core.bench.peers import peer_comparison, truncated_assistant
     from dspark_core.draft.model import load_draft
     from dspark_core.target import load_target
 

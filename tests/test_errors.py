@@ -33,7 +33,7 @@ from dspark_core.cache import CacheConfig, CacheDataset, build_store, run_cache
 from dspark_core.cache.store import open_store
 from dspark_core.config import ParamsError
 from dspark_core.data.prompts import PrepareConfig, run_prepare
-from dspark_core.decoding.bench_online import run_bench_online_stage
+from dspark_core.bench.online import run_bench_online_stage
 from dspark_core.draft import DraftConfig, DSparkDraft, save_draft
 from dspark_core.draft.model import load_draft
 from dspark_core.draft.stage import run_eval_offline_stage, run_train_stage

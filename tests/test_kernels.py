@@ -437,7 +437,7 @@ def test_ar_in_other_modes_decodes_the_same_prompts(monkeypatch):
     """bench_online's fastest-AR pass: the same prompts decoded by AR in the other small-GEMM mode (greedy, a
     fresh runner on the same model), the current mode restored afterwards; float32 gives the same tokens."""
     from dspark_core.decoding.ar import ARDecoder
-    from dspark_core.decoding.bench_online import BenchOnlineConfig, DatasetRun, ar_in_other_modes
+    from dspark_core.bench.online import BenchOnlineConfig, DatasetRun, ar_in_other_modes
     from dspark_core.decoding.target_runner import TargetRunner
     from dspark_core.kernels import linear
     from dspark_core.testing import tiny_model

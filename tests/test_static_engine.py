@@ -407,7 +407,7 @@ def test_static_cuda_graph_sampling_matches_the_targets_distribution(kernels, to
 def test_bench_online_engine_param():
     """``bench_online.engine``: auto = reference on CPU (and for sampling), static on request (sampling along a
     chain too, not with a tree), bad names refused."""
-    from dspark_core.decoding.bench_online import BenchOnlineConfig, make_engine, resolve_engine
+    from dspark_core.bench.online import BenchOnlineConfig, make_engine, resolve_engine
 
     model, draft = _setup("qwen3")
     greedy, sampled = SamplingParams(), SamplingParams(temperature=0.7)

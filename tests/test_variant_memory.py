@@ -301,7 +301,7 @@ def test_bench_online_reports_both_memory_sources(tmp_path, monkeypatch, one_thr
 
     import yaml
 
-    from dspark_core.decoding.bench_online import run_bench_online_stage
+    from dspark_core.bench.online import run_bench_online_stage
     from dspark_core.draft.model import save_draft
     from dspark_core.target import load_target
     from dspark_core.testing import save_tiny_target

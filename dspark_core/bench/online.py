@@ -44,16 +44,18 @@ from typing import Any, Sequence
 
 import torch
 
+from dspark_core.bench.peers import PEERS, peer_comparison, truncated_assistant
+from dspark_core.bench.plots import plot_metrics
 from dspark_core.config import Section, non_negative, positive, require
-from dspark_core.errors import UserError
-from dspark_core.io import atomic_path, write_json
 from dspark_core.decoding.ar import ARDecoder
-from dspark_core.decoding.common import BudgetError, synced_clock
+from dspark_core.decoding.common import BudgetError
 from dspark_core.decoding.engine import SpeculativeDecoder
 from dspark_core.decoding.sampling import SamplingParams
 from dspark_core.decoding.static_draft import static_draft_problem
 from dspark_core.decoding.target_runner import TargetRunner
 from dspark_core.decoding.types import GenerationResult
+from dspark_core.errors import UserError
+from dspark_core.io import write_json
 
 DOMAINS = ("math_word", "competition_math", "code", "chat")   # prepare's domains (dspark_core/data/sources.py)
 DATASET_ALIASES = {"gsm8k": "math_word"}
@@ -62,7 +64,6 @@ DATASET_SOURCES = {"math_word": ("gsm8k_symbolic", "gsm8k_test", "gsm_symbolic_v
                    "competition_math": ("aime2025", "project_euler"), "code": ("humaneval", "codeio"),
                    "chat": ("sharegpt",)}
 JSONL_PREFIX = "jsonl:"
-PEERS = ("hf_generate", "assisted", "prompt_lookup")
 ENGINES = ("auto", "reference", "static")
 TIME_EVERY = 16  # the static engine times draft / verify separately on every 16th cycle
 
@@ -287,71 +288,6 @@ def _throughput(results: Sequence[GenerationResult]) -> float | None:
     tokens = sum(max(len(r.tokens) - 1, 0) for r in results)
     seconds = sum(r.decode_s for r in results)
     return tokens / seconds if seconds > 0 else None
-
-
-# -- peers: Hugging Face generate, assisted generation, prompt lookup --------------------------------
-def truncated_assistant(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
-    """An assistant for HF assisted generation sharing the target's tokenizer: the target's first
-    ``num_layers`` decoder layers + its final norm and LM head (weights copied)."""
-    import copy
-
-    from transformers import AutoModelForCausalLM
-
-    cfg = copy.deepcopy(model.config)
-    if not 1 <= num_layers < cfg.num_hidden_layers:
-        raise UserError(f"bench_online.assistant_layers must be in [1, {cfg.num_hidden_layers - 1}]; got {num_layers}")
-    cfg.num_hidden_layers = num_layers
-    if getattr(cfg, "layer_types", None):
-        cfg.layer_types = cfg.layer_types[:num_layers]
-    first = next(model.parameters())
-    small = AutoModelForCausalLM.from_config(cfg, dtype=first.dtype).to(first.device)
-    state = {k: v for k, v in model.state_dict().items()
-             if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
-    small.load_state_dict(state, strict=False)
-    if getattr(cfg, "tie_word_embeddings", False):
-        small.tie_weights()
-    return small.eval()
-
-
-@torch.no_grad()
-def peer_comparison(model: torch.nn.Module, prompts: Sequence[Sequence[int]], reference: Sequence[Sequence[int]],
-                    max_new_tokens: int, stop_ids: Sequence[int], peers: Sequence[str] = PEERS,
-                    assistant: torch.nn.Module | None = None, prompt_lookup_num_tokens: int = 10,
-                    pad_token_id: int | None = None) -> dict[str, dict[str, Any]]:
-    """Greedy HF ``generate`` variants on ``prompts``: decode tokens/s (prefill excluded, estimated by a
-    1-token run) and whether each output equals ``reference`` (our AR tokens)."""
-    rows: dict[str, dict[str, Any]] = {}
-    for peer in peers:
-        kwargs: dict[str, Any] = {}
-        if peer == "assisted":
-            if assistant is None:
-                raise UserError("peer 'assisted' needs an assistant model")
-            kwargs["assistant_model"] = assistant
-        elif peer == "prompt_lookup":
-            kwargs["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
-        tokens = seconds = 0.0
-        identical = True
-        for prompt, ref in zip(prompts, reference):
-            out, decode_s = _timed_generate(model, prompt, max_new_tokens, stop_ids, pad_token_id, kwargs)
-            identical &= out == list(ref)
-            tokens += max(len(out) - 1, 0)
-            seconds += decode_s
-        rows[peer] = {"tokens_per_s": tokens / seconds if seconds > 0 else None, "identical": identical}
-    return rows
-
-
-def _timed_generate(model, prompt, max_new_tokens, stop_ids, pad_token_id, kwargs) -> tuple[list[int], float]:
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt)], device=device)
-    common = dict(do_sample=False, eos_token_id=list(stop_ids) or None, pad_token_id=pad_token_id,
-                  attention_mask=torch.ones_like(ids), **kwargs)
-    clock = synced_clock(device)
-    t0 = clock()
-    model.generate(ids, max_new_tokens=1, **common)  # the prefill's share
-    t1 = clock()
-    out = model.generate(ids, max_new_tokens=max_new_tokens, **common)
-    t2 = clock()
-    return out[0, ids.shape[1]:].tolist(), max((t2 - t1) - (t1 - t0), 1e-9)
 
 
 # -- the stage ---------------------------------------------------------------------------------------
@@ -685,42 +621,3 @@ def _assistant(cfg: BenchOnlineConfig, model: torch.nn.Module) -> torch.nn.Modul
         first = next(model.parameters())
         return load_target(cfg.assistant_dir, dtype=first.dtype, device=first.device)[0]
     return truncated_assistant(model, cfg.assistant_layers)
-
-
-def plot_metrics(metrics: dict[str, Any], plots_dir: Path, block_size: int) -> None:
-    """``accept_rate.png`` (accept_rate@i per dataset) and ``proposal_lengths.png`` (histograms)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [k for k in metrics if k not in ("setup",)]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in names:
-        rates = [metrics[name].get(f"accept_rate@{i}") for i in range(block_size)]
-        ax.plot(range(block_size), [r if r is not None else float("nan") for r in rates], marker="o",
-                label=f"{name} (MAL {_fmt(metrics[name]['mal'])}, x{_fmt(metrics[name]['speedup'])})")
-    ax.set(xlabel="slot i", ylabel="accept_rate@i", ylim=(0, 1), title="online acceptance per slot")
-    ax.legend(fontsize=8)
-    _save(fig, plots_dir / "accept_rate.png")
-    fig, ax = plt.subplots(figsize=(6, 4))
-    width = 0.8 / max(len(names), 1)
-    for j, name in enumerate(names):
-        hist = metrics[name]["proposal_length_hist"]
-        total = max(sum(hist.values()), 1)
-        ax.bar([int(k) + j * width for k in hist], [v / total for v in hist.values()], width=width, label=name)
-    ax.set(xlabel="proposed tokens per cycle", ylabel="fraction of cycles", title="proposal lengths")
-    ax.legend(fontsize=8)
-    _save(fig, plots_dir / "proposal_lengths.png")
-
-
-def _fmt(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
-
-
-def _save(fig, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    with atomic_path(path, ".png") as tmp:
-        fig.savefig(tmp, dpi=100, bbox_inches="tight", format="png")
-    plt.close(fig)
