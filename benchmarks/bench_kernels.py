@@ -11,12 +11,13 @@
   context L) forward + backward through flex_attention under several kernel options.
 - ``decode_profile``: the top CUDA kernels of Triton decode steps (no CUDA graph, so names are visible).
 - ``tiles``: every small-GEMM candidate (``tuning.MMA_CONFIGS``, ``tuning.GEMV_CONFIGS``) on each decode
-  matrix at n = 1 (``--tile-tokens 1,8``: also n = 8; ``--tile-candidates``: some families only), 20 launches captured in a CUDA graph (no host launch cost) over copies of the matrix that
-  add up to >= 256 MiB (each launch reads from DRAM, not L2; session 10's first table did not), as a fraction
+  matrix at n = 1 (``--tile-tokens 1,8``: also n = 8; ``--tile-candidates``: some families only), 20 launches
+  captured in a CUDA graph (no host launch cost) over copies of the matrix that
+  add up to >= 256 MiB (each launch reads from DRAM, not L2: timed from L2 the ranking is noise), as a fraction
   of the measured copy bandwidth; the best three per (matrix, mode) printed. Beside them cuBLAS (``F.linear``,
   no fusions) at m = 1, 8 and 16 token rows: whether a fixed 16-row GEMM (batch-invariant by its fixed shape)
   reads at bandwidth. ``--tile-shape qwen3-8b`` for Qwen3-8B's matrices.
-  Issue 18's question: which tiles bring the ``mma`` step near ``fma``'s bandwidth.
+  The question it answers: which tiles bring the ``mma`` step near ``fma``'s bandwidth.
 
     python benchmarks/bench_kernels.py                       # all parts -> reports/bench/kernels.json
     python benchmarks/bench_kernels.py --parts gemv loss
@@ -169,8 +170,9 @@ def part_tiles(dev, shape: str = "qwen3-4b", launches: int = 20, replays: int = 
 
 
 def tile_pins(rows: list[dict], shape: str, device: str, dtype: str = "bfloat16") -> dict:
-    """A ``DSPARK_KERNEL_CONFIGS`` table from a tiles run: per matrix, the ``mma``-mode candidate with the least
-    time summed over the timed n (what the kernel tuner ranks by), keyed as the tuner keys it."""
+    """A pinned kernel configs table (``tuning.pin_kernel_configs``) from a tiles run: per matrix, the ``mma``-mode
+    candidate with the least time summed over the timed n (what the kernel tuner ranks by), keyed as the tuner
+    keys it."""
     dims = decode_matrices(**TILE_SHAPES[shape])
     configs = {}
     for name, (n_rows, k, kind) in dims.items():
@@ -337,7 +339,7 @@ def main() -> None:
                     help="tiles part: all, or a comma list of tc, fma_tile, gemv, cublas")
     ap.add_argument("--tile-pins", default=None,
                     help="tiles part: also write the best mma-mode candidate per matrix (least time summed over "
-                         "--tile-tokens) as a DSPARK_KERNEL_CONFIGS table to this file")
+                         "--tile-tokens) as a kernel configs table to this file (bench_online.kernel_configs)")
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench" / "kernels.json"))
     args = ap.parse_args()
     interpret = os.environ.get("TRITON_INTERPRET") == "1"

@@ -205,6 +205,7 @@ def test_kernels_refused_with_reason():
 @pytest.mark.parametrize("with_markov", [True, False])
 def test_chunked_distill_triton_matches_torch(monkeypatch, with_markov):
     """The whole chunked loss (values and gradients) with the Triton chunk math == with the torch one."""
+    from dspark_core.draft import loss as loss_mod
     from dspark_core.draft.loss import chunked_distill
 
     g = torch.Generator().manual_seed(5)
@@ -218,7 +219,7 @@ def test_chunked_distill_triton_matches_torch(monkeypatch, with_markov):
     w20 = torch.randn(vocab, r, generator=g).to(DEVICE) if with_markov else None
     results = []
     for kernel in ("torch", "triton"):
-        monkeypatch.setenv("DSPARK_LOSS_KERNEL", kernel)
+        monkeypatch.setattr(loss_mod, "LOSS_KERNEL", kernel)
         h = h0.clone().requires_grad_()
         m = m0.clone().requires_grad_() if with_markov else None
         w2 = w20.clone().requires_grad_() if with_markov else None
@@ -323,21 +324,19 @@ def test_stream_k_runs_cover_every_k_block_once():
 
 
 def _fresh_tile_tables(monkeypatch) -> None:
-    """mma mode with nothing tuned, pinned or stored, no config store and no DSPARK_KERNEL_CONFIGS: this process's
-    choices start from scratch (restored after the test)."""
+    """mma mode with nothing tuned, pinned or stored and no config store: this process's choices start from
+    scratch (restored after the test)."""
     from dspark_core.kernels import linear, tuning
 
     monkeypatch.setattr(linear, "SMALL_GEMM", "mma")
     monkeypatch.setattr(tuning, "_TUNED", {})
     monkeypatch.setattr(tuning, "_STORED", {})
     monkeypatch.setattr(tuning, "_PINNED", {})
-    monkeypatch.setattr(tuning, "_PINNED_LOADED", [False])
     monkeypatch.setattr(tuning, "_STORE", {"path": None, "fingerprint": None})
-    monkeypatch.delenv(tuning.KERNEL_CONFIGS_ENV, raising=False)
 
 
 def test_pinned_kernel_configs(tmp_path, monkeypatch):
-    """DSPARK_KERNEL_CONFIGS pins the small-GEMM configuration of the shapes it lists (the tuner's choice
+    """``pin_kernel_configs`` (params bench_online.kernel_configs) pins the small-GEMM configuration of the shapes it lists (the tuner's choice
     otherwise): the table round-trips through save / load, the pinned tile is the one launched, and a table
     from another device or a malformed one is refused naming the file."""
     from dspark_core.kernels import linear, tuning
@@ -345,7 +344,6 @@ def test_pinned_kernel_configs(tmp_path, monkeypatch):
     monkeypatch.setattr(linear, "SMALL_GEMM", "mma")
     monkeypatch.setattr(tuning, "_TUNED", {})
     monkeypatch.setattr(tuning, "_PINNED", {})
-    monkeypatch.setattr(tuning, "_PINNED_LOADED", [False])
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 96, generator=g).to(DEVICE, dtype)
@@ -354,7 +352,7 @@ def test_pinned_kernel_configs(tmp_path, monkeypatch):
     table = {"device": tuning.device_name(torch.device(DEVICE)), "configs": {key: [16, 32, 3, 4]}}
     path = tmp_path / "configs.json"
     path.write_text(json.dumps({"kernel_configs": table}))  # as bench_decode writes it
-    monkeypatch.setenv(tuning.KERNEL_CONFIGS_ENV, str(path))
+    assert tuning.pin_kernel_configs(path, DEVICE) == {key: (16, 32, 3, 4)}
     launched = []
     real = linear._launch
     monkeypatch.setattr(linear, "_launch", lambda *a: launched.append(a[-1]) or real(*a))
@@ -423,8 +421,7 @@ def test_small_gemm_mode_switch_and_reasons(monkeypatch):
     from dspark_core.kernels import linear
 
     monkeypatch.setattr(linear, "SMALL_GEMM", linear.SMALL_GEMM)
-    if "DSPARK_SMALL_GEMM" not in os.environ:
-        assert linear.SMALL_GEMM == "mma"
+    assert linear.SMALL_GEMM == "mma"
     linear.set_small_gemm("fma")
     assert linear.SMALL_GEMM == "fma" and not linear._uses_mma(1)
     with pytest.raises(ValueError, match="small_gemm must be one of.*'tpu'"):
@@ -572,7 +569,7 @@ def test_tuner_ranks_mma_candidates_by_step_plus_verify(monkeypatch):
 def test_tile_pins_keep_the_least_summed_time(tmp_path):
     """``bench_kernels.py --tile-pins``: per matrix the mma-mode candidate with the least time summed over the
     timed n (one timed at only some n is left out), keyed as the tuner keys the shape; the table loads as a
-    ``DSPARK_KERNEL_CONFIGS`` file."""
+    kernel configs file (``tuning.pin_kernel_configs``)."""
     import sys
     from pathlib import Path
 

@@ -393,7 +393,7 @@ def test_static_cuda_graph_sampling_matches_the_targets_distribution(kernels, to
     """The sampling cycle captured in CUDA graphs (device RNG under capture): the same two-sample test as on
     CPU (and on an H200). top_p 1.0 with kernels: the one-launch sampled slots
     (``MarkovSampler``) and the Triton accept step (``SampledAccept``, the default; switched on here whatever
-    DSPARK_REJECT_KERNEL says); top_p 0.95 keeps the torch slots and accept step."""
+    ``static_engine.REJECT_KERNEL`` says); top_p 0.95 keeps the torch slots and accept step."""
     import dspark_core.decoding.static_engine as static_engine
 
     monkeypatch.setattr(static_engine, "REJECT_KERNEL", True)

@@ -91,6 +91,10 @@ class BenchOnlineConfig(Section):
     kernels: bool | None = None           # the Triton decode step (GPU); None: on for cuda where it applies
     small_gemm: str | None = None         # mma | fma (kernels.linear); None: mma where it applies
     kernel_config_store: str | None = "~/.cache/dspark/kernel_configs"  # tuned tiles per device + target
+    kernel_configs: str | None = None     # a pinned tile table (kernels.tuning.save_kernel_configs); wins over the store
+    batch_invariant: bool = True          # kernels: each token of a verify summed as in a one-token step
+    tune_kernels: bool = True             # kernels: time the tile candidates per shape (False: the first one)
+    fma_tiles: bool = False               # kernels, mma mode: the tuner also times the FMA tiles
     ar_all_modes: bool = True             # with kernels: AR again in the other small-GEMM mode (fastest AR)
     engine: str = "auto"                  # reference | static | auto (static for greedy on cuda where it applies)
     tree_branches: tuple[tuple[int, ...], ...] = ()  # draft-tree branches [start, length] (decoding/tree.py)
@@ -370,8 +374,8 @@ def resolve_engine(name: str, sampling: SamplingParams, draft: Any, device: torc
                    tree: bool = False) -> str:
     """``bench_online.engine``: "static" (the device-side cycle: greedy, or sampling along a chain; baseline
     draft hooks), "reference" (``SpeculativeDecoder``: any sampling, any variant), or "auto": static on CUDA where
-    it applies (greedy, or sampling along a chain: its CUDA-graph sampling cycle passed the chi-square test on an
-    H200 in session 10), else reference. Asking for "static" where it cannot run is a ValueError with the reason."""
+    it applies (greedy, or sampling along a chain: its CUDA-graph sampling cycle passes the chi-square test against
+    the target's distribution on an H200), else reference. Asking for "static" where it cannot run is a ValueError with the reason."""
     if name == "reference":
         return name
     problem = static_draft_problem(draft)
@@ -440,7 +444,7 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
     for temp in cfg.also_temperatures:
         hot_cfg = cfg.replace(temperature=float(temp))
         hot_runs = at_temperature(metrics, runner, draft, hot_cfg, prompt_sets, tokenizer, stops, block, device)
-        if kernels and cfg.ar_all_modes:  # the sampled speedup against the fastest sampled AR too (issue 18)
+        if kernels and cfg.ar_all_modes:  # the sampled speedup against the fastest sampled AR too
             key = f"{hot_cfg.temperature:g}"
             rows = {name: metrics[name]["at_temperature"][key] for name in [*hot_runs, "overall"]}
             by_mode = ar_in_other_modes(model, hot_cfg, hot_runs, stops, runner.aux_layer_ids, block, graphs)
@@ -508,7 +512,16 @@ def setup_kernels(cfg: BenchOnlineConfig, target_dir: str | Path, device: torch.
 
     if cfg.small_gemm is not None:
         linear.set_small_gemm(cfg.small_gemm)
+    linear.set_batch_invariant(cfg.batch_invariant)
+    tuning.set_tuning(cfg.tune_kernels)
+    tuning.set_fma_tiles(cfg.fma_tiles)
     out: dict[str, Any] = {"small_gemm": linear.resolve_small_gemm(device), "kernel_config_file": None}
+    if cfg.kernel_configs:
+        try:
+            pins = tuning.pin_kernel_configs(Path(cfg.kernel_configs).expanduser(), device)
+        except ValueError as e:  # names the file and what is wrong with it
+            raise UserError(f"bench_online.kernel_configs: {e}; set it to null to tune") from None
+        out["kernel_configs_file_pinned"] = len(pins)
     if cfg.kernel_config_store:
         fingerprint = read_fingerprint(target_dir)["fingerprint"]
         path = tuning.kernel_store_path(cfg.kernel_config_store, device, fingerprint)
@@ -522,7 +535,7 @@ def ar_in_other_modes(model: torch.nn.Module, cfg: BenchOnlineConfig, runs: dict
                       graphs: bool) -> dict[str, dict[str, list[GenerationResult]]]:
     """AR decoding of the same prompts in each other small-GEMM mode that applies (kernels on): the generations
     per dataset and mode, the current mode's from ``runs``. Every speedup is then also reported against the fastest
-    AR of all modes (issue 18): a mode that makes the verify cheap may make the AR step slow."""
+    AR of all modes: a mode that makes the verify cheap may make the AR step slow."""
     from dspark_core.kernels import linear
 
     main = linear.SMALL_GEMM

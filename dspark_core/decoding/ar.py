@@ -9,7 +9,7 @@ Same stop / max_new_tokens rules and the same ``GenerationResult`` (one cycle pe
 compare like with like.
 
 ``StaticARDecoder`` (greedy) keeps the whole step on the device (one CUDA graph with the argmax and the
-position update). Measured on the H200 (session 4, SmolLM2 shapes, ``benchmarks/bench_decode.py`` reports
+position update). Measured on an H200 (SmolLM2 shapes, ``benchmarks/bench_decode.py`` reports
 both) it is 1-3% *slower* than ``ARDecoder``'s host loop, whose GPU never waits for the host either; the
 benchmarks therefore compare speculative decoding with ``ARDecoder``, and keep this one as a measured
 alternative.

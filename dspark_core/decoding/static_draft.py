@@ -29,8 +29,6 @@ nq / nkv heads, d head dim, M cache positions (max_len rounded up to 16), n posi
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from dspark_core.draft.attention import AttentionMask
@@ -39,7 +37,7 @@ from dspark_core.decoding.target_runner import fuse_layer
 from dspark_core.decoding.tree import top2_reference
 
 HOOKS = ("block_inputs", "markov_features", "extra_kv", "score_candidates")
-SAMPLE_KERNEL = os.environ.get("DSPARK_SAMPLE_KERNEL", "1") != "0"  # see StaticDraft._sample_kernel_applies
+SAMPLE_KERNEL = True  # False: the torch path even where the kernel applies (see StaticDraft._sample_kernel_applies)
 
 
 def static_draft_problem(draft: DSparkDraft) -> str | None:
@@ -186,8 +184,8 @@ class StaticDraft:
         return not params.greedy and params.top_p >= 1.0 and not 0 < params.top_k < self.draft.vocab_size
 
     def _sample_kernel_applies(self, params) -> bool:
-        """The one-launch sampled slot (``MarkovSampler``) at a plain temperature. DSPARK_SAMPLE_KERNEL=0 keeps the
-        torch path (A/B timing)."""
+        """The one-launch sampled slot (``MarkovSampler``) at a plain temperature (the tests compare it with the
+        torch path, ``SAMPLE_KERNEL = False``)."""
         return self.kernels and self.markov is not None and self.plain_temperature(params) and SAMPLE_KERNEL
 
     def _sampled_slots_kernel(self, base: torch.Tensor, anchor: torch.Tensor, temperature: float,

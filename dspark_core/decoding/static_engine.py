@@ -22,11 +22,10 @@ which commits the same tokens the reference commits after proposing only the con
 (``sampling.rejection_step``: accept t_i while u_i q_i(t_i) < p_i(t_i), then one token from
 normalize(max(p_a - q_a, 0)), or from p_a past the last counted slot), every draw an exponential race on device
 uniforms: no host read, static shapes (with the Triton draft at a plain temperature: ``MarkovSampler`` slots, and
-the accept step in two launches, ``kernels.accept.SampledAccept``; ``DSPARK_REJECT_KERNEL=0`` for the torch
+the accept step in two launches, ``kernels.accept.SampledAccept``; ``REJECT_KERNEL = False`` for the torch
 ops). Without CUDA graphs the draws come from ``torch.Generator(seed)``; with them from the default CUDA generator
 (graph-safe). Tested on CPU (chi-square against the target's distribution) and, captured in CUDA graphs with and
-without the Triton kernels, on an H200 (sessions 10 and 15,
-``test_static_cuda_graph_sampling_matches_the_targets_distribution``):
+without the Triton kernels, on an H200 (``test_static_cuda_graph_sampling_matches_the_targets_distribution``):
 ``bench_online``'s ``engine: auto`` picks it for sampling on CUDA.
 
 ``tree_branches`` ((start, length), ...; ``dspark_core.decoding.tree``) adds side branches to the proposal: the
@@ -45,7 +44,6 @@ Shape legend: S block size, V vocab, K aux layers, H target hidden.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from typing import Sequence
@@ -61,9 +59,9 @@ from dspark_core.decoding.types import GenerationResult, cut_at_stop
 
 # The sampled accept step in two Triton launches (``kernels.accept.SampledAccept``) instead of ~50 torch kernels:
 # tested against the torch step (interpreter and H200) and, in CUDA graphs, against the target's distribution
-# (chi-square, H200, session 15); SmolLM2 ``mma`` sampling cycle 1.166 -> 1.094 ms. DSPARK_REJECT_KERNEL=0 keeps
-# the torch ops (``logits_to_probs`` + ``sampling.rejection_step``).
-REJECT_KERNEL = os.environ.get("DSPARK_REJECT_KERNEL", "1") != "0"
+# (chi-square, H200); SmolLM2 ``mma`` sampling cycle 1.166 -> 1.094 ms. False keeps the torch ops
+# (``logits_to_probs`` + ``sampling.rejection_step``), the reference the tests compare it with.
+REJECT_KERNEL = True
 
 
 class StaticSpeculativeDecoder:

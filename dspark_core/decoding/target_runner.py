@@ -40,11 +40,8 @@ weight-read limit 520 tokens/s at the measured 4.2 TB/s copy bandwidth):
 | path | n = 1 step | AR tokens/s | of the limit | n = 8 verify |
 |---|---|---|---|---|
 | compile + CUDA graphs (cuBLAS GEMVs, separate Q/K/V) | 4.94 ms | 197.5 | 37 % | 4.68 ms |
-| ``kernels=True`` + CUDA graphs, no PDL | 2.67 ms | 370.2 | 70 % | |
-| ``kernels=True`` + CUDA graphs + PDL (``DSPARK_SMALL_GEMM=fma``) | 2.52 ms | 392.3 | 75 % | 10.8 ms |
-| ``kernels=True`` + CUDA graphs + PDL, ``DSPARK_SMALL_GEMM=mma`` | 4.36 ms | 225.7 | 43 % | 4.44 ms |
-| same, ``mma`` with session 9's deeper-pipeline tiles (``reports/bench/decode_modes_h200``) | 4.03 ms | 245.9 | 47 % | 4.11 ms |
-| same, ``mma`` with session 10's swap-AB + split-K tiles (``reports/bench/decode_modes_h200``) | 2.91 ms | 339.7 | 65 % | 3.01 ms |
+| ``kernels=True`` + CUDA graphs + PDL, ``small_gemm: fma`` | 2.52 ms | 392.3 | 75 % | 10.8 ms |
+| ``kernels=True`` + CUDA graphs + PDL, ``small_gemm: mma`` (swap-AB + split-K tiles) | 2.91 ms | 339.7 | 65 % | 3.01 ms |
 
 Both kernel modes are batch-invariant (verify logits bit for bit those of AR steps); ``fma`` is the fast AR
 step, ``mma`` (the default where bf16 tensor cores exist) the cheap verify (see ``dspark_core.kernels.linear``).

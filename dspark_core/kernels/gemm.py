@@ -124,7 +124,7 @@ def _gemm_stream(X, NW, W, BIAS, R, Y, WS, LOCK, M, N, K, IPT, ITERS, S_MAX, eps
                  GATED: tl.constexpr, HAS_BIAS: tl.constexpr, RESID: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
                  PDL_ON: tl.constexpr):
-    """Stream-K ``_gemm_small`` (session 12): the column tiles' K blocks, IPT per tile, laid end to end and cut
+    """Stream-K ``_gemm_small``: the column tiles' K blocks, IPT per tile, laid end to end and cut
     into equal runs of ITERS, one run per program, with a grid of a whole number of programs per SM. A
     memory-bound step is then spread over every SM: a grid of column tiles (or tiles x splits) that is not a
     multiple of the SM count leaves SMs idle while others take a second tile (Qwen3-4B's O / down: 40-160

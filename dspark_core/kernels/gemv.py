@@ -115,7 +115,7 @@ def _gemv_rows(X, NW, W, BIAS, R, Y, M, N, K, eps, NORM: tl.constexpr, GATED: tl
                HAS_BIAS: tl.constexpr, RESID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                PDL_ON: tl.constexpr, PREFETCH: tl.constexpr):
     """Rows [pid * BLOCK_N, +BLOCK_N) of W for all M tokens, one token after the other, fp32 FMA: the FMA tiles
-    of the ``mma`` mode (``("fma", BLOCK_N, BLOCK_K, warps)``; session 11).
+    of the ``mma`` mode (``("fma", BLOCK_N, BLOCK_K, warps)``).
 
     Each token is summed exactly as ``_gemv`` sums it (same blocks, same order), by the same loop body whatever
     M is: batch-invariant. Unlike ``_gemv`` (a program per token and tile) the M tokens share one program, so

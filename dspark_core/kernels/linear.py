@@ -7,7 +7,6 @@ Shape legend: n tokens of the step, K input features, N output features.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -21,20 +20,25 @@ from dspark_core.ops import rms_norm
 
 MAX_TOKENS = 16  # the widest step these kernels take (verify of a 15-token proposal)
 # Batch invariance (default): a step of n tokens computes each token exactly as a step of one token would,
-# so greedy speculative decoding reproduces AR decoding bit for bit in bf16 too. Two ways (DSPARK_SMALL_GEMM,
-# or ``set_small_gemm``; bench_online.small_gemm in params.yaml):
+# so greedy speculative decoding reproduces AR decoding bit for bit in bf16 too. Two ways (``set_small_gemm``;
+# bench_online.small_gemm in params.yaml, bench_decode.py --kernel-modes):
 #   mma (default where it applies): every step, n = 1 included, through the tensor-core kernel with 16 token
 #        rows (padding rows cost nothing: the step is memory-bound) and split-K: a verify of n <= 16 costs
 #        about one n = 1 step. Needs bf16 tensor cores (sm_80+; ``small_gemm_problem`` says why not);
-#   fma: every token through the FMA GEMV, one program per (token, weight tile): the fastest n = 1 step of
-#        session 3, but n tokens read each tile from L2 n times (a verify of 8 ~4x the n = 1 step).
-# DSPARK_BATCH_INVARIANT=0: the FMA GEMV for n = 1 and tensor-core tiles for n > 1 (a near-tie can then flip a
-# greedy token between verify and AR).
-BATCH_INVARIANT = os.environ.get("DSPARK_BATCH_INVARIANT", "1") != "0"
+#   fma: every token through the FMA GEMV, one program per (token, weight tile): the fastest n = 1 step, but
+#        n tokens read each tile from L2 n times (a verify of 8 ~4x the n = 1 step).
+# ``set_batch_invariant(False)`` (bench_online.batch_invariant, bench_decode.py --no-batch-invariant): the FMA
+# GEMV for n = 1 and tensor-core tiles for n > 1 (a near-tie can then flip a greedy token between verify and AR).
+BATCH_INVARIANT = True
 SMALL_GEMM_MODES = ("mma", "fma")
-SMALL_GEMM = os.environ.get("DSPARK_SMALL_GEMM", "mma")
-if SMALL_GEMM not in SMALL_GEMM_MODES:
-    raise ValueError(f"DSPARK_SMALL_GEMM must be mma or fma; got {SMALL_GEMM!r}")
+SMALL_GEMM = "mma"
+
+
+def set_batch_invariant(on: bool) -> None:
+    """Batch-invariant products (True, the default; see above) or the FMA GEMV for n = 1 and tensor-core tiles
+    for n > 1 (False), for the kernels launched from now on."""
+    global BATCH_INVARIANT
+    BATCH_INVARIANT = bool(on)
 
 
 def set_small_gemm(mode: str) -> None:
@@ -116,9 +120,9 @@ def _config(x, w, bias, norm_weight, eps, residual, y, n_out, gated):
         one = (residual[:1] if residual is not None else None)
         return _config(x[:1], w, bias, norm_weight, eps, one, y[:1], n_out, gated)
     mma = _uses_mma(m)
-    configs = tuning.MMA_CONFIGS if mma else tuning.GEMV_CONFIGS
+    configs = tuning.mma_candidates() if mma else tuning.GEMV_CONFIGS
     key = (mma, m, n_out, k, gated, x.dtype, str(x.device))
-    chosen = tuning.lookup(key, x.device)
+    chosen = tuning.lookup(key)
     if chosen is not None:
         return chosen
     if INTERPRET:  # the CPU interpreter runs programs one by one: the fewest, widest (tensor-core) tiles
@@ -133,7 +137,7 @@ TUNE_VERIFY_TOKENS = 8  # mma mode with FMA tiles: a candidate's cost is its n =
 
 def _tune(x, w, bias, norm_weight, eps, residual, n_out, gated, configs, mma: bool) -> tuple:
     """The fastest of ``configs`` for x [1, K]: ``graph_time_ms`` over ``weight_copies`` (DRAM reads, no host
-    launch cost). In ``mma`` mode one configuration serves every n; when FMA tiles compete (DSPARK_FMA_TILES=1) a
+    launch cost). In ``mma`` mode one configuration serves every n; when FMA tiles compete (``set_fma_tiles``) a
     candidate is timed at n = 1 and at n = 8 (a block-7 verify) and ranked by the sum, since FMA tiles grow with n
     and tensor-core tiles barely do (tensor-core tiles alone: n = 1, half the warm-up)."""
     weights = tuning.weight_copies(w)

@@ -14,8 +14,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def _pdl_supported() -> bool:
     """Programmatic dependent launch (Hopper+): each kernel is launched while the previous one drains and
     waits (``gdc_wait``, first thing) for it to finish; hides launch latency between the small kernels.
-    ``DSPARK_PDL=0`` turns it off."""
-    if INTERPRET or os.environ.get("DSPARK_PDL", "1") == "0" or not torch.cuda.is_available():
+    On wherever the device and Triton support it."""
+    if INTERPRET or not torch.cuda.is_available():
         return False
     try:
         import dataclasses
@@ -35,8 +35,9 @@ if PDL:
 else:  # never traced: every use sits under ``if PDL_ON:`` (a constexpr False)
     gdc_launch_dependents = gdc_wait = None
 _LAUNCH = {"launch_pdl": True} if PDL else {}
-# Weight prefetch across kernels (default on; DSPARK_PDL_PREFETCH=0 for the session-10 kernels): each product
-# kernel lets the next one launch first thing (``gdc_launch_dependents``), and loads its first weight block
-# *before* ``gdc_wait``: weights are constants, so that read may overlap the previous kernel, which is where a
-# launch-bound step (SmolLM2: 30 layers x 7 small kernels) spends its time. The sums are the same either way.
-PDL_PREFETCH = os.environ.get("DSPARK_PDL_PREFETCH", "1") != "0"
+# Weight prefetch across kernels: each product kernel lets the next one launch first thing
+# (``gdc_launch_dependents``), and loads its first weight block *before* ``gdc_wait``: weights are constants, so
+# that read may overlap the previous kernel, which is where a launch-bound step (SmolLM2: 30 layers x 7 small
+# kernels) spends its time. The sums are the same either way (False: wait first, release after the K loop;
+# the kernel tests compare the two bit for bit).
+PDL_PREFETCH = True

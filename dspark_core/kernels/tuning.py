@@ -17,47 +17,74 @@ GEMV_CONFIGS = [(4, 512, 4), (2, 1024, 4), (1, 2048, 4), (1, 4096, 4), (2, 4096,
 # (BLOCK_N, BLOCK_K, SPLITS, num_warps[, num_stages[, swap]]) candidates of the tensor-core path (SPLITS > 1:
 # split-K; num_stages: Triton's software pipeline depth, 3 when left out; swap 1: swap-AB, see _gemm_small).
 # A step of n <= 16 tokens is memory-bound, so what decides its speed is the bytes each SM has in flight:
-# tile x stages x programs per SM. The 5- and 6-tuples (session 9) add deeper pipelines, wider tiles, swap-AB.
+# tile x stages x programs per SM. The 5- and 6-tuples add deeper pipelines, wider tiles, swap-AB.
 MMA_CONFIGS = [(32, 128, 1, 4), (16, 256, 1, 4), (64, 128, 1, 4), (16, 128, 2, 4), (16, 256, 2, 4),
                 (32, 128, 2, 4), (16, 128, 4, 4), (16, 256, 4, 4), (32, 128, 4, 4), (16, 64, 8, 4), (16, 128, 8, 4),
                 (32, 64, 8, 4), (16, 512, 2, 8), (16, 1024, 1, 8),
                 (32, 128, 1, 4, 5), (64, 128, 1, 4, 4), (64, 128, 2, 4, 4), (32, 256, 1, 4, 4), (32, 256, 2, 4, 4),
                 (16, 256, 2, 4, 5), (16, 256, 4, 4, 5), (16, 512, 1, 4, 4), (16, 512, 2, 4, 4), (32, 128, 2, 4, 6),
                 (64, 64, 2, 4, 6), (128, 64, 1, 8, 4), (128, 128, 1, 8, 3), (64, 256, 1, 8, 3),
-                # session 9, not yet timed on a GPU: wider tiles (the 128 x 128 one won the largest GEMMs), and
-                # swap-AB (6th entry 1: the weight tile as the MMA's M side, Hopper's warpgroup MMA)
+                # wider tiles (the 128 x 128 one won the largest GEMMs), and swap-AB (6th entry 1: the weight
+                # tile as the MMA's M side, Hopper's warpgroup MMA)
                 (128, 128, 1, 8, 4), (256, 64, 1, 8, 3), (64, 128, 1, 4, 4, 1), (128, 64, 1, 4, 4, 1),
                 (128, 128, 1, 8, 3, 1), (128, 128, 1, 4, 4, 1), (64, 256, 1, 4, 3, 1), (64, 128, 2, 4, 4, 1),
                 (128, 64, 2, 4, 5, 1), (256, 64, 1, 8, 3, 1),
-                # session 10: swap-AB won Qwen3-4B's Q/K/V, O, gate/up and LM head on an H200; split-K with it for
+                # swap-AB won Qwen3-4B's Q/K/V, O, gate/up and LM head on an H200; split-K with it for
                 # the narrow matrices (N = 2560: O and down have 40 tiles of 64 for 132 SMs)
                 (64, 128, 4, 4, 4, 1), (64, 128, 8, 4, 4, 1), (64, 256, 2, 4, 3, 1), (64, 256, 4, 4, 3, 1),
                 (64, 64, 4, 4, 6, 1), (64, 64, 8, 4, 6, 1), (128, 128, 2, 8, 3, 1), (128, 64, 4, 4, 5, 1),
-                # session 12: stream-K (SPLITS = -c: c programs per SM, ``_gemm_stream``), the 7 of 16 tried that
-                # placed in the top 3 of some Qwen3-4B matrix on an H200 (bench_kernels tiles, same run): gate/up
+                # stream-K (SPLITS = -c: c programs per SM, ``_gemm_stream``), the 7 of 16 tried that placed in
+                # the top 3 of some Qwen3-4B matrix on an H200 (bench_kernels tiles, one run): gate/up
                 # 33.4 -> 29.6 us (its 76 column tiles of 128 leave 56 of 132 SMs idle), down 17.9 -> 17.2 us;
                 # Q/K/V, O and the LM head keep plain tiles
                 (64, 256, -1, 4, 3, 1), (128, 128, -1, 8, 3, 1), (64, 128, -2, 4, 4, 1), (64, 128, -1, 4, 4, 1),
                 (128, 64, -1, 4, 5, 1), (64, 64, -2, 4, 6, 1), (128, 128, -2, 8, 3, 1)]
-# Session 11: FMA tiles of the mma mode, ("fma", BLOCK_N, BLOCK_K, num_warps) (``_gemv_rows``: one program takes
-# every token of the step, summed as the fma GEMV sums). Opt-in (DSPARKFMA_TILES=1 adds them to the tuner's
-# candidates; ``bench_kernels.py --parts tiles --tile-candidates fma_tile`` times them): on an H200 at SmolLM2
+# FMA tiles of the mma mode, ("fma", BLOCK_N, BLOCK_K, num_warps) (``_gemv_rows``: one program takes every
+# token of the step, summed as the fma GEMV sums). Opt-in (``set_fma_tiles(True)``, params
+# ``bench_online.fma_tiles``, ``bench_decode.py --fma-tiles``, adds them to the tuner's candidates;
+# ``bench_kernels.py --parts tiles --tile-candidates fma_tile`` times them): on an H200 at SmolLM2
 # shapes they match the GEMV at n = 1 (Q/K/V 1.7 vs 1.6 us, LM head 27.6 vs 25.7 us) but their tokens run one
 # after another, so n = 8 costs 3.5-4.5x n = 1 (Q/K/V 7.2 us) -- no cheaper verify, and a slower warm-up.
 FMA_TILES = [("fma", 4, 1024, 4), ("fma", 2, 1024, 4), ("fma", 8, 1024, 8), ("fma", 16, 1024, 8), ("fma", 4, 2048, 8),
               ("fma", 2, 2048, 4), ("fma", 8, 512, 4), ("fma", 16, 512, 8), ("fma", 1, 2048, 4)]
-if os.environ.get("DSPARKFMA_TILES", "0") == "1":
-    MMA_CONFIGS += FMA_TILES
+FMA_TILES_TUNED = False  # whether the tuner also times FMA_TILES in mma mode (``set_fma_tiles``)
 _TUNED: dict[tuple, tuple] = {}
-TUNE = os.environ.get("DSPARK_TUNE_KERNELS", "1") != "0"
-# The tuner times each candidate once per process, and near-equal candidates can swap between runs. With
-# DSPARK_SMALL_GEMM=mma a configuration fixes the order of the sums, so two runs that picked differently give
-# (each batch-invariant, both correct) different bf16 greedy outputs, MAL and speed. Pin them:
-# DSPARK_KERNEL_CONFIGS=FILE (written by ``save_kernel_configs``; benchmarks/bench_decode.py stores the table
-# in its JSON under "kernel_configs", which is accepted too) fixes every shape it lists; others are tuned.
-KERNEL_CONFIGS_ENV = "DSPARK_KERNEL_CONFIGS"
-_PINNED: dict[str, tuple] = {}  # from DSPARK_KERNEL_CONFIGS (wins)
+TUNE = True  # False (``set_tuning``): every shape runs its first candidate, untimed
+# The tuner times each candidate once per process, and near-equal candidates can swap between runs. In mma mode
+# a configuration fixes the order of the sums, so two runs that picked differently give (each batch-invariant,
+# both correct) different bf16 greedy outputs, MAL and speed. Pin them: ``pin_kernel_configs(FILE)`` (params
+# ``bench_online.kernel_configs``, ``bench_decode.py --kernel-configs``; a file written by
+# ``save_kernel_configs``, or a bench_decode JSON holding the table under "kernel_configs") fixes every shape it
+# lists; others are tuned.
+_PINNED: dict[str, tuple] = {}  # from ``pin_kernel_configs`` (wins)
 _STORED: dict[str, tuple] = {}  # from the config store (``use_config_store``)
+
+
+def set_tuning(on: bool) -> None:
+    """Tune each new shape (True, the default) or run its first candidate untimed (False)."""
+    global TUNE
+    TUNE = bool(on)
+
+
+def set_fma_tiles(on: bool) -> None:
+    """Let the mma-mode tuner also time the FMA tiles (``FMA_TILES``; off by default)."""
+    global FMA_TILES_TUNED
+    FMA_TILES_TUNED = bool(on)
+
+
+def mma_candidates() -> list[tuple]:
+    """The mma-mode candidates the tuner times: ``MMA_CONFIGS``, plus ``FMA_TILES`` when ``set_fma_tiles(True)``."""
+    return MMA_CONFIGS + FMA_TILES if FMA_TILES_TUNED else MMA_CONFIGS
+
+
+def pin_kernel_configs(path: str | os.PathLike, device: torch.device | str) -> dict[str, tuple]:
+    """Pin every shape listed in the table at ``path`` (``load_kernel_configs``); pins win over the config store
+    and over configurations already chosen in this process. Returns the table."""
+    pins = load_kernel_configs(path, device)
+    for key in [k for k in _TUNED if config_key(k) in pins]:
+        del _TUNED[key]
+    _PINNED.update(pins)
+    return pins
 
 
 def is_fma_tile(cfg: tuple) -> bool:
@@ -72,8 +99,8 @@ TUNE_BYTES = 256 << 20  # the tuner reads at least this many weight bytes per ti
 def weight_copies(w: torch.Tensor, min_bytes: int = TUNE_BYTES, max_copies: int = 16) -> list[torch.Tensor]:
     """``w`` and copies of it adding up to >= ``min_bytes`` (at most ``max_copies``): launches that take them in
     turn read their weights from DRAM, as a decode step does, not from the L2 that one small matrix launched over
-    and over would live in (session 10: timed from L2, the tuner ranked Qwen3-4B's O / down tiles by noise, and the
-    step moved between 2.9 and 3.8 ms from one process to the next)."""
+    and over would live in (timed from L2, the tuner ranked Qwen3-4B's O / down tiles by noise, and the step moved
+    between 2.9 and 3.8 ms from one process to the next on an H200)."""
     copies = min(max_copies, max(1, -(-min_bytes // (w.numel() * w.element_size()))))
     out = [w]
     try:
@@ -103,12 +130,11 @@ def graph_time_ms(launch, launches: int = 20, replays: int = 5) -> float:
     return start.elapsed_time(end) / (replays * launches)
 
 
-def lookup(key: tuple, device: torch.device) -> tuple | None:
+def lookup(key: tuple) -> tuple | None:
     """The configuration chosen for ``key`` in this process, or pinned for it (a configuration file, then the
     config store); None when the shape is new."""
     if key in _TUNED:
         return _TUNED[key]
-    _load_pinned_once(device)
     pinned = _PINNED.get(config_key(key)) or _STORED.get(config_key(key))
     if pinned is not None:
         _TUNED[key] = pinned
@@ -170,19 +196,19 @@ def load_kernel_configs(path: str | os.PathLike, device: torch.device | str = "c
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"{KERNEL_CONFIGS_ENV}={path}: cannot read a JSON table ({e})") from e
+        raise ValueError(f"kernel configs {path}: cannot read a JSON table ({e})") from e
     data = data.get("kernel_configs", data) if isinstance(data, dict) else None
     if not isinstance(data, dict) or not isinstance(data.get("configs"), dict):
-        raise ValueError(f"{KERNEL_CONFIGS_ENV}={path}: no {{'device', 'configs'}} table in it")
+        raise ValueError(f"kernel configs {path}: no {{'device', 'configs'}} table in it")
     here = device_name(torch.device(device))
     if data.get("device") != here:
-        raise ValueError(f"{KERNEL_CONFIGS_ENV}={path}: configurations tuned on {data.get('device')!r}, "
+        raise ValueError(f"kernel configs {path}: configurations tuned on {data.get('device')!r}, "
                          f"this device is {here!r}")
     out = {}
     for key, cfg in data["configs"].items():
         parsed = _parse_config(key.split(":")[0], cfg)
         if parsed is None:
-            raise ValueError(f"{KERNEL_CONFIGS_ENV}={path}: bad entry {key!r}: {cfg!r}")
+            raise ValueError(f"kernel configs {path}: bad entry {key!r}: {cfg!r}")
         out[key] = parsed
     return out
 
@@ -199,17 +225,7 @@ def _parse_config(kind: str, cfg) -> tuple | None:
     return tuple(cfg)
 
 
-_PINNED_LOADED: list[bool] = [False]
 _STORE: dict = {"path": None, "fingerprint": None}
-
-
-def _load_pinned_once(device: torch.device) -> None:
-    if _PINNED_LOADED[0]:
-        return
-    _PINNED_LOADED[0] = True
-    path = os.environ.get(KERNEL_CONFIGS_ENV)
-    if path:
-        _PINNED.update(load_kernel_configs(path, device))
 
 
 # -- the config store: a model's tuned tiles, kept per device and target fingerprint -------------------------------
@@ -225,8 +241,8 @@ def kernel_store_path(root: str | os.PathLike, device: torch.device | str, finge
 def use_config_store(path: str | os.PathLike, device: torch.device | str, fingerprint: str) -> dict[str, tuple]:
     """Pin every configuration stored in ``path`` (an earlier run of this target on this device) and add each
     shape tuned from now on to it, so that every later run picks the same tiles -- in ``mma`` mode the same
-    sums, bit for bit -- without ``DSPARK_KERNEL_CONFIGS``. A configuration already chosen in this process for
-    a stored shape is dropped (the store wins). ``DSPARK_KERNEL_CONFIGS``, when set, still wins over both.
+    sums, bit for bit -- without a pinned file. A configuration already chosen in this process for a stored
+    shape is dropped (the store wins). A table pinned by ``pin_kernel_configs`` still wins over both.
     Returns the pinned table; ValueError naming the file when it is not one, or is another device's / target's."""
     import json
     from pathlib import Path
