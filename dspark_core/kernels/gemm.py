@@ -232,7 +232,6 @@ def _gemm_epilogue(acc, acc2, sq, BIAS, R, Y, N, K, eps, rm, mmask, cn, nmask, d
     tl.store(Y + offs, y.to(dt), mask=omask)
 
 
-
 MMA_ROWS = 16  # token rows of the tensor-core tile (>= MAX_TOKENS)
 _SPLIT_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 

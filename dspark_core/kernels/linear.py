@@ -7,7 +7,6 @@ Shape legend: n tokens of the step, K input features, N output features.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 
@@ -71,10 +70,8 @@ def resolve_small_gemm(device: torch.device | str) -> str:
     return SMALL_GEMM
 
 
-
 def _uses_mma(m: int) -> bool:
     return SMALL_GEMM == "mma" if BATCH_INVARIANT else m > 1
-
 
 
 def _launch(x, w, bias, norm_weight, eps, residual, y, n_out, gated, cfg):

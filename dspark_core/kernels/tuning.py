@@ -10,7 +10,6 @@ from typing import Callable
 
 import torch
 
-
 # (BLOCK_N, BLOCK_K, num_warps) candidates of the FMA GEMV; the first is the default before tuning
 GEMV_CONFIGS = [(4, 512, 4), (2, 1024, 4), (1, 2048, 4), (1, 4096, 4), (2, 4096, 8), (2, 2048, 4), (4, 2048, 8),
                  (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 512, 8)]
@@ -90,7 +89,6 @@ def pin_kernel_configs(path: str | os.PathLike, device: torch.device | str) -> d
 def is_fma_tile(cfg: tuple) -> bool:
     """An ``mma``-mode candidate that is an FMA tile (``_gemv_rows``) rather than a tensor-core one."""
     return cfg[0] == "fma"
-
 
 
 TUNE_BYTES = 256 << 20  # the tuner reads at least this many weight bytes per timing (> an H200's 50 MB L2)
