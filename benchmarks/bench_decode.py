@@ -1,4 +1,4 @@
-"""Decode speed of the online engine (issue 4): AR at real model shapes vs the weight-read limit, and
+"""Decode speed of the online engine: AR at real model shapes vs the weight-read limit, and
 speculative decoding with a trained draft.
 
 (a) AR decode, batch 1, random weights, through ``TargetRunner`` (static KV cache; on GPU CUDA graphs of the
@@ -9,15 +9,16 @@ speculative decoding with a trained draft.
       weights: decoding one token reads every weight once;
     - transformers' own ``generate`` (eager, dynamic cache), greedy, prefill subtracted;
     - the verify step (n = block_size + 1 tokens in one forward) vs the n = 1 step.
-    Target (issue 4): >= 70 % of the limit at Qwen3-4B shapes. Qwen3-8B shapes (hidden 4096, 36 layers, 32 / 8
+    Target: >= 70 % of the limit at Qwen3-4B shapes. Qwen3-8B shapes (hidden 4096, 36 layers, 32 / 8
     heads, FFN 12288, untied head) too. With ``--kernels`` every shape runs in each ``--kernel-modes`` small-GEMM
     family (mma, fma: same process), and each mode's row carries the fastest AR of all modes beside its own
-    (issue 18: a speedup counts against the fastest AR the project has on the machine).
+    (a speedup counts against the fastest AR the project has on the machine).
 (b) ``--draft DIR --target DIR``: speculative vs AR decoding (greedy, identity checked) on prompts from
     ``--prompts`` (JSONL with ``turns``) or a few built-in GSM8K-style questions; skipped otherwise.
 
-    python benchmarks/bench_decode.py --compile                         # H200 -> reports/bench/decode.json
-    python benchmarks/bench_decode.py --kernels --hf-tokens 0 --shapes qwen3-4b,qwen3-8b,smollm2-135m
+    python benchmarks/bench_decode.py --kernels --kernel-modes mma,fma --shapes qwen3-4b \
+        --out reports/bench/decode_h200/qwen3-4b.json                   # H200: the README's decode figures
+    python benchmarks/bench_decode.py --compile                         # torch.compile + CUDA graphs, no kernels
     python benchmarks/bench_decode.py --compile --target data/target --draft data/train/baseline/draft
     python benchmarks/bench_decode.py --tiny --out /tmp/decode.json     # CPU smoke run on tiny shapes
 
@@ -273,9 +274,9 @@ def bench_ar(name: str, family: str, overrides: dict, args, device: torch.device
 
 def bench_spec(args, device: torch.device, dtype: torch.dtype) -> dict:
     """Speculative vs AR with a trained draft on a real target (greedy), via the bench_online pieces."""
-    from dspark_core.decoding.bench_online import (BenchOnlineConfig, decode_dataset, make_engine, peer_comparison,
-                                          read_jsonl_prompts, resolve_engine, stop_ids_of, summarize,
-                                          truncated_assistant)
+    from dspark_core.bench.online import (BenchOnlineConfig, decode_dataset, make_engine, read_jsonl_prompts,
+                                          resolve_engine, stop_ids_of, summarize)
+    from dspark_core.bench.peers import peer_comparison, truncated_assistant
     from dspark_core.checkpoint import load_draft
     from dspark_core.target import load_target
 
@@ -317,10 +318,17 @@ def main() -> None:
     ap.add_argument("--shapes", default=None, help="comma list (default: qwen3-4b,smollm2-135m; tiny: tiny-*)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decoder layer (GPU)")
     ap.add_argument("--kernels", action="store_true",
-                    help="the Triton decode step (dspark_core.kernels.decode) for chunks of <= 16 tokens (GPU)")
+                    help="the Triton decode step (dspark_core.kernels) for chunks of <= 16 tokens (GPU)")
     ap.add_argument("--kernel-modes", default=None,
                     help="with --kernels: the small-GEMM families to run, comma list (first = headline and spec "
-                         "run's mode); default: $DSPARK_SMALL_GEMM (else mma), then the other")
+                         "run's mode); default: mma, fma")
+    ap.add_argument("--no-batch-invariant", action="store_true",
+                    help="with --kernels: FMA GEMV for n = 1, tensor-core tiles for n > 1 (not batch-invariant)")
+    ap.add_argument("--no-tune", action="store_true", help="with --kernels: each shape on its first tile, untimed")
+    ap.add_argument("--fma-tiles", action="store_true", help="with --kernels: the mma tuner also times FMA tiles")
+    ap.add_argument("--kernel-configs", default=None,
+                    help="with --kernels: pin the tiles listed in this JSON (a kernel_configs table, e.g. an "
+                         "earlier run's output)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-len", type=int, default=None,
                     help="KV-cache positions of the AR and cycle runners (default: what the run needs)")
@@ -367,7 +375,9 @@ def main() -> None:
     bandwidth = copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else (1 << 26))
     modes = _kernel_modes(args, device)
     if modes[0] != "torch":
-        from dspark_core.kernels.decode import set_small_gemm
+        from dspark_core.kernels.linear import set_small_gemm
+
+        configure_kernels(args, device)
     rows = {}
     for name in names:
         family, overrides = shapes[name]
@@ -413,10 +423,10 @@ def main() -> None:
         "tokens_per_s": spec["tokens_per_s"] if spec else None,
         "speedup": spec["speedup"] if spec else None,
         "ar": rows, "spec": spec,
-        "args": vars(args), "kernel_env": kernel_env(),
+        "args": vars(args), "kernel_settings": kernel_settings() if args.kernels else None,
     }
-    if args.kernels:  # the tuned small-GEMM configurations: DSPARK_KERNEL_CONFIGS=<this JSON> pins them
-        from dspark_core.kernels.decode import kernel_configs
+    if args.kernels:  # the tuned small-GEMM configurations: --kernel-configs <this JSON> pins them
+        from dspark_core.kernels.tuning import kernel_configs
 
         result["kernel_configs"] = kernel_configs(device)
     write_json(args.out, result)
@@ -428,14 +438,14 @@ def _kernel_modes(args, device: torch.device) -> list[str]:
     --kernels."""
     if not args.kernels:
         return ["torch"]
-    from dspark_core.kernels import decode
+    from dspark_core.kernels import linear
 
-    spec = args.kernel_modes or ",".join([decode.SMALL_GEMM] + [m for m in ("mma", "fma") if m != decode.SMALL_GEMM])
+    spec = args.kernel_modes or ",".join([linear.SMALL_GEMM] + [m for m in ("mma", "fma") if m != linear.SMALL_GEMM])
     modes = [m.strip() for m in spec.split(",") if m.strip()]
     bad = [m for m in modes if m not in ("mma", "fma")]
     if bad or not modes:
         raise SystemExit(f"--kernel-modes: {args.kernel_modes!r}; give a comma list of mma, fma")
-    from dspark_core.kernels.decode import small_gemm_problem
+    from dspark_core.kernels.linear import small_gemm_problem
 
     problem = small_gemm_problem(device)
     if problem and "mma" in modes:
@@ -462,13 +472,26 @@ def against_fastest(per_mode: dict[str, dict]) -> dict:
             "weight_read_limit_tokens_per_s": best["weight_read_limit_tokens_per_s"], "modes": per_mode}
 
 
-def kernel_env() -> dict:
-    """The kernel switches read from the environment (they change speed, and fma / mma change the bits)."""
-    import os
+def configure_kernels(args, device: torch.device) -> None:
+    """The kernel switches of the command line (they change speed; batch invariance and the tiles change bits)."""
+    from dspark_core.kernels import linear, tuning
 
-    return {k: os.environ.get(k) for k in ("DSPARK_SMALL_GEMM", "DSPARK_BATCH_INVARIANT", "DSPARK_PDL",
-                                           "DSPARK_TUNE_KERNELS", "DSPARK_KERNEL_CONFIGS",
-                                           "DSPARK_PDL_PREFETCH")}
+    linear.set_batch_invariant(not args.no_batch_invariant)
+    tuning.set_tuning(not args.no_tune)
+    tuning.set_fma_tiles(args.fma_tiles)
+    if args.kernel_configs:
+        try:
+            tuning.pin_kernel_configs(args.kernel_configs, device)
+        except ValueError as e:
+            raise SystemExit(f"--kernel-configs: {e}") from None
+
+
+def kernel_settings() -> dict:
+    """The kernel switches this run used (small-GEMM family of the last mode run, PDL, tuning)."""
+    from dspark_core.kernels import linear, pdl, tuning
+
+    return {"small_gemm": linear.SMALL_GEMM, "batch_invariant": linear.BATCH_INVARIANT, "pdl": pdl.PDL,
+            "pdl_prefetch": pdl.PDL_PREFETCH, "tune": tuning.TUNE, "fma_tiles": tuning.FMA_TILES_TUNED}
 
 
 def _print_ar(name: str, r: dict) -> None:

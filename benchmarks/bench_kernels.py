@@ -1,7 +1,7 @@
 """Kernel-level timings behind issues 3 and 4, on one GPU (H200), at Qwen3-4B shapes.
 
 - ``gemv``: each decode matrix of Qwen3-4B (fused Q/K/V, O, fused gate/up, down, LM head) at n = 1 and
-  n = 8 tokens: cuBLAS (``F.linear``, no fusion) vs ``dspark_core.kernels.decode.fused_linear`` (with its
+  n = 8 tokens: cuBLAS (``F.linear``, no fusion) vs ``dspark_core.kernels.linear.fused_linear`` (with its
   norm / SiLU / residual fusions), as weight bytes read per second. These are eager calls back to back, so
   the Triton wrapper's host launch (~20-30 us) bounds the small matrices; the decode step inside a CUDA graph
   (``bench_decode.py --kernels``, and ``decode_profile`` below) is the figure that counts.
@@ -10,13 +10,14 @@
 - ``flex``: the DSpark training attention (512 anchors x block 7 queries, 32 / 8 heads, head dim 128,
   context L) forward + backward through flex_attention under several kernel options.
 - ``decode_profile``: the top CUDA kernels of Triton decode steps (no CUDA graph, so names are visible).
-- ``tiles``: every small-GEMM candidate (``decode._MMA_CONFIGS``, ``decode._GEMV_CONFIGS``) on each decode
-  matrix at n = 1 (``--tile-tokens 1,8``: also n = 8; ``--tile-candidates``: some families only), 20 launches captured in a CUDA graph (no host launch cost) over copies of the matrix that
-  add up to >= 256 MiB (each launch reads from DRAM, not L2; session 10's first table did not), as a fraction
+- ``tiles``: every small-GEMM candidate (``tuning.MMA_CONFIGS``, ``tuning.GEMV_CONFIGS``) on each decode
+  matrix at n = 1 (``--tile-tokens 1,8``: also n = 8; ``--tile-candidates``: some families only), 20 launches
+  captured in a CUDA graph (no host launch cost) over copies of the matrix that
+  add up to >= 256 MiB (each launch reads from DRAM, not L2: timed from L2 the ranking is noise), as a fraction
   of the measured copy bandwidth; the best three per (matrix, mode) printed. Beside them cuBLAS (``F.linear``,
   no fusions) at m = 1, 8 and 16 token rows: whether a fixed 16-row GEMM (batch-invariant by its fixed shape)
   reads at bandwidth. ``--tile-shape qwen3-8b`` for Qwen3-8B's matrices.
-  Issue 18's question: which tiles bring the ``mma`` step near ``fma``'s bandwidth.
+  The question it answers: which tiles bring the ``mma`` step near ``fma``'s bandwidth.
 
     python benchmarks/bench_kernels.py                       # all parts -> reports/bench/kernels.json
     python benchmarks/bench_kernels.py --parts gemv loss
@@ -58,7 +59,7 @@ def bench(fn, iters: int = 50, warmup: int = 5) -> float:
 
 
 def part_gemv(dev) -> list[dict]:
-    from dspark_core.kernels.decode import fused_linear
+    from dspark_core.kernels.linear import fused_linear
 
     bf = torch.bfloat16
     shapes = {  # name: (rows of W, K, fusion kwargs builder)
@@ -92,7 +93,7 @@ def part_gemv(dev) -> list[dict]:
                   f"({rows[-1]['cublas_tb_s']:.2f} TB/s)  triton+{kind} {t_triton * 1e3:7.1f} us "
                   f"({rows[-1]['triton_tb_s']:.2f} TB/s)", flush=True)
             del w
-    from dspark_core.kernels.decode import _TUNED
+    from dspark_core.kernels.tuning import _TUNED
 
     print("tuned configs:", {str(k[1:4]): v for k, v in _TUNED.items()})
     return rows
@@ -114,16 +115,16 @@ def part_tiles(dev, shape: str = "qwen3-4b", launches: int = 20, replays: int = 
                candidates: str = "all") -> list[dict]:
     """Every candidate at n = each of ``tokens``; ``candidates``: all, or a comma list of families to time
     (tc: tensor-core tiles, fma_tile: the mma mode's FMA tiles, gemv: the fma mode's GEMV, cublas)."""
-    from dspark_core.kernels import decode
+    from dspark_core.kernels import linear, tuning
 
     gpu = dev.type == "cuda"
     dt = torch.bfloat16 if gpu else torch.float32
     bw = _copy_bandwidth(dev)
     families = {"tc", "fma_tile", "gemv", "cublas"} if candidates == "all" else set(candidates.split(","))
-    mma = ([c for c in decode._MMA_CONFIGS if not decode.is_fma_tile(c)] if "tc" in families else []) + (
-        decode._FMA_TILES if "fma_tile" in families else [])
+    mma = ([c for c in tuning.MMA_CONFIGS if not tuning.is_fma_tile(c)] if "tc" in families else []) + (
+        tuning.FMA_TILES if "fma_tile" in families else [])
     modes = (("mma", mma),
-             ("fma", decode._GEMV_CONFIGS if "gemv" in families else []))
+             ("fma", tuning.GEMV_CONFIGS if "gemv" in families else []))
     rows = []
     for name, (n_rows, k, kind) in decode_matrices(**TILE_SHAPES[shape]).items():
         gated = kind == "gated"
@@ -131,7 +132,7 @@ def part_tiles(dev, shape: str = "qwen3-4b", launches: int = 20, replays: int = 
         # copies of W adding up to >= 256 MiB, taken in turn: each launch reads its W from DRAM, not from the 50 MB
         # L2 that one small matrix launched 20 times over would live in (the kernel tuner times the same way)
         w = torch.randn(n_rows, k, device=dev, dtype=dt) * 0.02
-        ws = decode.weight_copies(w, max_copies=launches) if gpu else [w]
+        ws = tuning.weight_copies(w, max_copies=launches) if gpu else [w]
         nw = torch.ones(k, device=dev, dtype=dt) if kind in ("norm", "gated") else None
         for n in tokens:
             x = torch.randn(n, k, device=dev, dtype=dt)
@@ -139,12 +140,12 @@ def part_tiles(dev, shape: str = "qwen3-4b", launches: int = 20, replays: int = 
             y = torch.empty(n, n_out, device=dev, dtype=dt)
             where = {"shape": shape, "matrix": name, "n": n}
             for mode, configs in modes:
-                decode.set_small_gemm(mode)
+                linear.set_small_gemm(mode)
                 for cfg in configs:
                     def launch(i=0, cfg=cfg, ws=ws, x=x, res=res, y=y):
-                        decode._launch(x, ws[i % len(ws)], None, nw, 1e-6, res, y, n_out, gated, cfg)
+                        linear._launch(x, ws[i % len(ws)], None, nw, 1e-6, res, y, n_out, gated, cfg)
                     try:
-                        ms = decode.graph_time_ms(launch, launches, replays) if gpu else _eager_ms(launch)
+                        ms = tuning.graph_time_ms(launch, launches, replays) if gpu else _eager_ms(launch)
                     except Exception as e:  # noqa: BLE001 - a tile that does not compile (resources) is reported
                         rows.append({**where, "mode": mode, "cfg": list(cfg), "error": repr(e)[:200]})
                         continue
@@ -155,7 +156,7 @@ def part_tiles(dev, shape: str = "qwen3-4b", launches: int = 20, replays: int = 
 
                     def blas(i=0, xm=xm, ws=ws):
                         return F.linear(xm, ws[i % len(ws)])
-                    ms = decode.graph_time_ms(blas, launches, replays) if gpu else _eager_ms(blas)
+                    ms = tuning.graph_time_ms(blas, launches, replays) if gpu else _eager_ms(blas)
                     rows.append(_tile_row(where, "cublas", (m,), ms, w, bw))
             for mode in ("mma", "fma", "cublas"):
                 ok = sorted((r for r in rows if r["matrix"] == name and r["n"] == n and r["mode"] == mode and "us" in r),
@@ -164,13 +165,14 @@ def part_tiles(dev, shape: str = "qwen3-4b", launches: int = 20, replays: int = 
                                  for r in ok[:3])
                 print(f"tiles {shape} n={n} {name:8s} {n_rows:>6}x{k:<5} {mode}: {best}", flush=True)
         del w, ws
-    decode.set_small_gemm("mma")
+    linear.set_small_gemm("mma")
     return rows
 
 
 def tile_pins(rows: list[dict], shape: str, device: str, dtype: str = "bfloat16") -> dict:
-    """A ``DSPARK_KERNEL_CONFIGS`` table from a tiles run: per matrix, the ``mma``-mode candidate with the least
-    time summed over the timed n (what the kernel tuner ranks by), keyed as the tuner keys it."""
+    """A pinned kernel configs table (``tuning.pin_kernel_configs``) from a tiles run: per matrix, the ``mma``-mode
+    candidate with the least time summed over the timed n (what the kernel tuner ranks by), keyed as the tuner
+    keys it."""
     dims = decode_matrices(**TILE_SHAPES[shape])
     configs = {}
     for name, (n_rows, k, kind) in dims.items():
@@ -337,7 +339,7 @@ def main() -> None:
                     help="tiles part: all, or a comma list of tc, fma_tile, gemv, cublas")
     ap.add_argument("--tile-pins", default=None,
                     help="tiles part: also write the best mma-mode candidate per matrix (least time summed over "
-                         "--tile-tokens) as a DSPARK_KERNEL_CONFIGS table to this file")
+                         "--tile-tokens) as a kernel configs table to this file (bench_online.kernel_configs)")
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench" / "kernels.json"))
     args = ap.parse_args()
     interpret = os.environ.get("TRITON_INTERPRET") == "1"

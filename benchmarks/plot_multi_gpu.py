@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dspark_core.decoding.bench_online import _save  # noqa: E402
+from dspark_core.bench.plots import save_figure  # noqa: E402
 
 DEFAULT = ROOT / "reports" / "bench" / "multi_gpu_h200x2" / "ddp_train.json"
 
@@ -45,7 +45,7 @@ def plot(summary: dict, out: Path) -> None:
     ax.set_ylabel("step_s (median)")
     ax.set_title("step time, same global batch", fontsize=9)
     fig.tight_layout()
-    _save(fig, out)
+    save_figure(fig, out)
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dspark_core.decoding.bench_online import _save  # noqa: E402
+from dspark_core.bench.plots import save_figure  # noqa: E402
 
 DEFAULT = ROOT / "reports" / "bench" / "spec_h200_smollm2" / "bench_online_baseline.json"
 TITLE = ("SmolLM2-135M-Instruct, batch 1, bf16, held-out prompts of four domains; labels: speedup over the fastest "
@@ -65,7 +65,7 @@ def plot_domains(bench: dict, out: Path, title: str, tree: dict | None = None) -
     ax.set_ylim(0, max(spec + [bench[n]["ar_tokens_per_s"] for n in names]) * 1.45)
     ax.set_title(title, fontsize=9)
     ax.legend(loc="upper right", fontsize=7)
-    _save(fig, out)
+    save_figure(fig, out)
 
 
 def _gain(row: dict) -> str:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from dspark_core.decoding.bench_online import run_bench_online_stage
+from dspark_core.bench.online import run_bench_online_stage
 from dspark_core.errors import run_stage
 
 

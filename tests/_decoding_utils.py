@@ -24,10 +24,10 @@ def untuned_kernels(monkeypatch):
     test_kernels.py, the tuner in test_tuner_times_from_dram_copies. Tuning ~50 candidates for each tiny shape
     made the GPU runs outlast their budget (H200: test_static_engine.py printed nothing in 320 s with the tuner on
     and passed in 101 s with it off; test_tree.py's kernel cases ran past 100 s each)."""
-    from dspark_core.kernels import decode, triton_ok
+    from dspark_core.kernels import triton_ok, tuning
 
     if triton_ok("cuda" if torch.cuda.is_available() else "cpu"):
-        monkeypatch.setattr(decode, "TUNE", False)
+        monkeypatch.setattr(tuning, "TUNE", False)
 
 
 def chisquare_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:

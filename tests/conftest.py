@@ -40,15 +40,12 @@ def few_tuner_candidates():
     if not triton_ok("cuda"):
         yield
         return
-    import sys
+    from dspark_core.kernels import tuning
 
-    from dspark_core.kernels import decode
-
-    tuner = sys.modules[decode._config.__module__]  # the module whose globals the tuner reads
-    assert set(TEST_MMA_CONFIGS) <= set(tuner._MMA_CONFIGS) and set(TEST_GEMV_CONFIGS) <= set(tuner._GEMV_CONFIGS)
+    assert set(TEST_MMA_CONFIGS) <= set(tuning.MMA_CONFIGS) and set(TEST_GEMV_CONFIGS) <= set(tuning.GEMV_CONFIGS)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(tuner, "_MMA_CONFIGS", list(TEST_MMA_CONFIGS))
-        m.setattr(tuner, "_GEMV_CONFIGS", list(TEST_GEMV_CONFIGS))
+        m.setattr(tuning, "MMA_CONFIGS", list(TEST_MMA_CONFIGS))
+        m.setattr(tuning, "GEMV_CONFIGS", list(TEST_GEMV_CONFIGS))
         yield
 
 

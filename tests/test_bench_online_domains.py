@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dspark_core.data.prompts import Prompt, write_prompts
-from dspark_core.decoding.bench_online import load_prompt_sets
+from dspark_core.bench.online import load_prompt_sets
 
 
 def test_domains_aliases_and_sources(tmp_path):

@@ -13,7 +13,7 @@ from _decoding_utils import one_thread  # noqa: F401 (fixture)
 import yaml
 
 from dspark_core.decoding.ar import ARDecoder
-from dspark_core.decoding.bench_online import (BenchOnlineConfig, DatasetRun, decode_dataset, load_prompt_sets,
+from dspark_core.bench.online import (BenchOnlineConfig, DatasetRun, decode_dataset, load_prompt_sets,
                                       read_jsonl_prompts, run_bench_online_stage, stop_ids_of, summarize)
 from dspark_core.decoding.target_runner import TargetRunner
 from dspark_core.config import ParamsError
@@ -73,7 +73,7 @@ def test_run_bench_online_stage(workdir, monkeypatch):
 def test_also_temperatures_adds_a_sampling_pass(workdir, monkeypatch):
     """``also_temperatures: [0.7]`` beside the greedy run: the same prompts again, AR and speculative, sampling
     (the reference engine with rejection sampling), per dataset and overall; the greedy figures unchanged."""
-    from dspark_core.decoding.bench_online import run_bench_online
+    from dspark_core.bench.online import run_bench_online
 
     monkeypatch.chdir(workdir)
     cfg = BenchOnlineConfig.from_dict(dict(datasets=["jsonl:prompts.jsonl"], max_prompts=2, max_new_tokens=12,
@@ -93,7 +93,7 @@ def test_also_temperatures_adds_a_sampling_pass(workdir, monkeypatch):
 def test_dflash_draft_through_the_stage(workdir, monkeypatch):
     """The dflash variant (no Markov head, no confidence head), trained a few steps on the target's answers: the
     stage's greedy run identical to AR with some tokens accepted, and a sampling pass beside it."""
-    from dspark_core.decoding.bench_online import run_bench_online
+    from dspark_core.bench.online import run_bench_online
 
     monkeypatch.chdir(workdir)
     model, tok = load_target("data/target")
@@ -156,7 +156,7 @@ def test_jsonl_prompts_keep_unicode_line_separators(tmp_path):
 
 
 def test_kernels_setting_is_resolved_with_reasons():
-    from dspark_core.decoding.bench_online import _resolve_kernels
+    from dspark_core.bench.online import _resolve_kernels
     from dspark_core.testing import tiny_model
 
     model = tiny_model("qwen3")
@@ -170,7 +170,7 @@ def test_kernels_setting_is_resolved_with_reasons():
 def test_speedup_against_the_fastest_ar_of_all_modes():
     """``add_fastest_ar``: per dataset and overall, the AR tokens/s of each small-GEMM mode, the fastest, and
     the speculative tokens/s over it -- against a brute-force count of tokens and seconds."""
-    from dspark_core.decoding.bench_online import add_fastest_ar
+    from dspark_core.bench.online import add_fastest_ar
 
     def gen(n, s):
         return GenerationResult(tokens=list(range(n)), cycles=n, decode_s=s)

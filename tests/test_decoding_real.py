@@ -12,7 +12,7 @@ import torch
 from _fake_draft import FakeDraft
 from _decoding_utils import assert_partial_acceptance, fit_draft_to_target
 from _decoding_utils import one_thread  # noqa: F401 (fixture)
-from dspark_core.decoding.bench_online import chat_ids, stop_ids_of
+from dspark_core.bench.online import chat_ids, stop_ids_of
 from dspark_core.draft import DraftConfig, DSparkDraft
 from dspark_core.decoding.ar import ARDecoder
 from dspark_core.decoding.engine import SpeculativeDecoder

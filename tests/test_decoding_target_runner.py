@@ -82,6 +82,31 @@ def test_prefill_variants_and_chunking():
     assert no_aux.prefill(seq)[1].shape == (1, 21, 0, model.config.hidden_size)
 
 
+def test_step_move_kv_commit_match_forward():
+    """The engines' device-side API: ``step`` at device positions leaves the host length alone and returns what
+    ``forward`` returns; ``move_kv`` copies cache slots (every layer, K and V); ``commit`` sets the length."""
+    model = tiny_model("qwen3", num_hidden_layers=2)
+    seq = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(4))
+    ref = TargetRunner(model, max_len=16, aux_layer_ids=(0,))
+    ref.prefill(seq[:, :8])
+    ref_logits, ref_aux = ref.forward(seq[:, 8:])
+    runner = TargetRunner(model, max_len=16, aux_layer_ids=(0,))
+    runner.prefill(seq[:, :8])
+    logits, aux = runner.step(seq[:, 8:], torch.arange(8, 12))
+    assert runner.length == 8
+    assert torch.equal(logits, ref_logits) and torch.equal(aux, ref_aux)
+    runner.commit(12)
+    assert runner.length == 12
+    k_before, v_before = (c.clone() for c in runner.caches)
+    runner.move_kv(torch.tensor([10, 11]), torch.tensor([11, 3]))  # slot 11 is read before it is written
+    k, v = runner.caches
+    for got, old in ((k, k_before), (v, v_before)):
+        assert torch.equal(got[:, :, :, 11], old[:, :, :, 10]) and torch.equal(got[:, :, :, 3], old[:, :, :, 11])
+        assert torch.equal(got[:, :, :, :3], old[:, :, :, :3])
+    with pytest.raises(ValueError, match="commit length"):
+        runner.commit(17)
+
+
 def test_bf16_close_to_hf_bf16():
     model = tiny_model("qwen3").to(torch.bfloat16)
     seq = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(3))

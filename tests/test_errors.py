@@ -40,7 +40,7 @@ from dspark_core.checkpoint import load_draft, save_draft
 from dspark_core.config import ParamsError
 from dspark_core.data.prompts import PrepareConfig, Prompt, run_prepare, write_prompts
 from dspark_core.data.regenerate import RegenerateConfig, run_regenerate
-from dspark_core.decoding.bench_online import run_bench_online_stage
+from dspark_core.bench.online import run_bench_online_stage
 from dspark_core.draft import DraftConfig, DSparkDraft
 from dspark_core.draft.stage import run_eval_offline_stage, run_train_stage
 from dspark_core.target import TargetConfig, load_target, read_fingerprint, run_target

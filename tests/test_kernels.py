@@ -58,11 +58,11 @@ def test_chunk_math_matches_reference():
                                                (5, True, "mma")])
 @pytest.mark.parametrize("variant", ["plain", "norm_bias", "gated_norm", "residual"])
 def test_fused_linear_matches_reference(dtype, n, invariant, gemm, variant, monkeypatch):
-    from dspark_core.kernels import decode
-    from dspark_core.kernels.decode import fused_linear, fused_linear_reference
+    from dspark_core.kernels import linear
+    from dspark_core.kernels.linear import fused_linear, fused_linear_reference
 
-    monkeypatch.setattr(decode, "BATCH_INVARIANT", invariant)  # False: the tensor-core kernel for n > 1
-    monkeypatch.setattr(decode, "SMALL_GEMM", gemm)  # mma: the tensor-core kernel for every n
+    monkeypatch.setattr(linear, "BATCH_INVARIANT", invariant)  # False: the tensor-core kernel for n > 1
+    monkeypatch.setattr(linear, "SMALL_GEMM", gemm)  # mma: the tensor-core kernel for every n
 
     g = torch.Generator().manual_seed(n)
     k, n_out = 96, 40
@@ -83,7 +83,7 @@ def test_fused_linear_matches_reference(dtype, n, invariant, gemm, variant, monk
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_qk_norm_rope_cache_matches_reference(dtype, qk_norm):
-    from dspark_core.kernels.decode import qk_norm_rope_cache
+    from dspark_core.kernels.rope import qk_norm_rope_cache
     from dspark_core.ops import apply_rope as _rope, rms_norm
 
     g = torch.Generator().manual_seed(1)
@@ -113,7 +113,7 @@ def test_qk_norm_rope_cache_matches_reference(dtype, qk_norm):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,length,m", [(1, 1, 32), (1, 300, 512), (4, 77, 300)])
 def test_decode_attention_matches_reference(dtype, n, length, m):
-    from dspark_core.kernels.decode import decode_attention
+    from dspark_core.kernels.attention import decode_attention
 
     g = torch.Generator().manual_seed(length)
     hq, hkv, d = 6, 2, 32
@@ -135,7 +135,7 @@ def test_attention_reads_only_live_splits(monkeypatch):
     """Splits past a token's keys write nothing and the combine skips them (``ATTN_LIVE_SPLITS``): the same bits
     as writing and reading every split, for tokens at different positions and a draft tree's offsets; run after
     a long context, so a combine that read a stale slot would see its partials."""
-    import dspark_core.kernels.decode as dec
+    from dspark_core.kernels import attention
 
     g = torch.Generator().manual_seed(11)
     hq, hkv, d, m = 4, 2, 16, 512  # 8 splits of 64 keys
@@ -149,8 +149,8 @@ def test_attention_reads_only_live_splits(monkeypatch):
         tree = None if tree is None else tuple(x.to(DEVICE) for x in tree)
         out = {}
         for live in (False, True):
-            monkeypatch.setattr(dec, "ATTN_LIVE_SPLITS", live)
-            out[live] = dec.decode_attention(q, kc, vc, pos.to(DEVICE), scale=d ** -0.5, tree=tree)
+            monkeypatch.setattr(attention, "ATTN_LIVE_SPLITS", live)
+            out[live] = attention.decode_attention(q, kc, vc, pos.to(DEVICE), scale=d ** -0.5, tree=tree)
         torch.testing.assert_close(out[True], out[False], atol=0, rtol=0)
 
 
@@ -205,6 +205,7 @@ def test_kernels_refused_with_reason():
 @pytest.mark.parametrize("with_markov", [True, False])
 def test_chunked_distill_triton_matches_torch(monkeypatch, with_markov):
     """The whole chunked loss (values and gradients) with the Triton chunk math == with the torch one."""
+    from dspark_core.draft import loss as loss_mod
     from dspark_core.draft.loss import chunked_distill
 
     g = torch.Generator().manual_seed(5)
@@ -218,7 +219,7 @@ def test_chunked_distill_triton_matches_torch(monkeypatch, with_markov):
     w20 = torch.randn(vocab, r, generator=g).to(DEVICE) if with_markov else None
     results = []
     for kernel in ("torch", "triton"):
-        monkeypatch.setenv("DSPARK_LOSS_KERNEL", kernel)
+        monkeypatch.setattr(loss_mod, "LOSS_KERNEL", kernel)
         h = h0.clone().requires_grad_()
         m = m0.clone().requires_grad_() if with_markov else None
         w2 = w20.clone().requires_grad_() if with_markov else None
@@ -238,10 +239,10 @@ def test_split_k_matches_reference_and_is_batch_invariant(splits, variant, swap,
     stream-K (splits -c: c programs per SM, K blocks cut into equal runs across tiles, 2-7 programs sharing a
     tile here), plain or swap-AB (the weight tile as the MMA's M side): right values, and rows of a 5-token call
     bit for bit those of 1-token calls; the counters end at zero."""
-    from dspark_core.kernels import decode
-    from dspark_core.kernels.decode import _launch, fused_linear_reference
+    from dspark_core.kernels import gemm, linear
+    from dspark_core.kernels.linear import _launch, fused_linear_reference
 
-    monkeypatch.setattr(decode, "SMALL_GEMM", "mma")
+    monkeypatch.setattr(linear, "SMALL_GEMM", "mma")
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     g = torch.Generator().manual_seed(splits)
     k, n_out, gated = 200, 40, variant == "gated_norm"
@@ -262,7 +263,7 @@ def test_split_k_matches_reference_and_is_batch_invariant(splits, variant, swap,
     torch.testing.assert_close(y5, ref, **_tol(dtype))
     singles = torch.cat([run([i]) for i in range(5)])
     torch.testing.assert_close(y5, singles, atol=0, rtol=0)
-    assert all(int(lock.abs().sum()) == 0 for _, lock in decode._SPLIT_BUFFERS.values())
+    assert all(int(lock.abs().sum()) == 0 for _, lock in gemm._SPLIT_BUFFERS.values())
 
 
 # Each family under each small-GEMM mode; the two tilings of the mma mode (FMA tiles, stream-K) change only the
@@ -275,16 +276,16 @@ def test_kernel_step_is_batch_invariant(family, gemm, monkeypatch):
     of the mma mode through an FMA tile (``_gemv_rows``: the step's tokens one after another in one program);
     mma_stream_k: every product stream-K (``_gemm_stream``). Four layers (aux 1, 2): every layer runs the same
     launches, so more layers repeat the check."""
-    from dspark_core.kernels import decode
+    from dspark_core.kernels import linear
     from dspark_core.decoding.target_runner import TargetRunner
     from dspark_core.testing import tiny_model
 
-    assert decode.BATCH_INVARIANT
-    monkeypatch.setattr(decode, "SMALL_GEMM", gemm.split("_")[0])
+    assert linear.BATCH_INVARIANT
+    monkeypatch.setattr(linear, "SMALL_GEMM", gemm.split("_")[0])
     if gemm == "mma_fma_tiles":
-        monkeypatch.setattr(decode, "_config", lambda *a: ("fma", 16, 64, 4))
+        monkeypatch.setattr(linear, "_config", lambda *a: ("fma", 16, 64, 4))
     if gemm == "mma_stream_k":  # every product stream-K, tiles shared by programs
-        monkeypatch.setattr(decode, "_config", lambda *a: (16, 32, -2, 4, 3, 1))
+        monkeypatch.setattr(linear, "_config", lambda *a: (16, 32, -2, 4, 3, 1))
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     runners = [TargetRunner(tiny_model(family, num_hidden_layers=4).to(DEVICE, dtype), max_len=64,
                             aux_layer_ids=(1, 2), kernels=True) for _ in range(2)]
@@ -303,7 +304,7 @@ def test_kernel_step_is_batch_invariant(family, gemm, monkeypatch):
 def test_stream_k_runs_cover_every_k_block_once():
     """Stream-K launches (``stream_k_grid``), brute force: the programs' runs of K blocks cover every (tile, K
     block) once, no program is empty, and no tile is shared by more programs than its workspace has slots."""
-    from dspark_core.kernels.decode import stream_k_grid
+    from dspark_core.kernels.gemm import stream_k_grid
 
     for n_out, k, bn, bk, ctas in [(40, 200, 16, 32, 4), (2560, 9728, 64, 64, 264), (576, 576, 16, 256, 132),
                                    (151936, 2560, 128, 128, 132), (9728, 2560, 64, 128, 396), (8, 64, 16, 64, 132)]:
@@ -325,132 +326,130 @@ def test_stream_k_runs_cover_every_k_block_once():
             assert o == list(range(first, (tile * ipt + ipt - 1) // iters + 1))
 
 
-def _fresh_tile_tables(monkeypatch, decode) -> None:
-    """mma mode with nothing tuned, pinned or stored, no config store and no DSPARK_KERNEL_CONFIGS: this process's
-    choices start from scratch (restored after the test)."""
-    monkeypatch.setattr(decode, "SMALL_GEMM", "mma")
-    monkeypatch.setattr(decode, "_TUNED", {})
-    monkeypatch.setattr(decode, "_STORED", {})
-    monkeypatch.setattr(decode, "_PINNED", {})
-    monkeypatch.setattr(decode, "_PINNED_LOADED", [False])
-    monkeypatch.setattr(decode, "_STORE", {"path": None, "fingerprint": None})
-    monkeypatch.delenv(decode.KERNEL_CONFIGS_ENV, raising=False)
+def _fresh_tile_tables(monkeypatch) -> None:
+    """mma mode with nothing tuned, pinned or stored and no config store: this process's choices start from
+    scratch (restored after the test)."""
+    from dspark_core.kernels import linear, tuning
+
+    monkeypatch.setattr(linear, "SMALL_GEMM", "mma")
+    monkeypatch.setattr(tuning, "_TUNED", {})
+    monkeypatch.setattr(tuning, "_STORED", {})
+    monkeypatch.setattr(tuning, "_PINNED", {})
+    monkeypatch.setattr(tuning, "_STORE", {"path": None, "fingerprint": None})
 
 
 def test_pinned_kernel_configs(tmp_path, monkeypatch):
-    """DSPARK_KERNEL_CONFIGS pins the small-GEMM configuration of the shapes it lists (the tuner's choice
+    """``pin_kernel_configs`` (params bench_online.kernel_configs) pins the small-GEMM configuration of the shapes it lists (the tuner's choice
     otherwise): the table round-trips through save / load, the pinned tile is the one launched, and a table
     from another device or a malformed one is refused naming the file."""
-    from dspark_core.kernels import decode
+    from dspark_core.kernels import linear, tuning
 
-    monkeypatch.setattr(decode, "SMALL_GEMM", "mma")
-    monkeypatch.setattr(decode, "_TUNED", {})
-    monkeypatch.setattr(decode, "_PINNED", {})
-    monkeypatch.setattr(decode, "_PINNED_LOADED", [False])
+    monkeypatch.setattr(linear, "SMALL_GEMM", "mma")
+    monkeypatch.setattr(tuning, "_TUNED", {})
+    monkeypatch.setattr(tuning, "_PINNED", {})
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 96, generator=g).to(DEVICE, dtype)
     w = torch.randn(48, 96, generator=g).to(DEVICE, dtype)
     key = f"mma:1:48:96:0:{str(dtype).replace('torch.', '')}"
-    table = {"device": decode._device_name(torch.device(DEVICE)), "configs": {key: [16, 32, 3, 4]}}
+    table = {"device": tuning.device_name(torch.device(DEVICE)), "configs": {key: [16, 32, 3, 4]}}
     path = tmp_path / "configs.json"
     path.write_text(json.dumps({"kernel_configs": table}))  # as bench_decode writes it
-    monkeypatch.setenv(decode.KERNEL_CONFIGS_ENV, str(path))
+    assert tuning.pin_kernel_configs(path, DEVICE) == {key: (16, 32, 3, 4)}
     launched = []
-    real = decode._launch
-    monkeypatch.setattr(decode, "_launch", lambda *a: launched.append(a[-1]) or real(*a))
-    y = decode.fused_linear(x, w)
-    torch.testing.assert_close(y, decode.fused_linear_reference(x, w), **_tol(dtype))
+    real = linear._launch
+    monkeypatch.setattr(linear, "_launch", lambda *a: launched.append(a[-1]) or real(*a))
+    y = linear.fused_linear(x, w)
+    torch.testing.assert_close(y, linear.fused_linear_reference(x, w), **_tol(dtype))
     assert launched == [(16, 32, 3, 4)]
     saved = tmp_path / "saved.json"
-    decode.save_kernel_configs(saved, DEVICE)
-    assert decode.load_kernel_configs(saved, DEVICE) == {key: (16, 32, 3, 4)}
+    tuning.save_kernel_configs(saved, DEVICE)
+    assert tuning.load_kernel_configs(saved, DEVICE) == {key: (16, 32, 3, 4)}
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"device": "NVIDIA B200", "configs": {}}))
     with pytest.raises(ValueError, match="other.json.*NVIDIA B200"):
-        decode.load_kernel_configs(other, DEVICE)
+        tuning.load_kernel_configs(other, DEVICE)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"device": table["device"], "configs": {key: [16, 32]}}))
     with pytest.raises(ValueError, match="bad.json.*bad entry"):
-        decode.load_kernel_configs(bad, DEVICE)
+        tuning.load_kernel_configs(bad, DEVICE)
     fma_tile = tmp_path / "fma_tile.json"  # an FMA tile of the mma mode round-trips; not as an fma-mode entry
     fma_key = key.replace("mma:", "fma:")
     fma_tile.write_text(json.dumps({"device": table["device"], "configs": {key: ["fma", 4, 1024, 4]}}))
-    assert decode.load_kernel_configs(fma_tile, DEVICE) == {key: ("fma", 4, 1024, 4)}
+    assert tuning.load_kernel_configs(fma_tile, DEVICE) == {key: ("fma", 4, 1024, 4)}
     fma_tile.write_text(json.dumps({"device": table["device"], "configs": {fma_key: ["fma", 4, 1024, 4]}}))
     with pytest.raises(ValueError, match="fma_tile.json.*bad entry"):
-        decode.load_kernel_configs(fma_tile, DEVICE)
+        tuning.load_kernel_configs(fma_tile, DEVICE)
 
 
 def test_config_store_pins_a_targets_tiles_per_device(tmp_path, monkeypatch):
     """``use_config_store``: the first run of a target adds every shape it tunes to the store file of (device,
     target fingerprint); a later run pins them (the launched tile is the stored one, not a fresh pick), so it
     sums in the same order; a store of another target is refused naming the file."""
-    from dspark_core.kernels import decode
+    from dspark_core.kernels import linear, tuning
 
-    _fresh_tile_tables(monkeypatch, decode)
+    _fresh_tile_tables(monkeypatch)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 96, generator=g).to(DEVICE, dtype)
     w = torch.randn(48, 96, generator=g).to(DEVICE, dtype)
     key = f"mma:1:48:96:0:{str(dtype).replace('torch.', '')}"
     fp = "f" * 64
-    path = decode.kernel_store_path(tmp_path, DEVICE, fp)
+    path = tuning.kernel_store_path(tmp_path, DEVICE, fp)
     assert path.parent.parent == tmp_path and path.name == "f" * 16 + ".json"
-    assert decode.use_config_store(path, DEVICE, fp) == {}
-    decode.fused_linear(x, w)
+    assert tuning.use_config_store(path, DEVICE, fp) == {}
+    linear.fused_linear(x, w)
     stored = json.loads(path.read_text())
-    assert stored["fingerprint"] == fp and stored["device"] == decode._device_name(torch.device(DEVICE))
+    assert stored["fingerprint"] == fp and stored["device"] == tuning.device_name(torch.device(DEVICE))
     assert key in stored["configs"]
     # a later run (fresh process state) with a different stored tile launches that tile
     stored["configs"][key] = [16, 32, 3, 4, 5]
     path.write_text(json.dumps(stored))
-    decode._TUNED.clear()
-    assert decode.use_config_store(path, DEVICE, fp) == {key: (16, 32, 3, 4, 5)}
+    tuning._TUNED.clear()
+    assert tuning.use_config_store(path, DEVICE, fp) == {key: (16, 32, 3, 4, 5)}
     launched = []
-    real = decode._launch
-    monkeypatch.setattr(decode, "_launch", lambda *a: launched.append(a[-1]) or real(*a))
-    y = decode.fused_linear(x, w)
-    torch.testing.assert_close(y, decode.fused_linear_reference(x, w), **_tol(dtype))
+    real = linear._launch
+    monkeypatch.setattr(linear, "_launch", lambda *a: launched.append(a[-1]) or real(*a))
+    y = linear.fused_linear(x, w)
+    torch.testing.assert_close(y, linear.fused_linear_reference(x, w), **_tol(dtype))
     assert launched == [(16, 32, 3, 4, 5)]
-    decode.close_config_store()
+    tuning.close_config_store()
     with pytest.raises(ValueError, match=rf"{path.name}: kernel configurations of target 'f+', this target is 'abc'"):
-        decode.use_config_store(path, DEVICE, "abc")
+        tuning.use_config_store(path, DEVICE, "abc")
 
 
 def test_small_gemm_mode_switch_and_reasons(monkeypatch):
     """mma is the default family; ``set_small_gemm`` switches and refuses unknown names; ``small_gemm_problem``
     says why mma does not apply (a CPU device outside the interpreter)."""
-    from dspark_core.kernels import decode
+    from dspark_core.kernels import linear
 
-    monkeypatch.setattr(decode, "SMALL_GEMM", decode.SMALL_GEMM)
-    if "DSPARK_SMALL_GEMM" not in os.environ:
-        assert decode.SMALL_GEMM == "mma"
-    decode.set_small_gemm("fma")
-    assert decode.SMALL_GEMM == "fma" and not decode._uses_mma(1)
+    monkeypatch.setattr(linear, "SMALL_GEMM", linear.SMALL_GEMM)
+    assert linear.SMALL_GEMM == "mma"
+    linear.set_small_gemm("fma")
+    assert linear.SMALL_GEMM == "fma" and not linear._uses_mma(1)
     with pytest.raises(ValueError, match="small_gemm must be one of.*'tpu'"):
-        decode.set_small_gemm("tpu")
-    monkeypatch.setattr(decode, "INTERPRET", False)
-    assert "cpu is not a CUDA device" in decode.small_gemm_problem("cpu")
+        linear.set_small_gemm("tpu")
+    monkeypatch.setattr(linear, "INTERPRET", False)
+    assert "cpu is not a CUDA device" in linear.small_gemm_problem("cpu")
 
 
 def test_ar_in_other_modes_decodes_the_same_prompts(monkeypatch):
     """bench_online's fastest-AR pass: the same prompts decoded by AR in the other small-GEMM mode (greedy, a
     fresh runner on the same model), the current mode restored afterwards; float32 gives the same tokens."""
     from dspark_core.decoding.ar import ARDecoder
-    from dspark_core.decoding.bench_online import BenchOnlineConfig, DatasetRun, ar_in_other_modes
+    from dspark_core.bench.online import BenchOnlineConfig, DatasetRun, ar_in_other_modes
     from dspark_core.decoding.target_runner import TargetRunner
-    from dspark_core.kernels import decode
+    from dspark_core.kernels import linear
     from dspark_core.testing import tiny_model
 
-    monkeypatch.setattr(decode, "SMALL_GEMM", "mma")
+    monkeypatch.setattr(linear, "SMALL_GEMM", "mma")
     model = tiny_model("qwen3").to(DEVICE, torch.float32)
     runner = TargetRunner(model, max_len=32, aux_layer_ids=(1,), cuda_graph=False, kernels=True)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
     ar = [ARDecoder(runner).generate(p, 3, ()) for p in prompts]
     cfg = BenchOnlineConfig(max_new_tokens=3, max_len=32, peers=())
     out = ar_in_other_modes(model, cfg, {"d": DatasetRun(prompts=prompts, ar=ar)}, (), (1,), 7, False)
-    assert decode.SMALL_GEMM == "mma" and set(out["d"]) == {"mma", "fma"}
+    assert linear.SMALL_GEMM == "mma" and set(out["d"]) == {"mma", "fma"}
     assert out["d"]["mma"] is ar
     assert [g.tokens for g in out["d"]["fma"]] == [g.tokens for g in ar]
 
@@ -459,32 +458,32 @@ def test_tuner_times_from_dram_copies(monkeypatch):
     """The tuner's timing reads a small matrix from enough distinct copies (>= ``TUNE_BYTES`` in all, capped) that
     launches in turn cannot be served from L2; the copies hold W's values in their own storage. On a GPU the
     graph-timed tuner then chooses a candidate that is in the list and gives the reference's values."""
-    from dspark_core.kernels import decode
+    from dspark_core.kernels import linear, tuning
 
     w = torch.randn(4, 8)  # 128 bytes
-    copies = decode.weight_copies(w, min_bytes=1000, max_copies=16)
+    copies = tuning.weight_copies(w, min_bytes=1000, max_copies=16)
     assert len(copies) == 8 and copies[0] is w
     assert all(torch.equal(c, w) for c in copies)
     assert len({c.data_ptr() for c in copies}) == 8
-    assert len(decode.weight_copies(w, min_bytes=10_000, max_copies=5)) == 5
-    assert len(decode.weight_copies(torch.randn(64, 64), min_bytes=100)) == 1
+    assert len(tuning.weight_copies(w, min_bytes=10_000, max_copies=5)) == 5
+    assert len(tuning.weight_copies(torch.randn(64, 64), min_bytes=100)) == 1
 
     def full(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("device full")
 
     with monkeypatch.context() as m:  # no memory for copies: tune on W alone rather than fail
         m.setattr(torch.Tensor, "clone", full)
-        only = decode.weight_copies(w, min_bytes=1000)
+        only = tuning.weight_copies(w, min_bytes=1000)
     assert len(only) == 1 and only[0] is w
     if DEVICE != "cuda":
         return
-    _fresh_tile_tables(monkeypatch, decode)
+    _fresh_tile_tables(monkeypatch)
     x = torch.randn(1, 512, device=DEVICE, dtype=torch.bfloat16)
     wg = torch.randn(768, 512, device=DEVICE, dtype=torch.bfloat16) * 0.05
-    y = decode.fused_linear(x, wg)
-    torch.testing.assert_close(y, decode.fused_linear_reference(x, wg), **_tol(torch.bfloat16))
-    (chosen,) = decode._TUNED.values()
-    assert chosen in decode._MMA_CONFIGS
+    y = linear.fused_linear(x, wg)
+    torch.testing.assert_close(y, linear.fused_linear_reference(x, wg), **_tol(torch.bfloat16))
+    (chosen,) = tuning._TUNED.values()
+    assert chosen in tuning.MMA_CONFIGS
 
 
 @pytest.mark.parametrize("cfg", [(2, 64, 4), (16, 32, 1, 4, 3, 0), (16, 32, 3, 4, 3, 1), ("fma", 8, 64, 4)])
@@ -493,9 +492,9 @@ def test_weight_prefetch_keeps_the_sums(cfg, variant, monkeypatch):
     """PDL_PREFETCH (the first weight block read before the wait, that block's product peeled out of the K loop)
     gives the same bits as the loop alone, in both kernel families (FMA GEMV, tensor-core plain and swap-AB +
     split-K): it moves a load, never a sum."""
-    from dspark_core.kernels import decode
+    from dspark_core.kernels import linear
 
-    monkeypatch.setattr(decode, "SMALL_GEMM", "fma" if len(cfg) == 3 else "mma")
+    monkeypatch.setattr(linear, "SMALL_GEMM", "fma" if len(cfg) == 3 else "mma")
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     g = torch.Generator().manual_seed(7)
     k, n_out, gated = 200, 40, variant == "gated_norm"
@@ -505,12 +504,12 @@ def test_weight_prefetch_keeps_the_sums(cfg, variant, monkeypatch):
     res = torch.randn(3, n_out, generator=g).to(DEVICE, dtype) if not gated else None
     outs = []
     for prefetch in (False, True):
-        monkeypatch.setattr(decode, "PDL_PREFETCH", prefetch)
+        monkeypatch.setattr(linear, "PDL_PREFETCH", prefetch)
         y = torch.empty(3, n_out, device=DEVICE, dtype=dtype)
-        decode._launch(x, w, None, norm, 1e-6, res, y, n_out, gated, cfg)
+        linear._launch(x, w, None, norm, 1e-6, res, y, n_out, gated, cfg)
         outs.append(y)
     torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
-    ref = decode.fused_linear_reference(x, w, None, norm_weight=norm, eps=1e-6, gated=gated, residual=res)
+    ref = linear.fused_linear_reference(x, w, None, norm_weight=norm, eps=1e-6, gated=gated, residual=res)
     torch.testing.assert_close(outs[1], ref, **_tol(dtype))
 
 
@@ -520,9 +519,9 @@ def test_fma_tile_matches_reference_and_is_batch_invariant(cfg, variant, monkeyp
     """The mma mode's FMA tiles (``_gemv_rows``: one program takes every token of the step, the weight tile kept
     in registers when K <= BLOCK_K, re-read per K block otherwise): right values, and the rows of an 11-token call
     bit for bit those of 1-token calls."""
-    from dspark_core.kernels import decode
+    from dspark_core.kernels import linear
 
-    monkeypatch.setattr(decode, "SMALL_GEMM", "mma")
+    monkeypatch.setattr(linear, "SMALL_GEMM", "mma")
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     g = torch.Generator().manual_seed(cfg[1])
     n, k, n_out, gated = 11, 200, 40, variant == "gated_norm"
@@ -534,11 +533,11 @@ def test_fma_tile_matches_reference_and_is_batch_invariant(cfg, variant, monkeyp
 
     def run(rows):
         y = torch.empty(len(rows), n_out, device=DEVICE, dtype=dtype)
-        decode._launch(x[rows], w, bias, norm, 1e-6, None if res is None else res[rows], y, n_out, gated, cfg)
+        linear._launch(x[rows], w, bias, norm, 1e-6, None if res is None else res[rows], y, n_out, gated, cfg)
         return y
 
     y_all = run(list(range(n)))
-    ref = decode.fused_linear_reference(x, w, bias, norm_weight=norm, eps=1e-6, gated=gated, residual=res)
+    ref = linear.fused_linear_reference(x, w, bias, norm_weight=norm, eps=1e-6, gated=gated, residual=res)
     torch.testing.assert_close(y_all, ref, **_tol(dtype))
     torch.testing.assert_close(y_all, torch.cat([run([i]) for i in range(n)]), atol=0, rtol=0)
 
@@ -547,10 +546,10 @@ def test_tuner_ranks_mma_candidates_by_step_plus_verify(monkeypatch):
     """In mma mode one tile serves every n, so when FMA tiles compete the tuner times each candidate at n = 1 and
     at n = 8 and keeps the smallest sum (an FMA tile fast at n = 1 but slow at n = 8 loses to a tensor-core tile
     that is even); tensor-core tiles alone, and fma mode, are timed at n = 1."""
-    from dspark_core.kernels import decode
+    from dspark_core.kernels import linear, tuning
 
     calls = []
-    monkeypatch.setattr(decode, "_launch", lambda x, w, *a: calls.append((a[-1], x.shape[0])))
+    monkeypatch.setattr(linear, "_launch", lambda x, w, *a: calls.append((a[-1], x.shape[0])))
     fma_tile, tc, tc2 = ("fma", 4, 1024, 4), (16, 64, 1, 4), (32, 64, 1, 4)
     cost = {(fma_tile, 1): 1.0, (fma_tile, 8): 5.0, (tc, 1): 2.0, (tc, 8): 2.1, (tc2, 1): 2.5, (tc2, 8): 2.5}
 
@@ -558,26 +557,26 @@ def test_tuner_ranks_mma_candidates_by_step_plus_verify(monkeypatch):
         launch(0)
         return cost[calls[-1]]
 
-    monkeypatch.setattr(decode, "graph_time_ms", fake_graph_time)
+    monkeypatch.setattr(tuning, "graph_time_ms", fake_graph_time)
     x, w = torch.randn(1, 8), torch.randn(4, 8)
-    assert decode._tune(x, w, None, None, 0.0, None, 4, False, [fma_tile, tc], mma=True) == tc
-    assert {n for _, n in calls} == {1, decode.TUNE_VERIFY_TOKENS}
+    assert linear._tune(x, w, None, None, 0.0, None, 4, False, [fma_tile, tc], mma=True) == tc
+    assert {n for _, n in calls} == {1, linear.TUNE_VERIFY_TOKENS}
     calls.clear()
-    assert decode._tune(x, w, None, None, 0.0, None, 4, False, [tc2, tc], mma=True) == tc
+    assert linear._tune(x, w, None, None, 0.0, None, 4, False, [tc2, tc], mma=True) == tc
     assert {n for _, n in calls} == {1}
     calls.clear()
-    assert decode._tune(x, w, None, None, 0.0, None, 4, False, [fma_tile, tc], mma=False) == fma_tile
+    assert linear._tune(x, w, None, None, 0.0, None, 4, False, [fma_tile, tc], mma=False) == fma_tile
     assert {n for _, n in calls} == {1}
 
 
 def test_tile_pins_keep_the_least_summed_time(tmp_path):
     """``bench_kernels.py --tile-pins``: per matrix the mma-mode candidate with the least time summed over the
     timed n (one timed at only some n is left out), keyed as the tuner keys the shape; the table loads as a
-    ``DSPARK_KERNEL_CONFIGS`` file."""
+    kernel configs file (``tuning.pin_kernel_configs``)."""
     import sys
     from pathlib import Path
 
-    from dspark_core.kernels import decode
+    from dspark_core.kernels import tuning
 
     bench_dir = str(Path(__file__).resolve().parents[1] / "benchmarks")
     sys.path.insert(0, bench_dir)
@@ -593,11 +592,11 @@ def test_tile_pins_keep_the_least_summed_time(tmp_path):
                 if us is not None:
                     rows.append({"matrix": name, "n": n, "mode": "mma", "cfg": cfg, "us": us})
             rows.append({"matrix": name, "n": n, "mode": "fma", "cfg": [1, 64, 4], "us": 0.1})  # other mode: ignored
-    device = decode._device_name(torch.device(DEVICE))
+    device = tuning.device_name(torch.device(DEVICE))
     table = tile_pins(rows, "tiny", device, dtype="float32")
     assert set(table["configs"]) == {"mma:1:128:64:0:float32", "mma:1:64:64:0:float32", "mma:1:96:64:1:float32",
                                      "mma:1:64:96:0:float32"}  # tiny: Q/K/V and the LM head share a shape
     assert all(cfg == even for cfg in table["configs"].values())
     path = tmp_path / "pins.json"
     path.write_text(json.dumps(table))
-    assert set(decode.load_kernel_configs(path, DEVICE).values()) == {tuple(even)}
+    assert set(tuning.load_kernel_configs(path, DEVICE).values()) == {tuple(even)}

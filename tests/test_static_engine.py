@@ -449,7 +449,7 @@ def test_static_cuda_graph_sampling_matches_the_targets_distribution(kernels, to
     """The sampling cycle captured in CUDA graphs (device RNG under capture): the same two-sample test as on
     CPU (and on an H200). top_p 1.0 with kernels: the one-launch sampled slots
     (``MarkovSampler``) and the Triton accept step (``SampledAccept``, the default; switched on here whatever
-    DSPARK_REJECT_KERNEL says); top_p 0.95 keeps the torch slots and accept step."""
+    ``static_engine.REJECT_KERNEL`` says); top_p 0.95 keeps the torch slots and accept step."""
     import dspark_core.decoding.static_engine as static_engine
 
     monkeypatch.setattr(static_engine, "REJECT_KERNEL", True)
@@ -463,7 +463,7 @@ def test_static_cuda_graph_sampling_matches_the_targets_distribution(kernels, to
 def test_bench_online_engine_param():
     """``bench_online.engine``: auto = reference on CPU (and for sampling), static on request (sampling along a
     chain too, not with a tree), bad names refused."""
-    from dspark_core.decoding.bench_online import BenchOnlineConfig, make_engine, resolve_engine
+    from dspark_core.bench.online import BenchOnlineConfig, make_engine, resolve_engine
 
     model, draft = _setup("qwen3")
     greedy, sampled = SamplingParams(), SamplingParams(temperature=0.7)

@@ -198,7 +198,7 @@ def test_tree_step_matches_chain_of_each_path(kernels):
     t = layout.tensors(DEVICE)
     runner.prefill(prompt[:, :-1])
     p = runner.length
-    logits, aux = runner._step(ids, p + t.depth, tree=(t.offset, t.back))
+    logits, aux = runner.step(ids, p + t.depth, tree=(t.offset, t.back))
     for r in range(1, layout.rows):
         path = [r]
         while path[-1] != 0:

@@ -383,9 +383,9 @@ def test_bench_online_reports_both_memory_sources(tmp_path, monkeypatch, one_thr
     import yaml
 
     from _decoding_utils import fit_draft_to_target
+    from dspark_core.bench.online import BenchOnlineConfig, decode_dataset, run_bench_online_stage, stop_ids_of
     from dspark_core.checkpoint import save_draft
     from dspark_core.decoding.ar import ARDecoder
-    from dspark_core.decoding.bench_online import BenchOnlineConfig, decode_dataset, run_bench_online_stage, stop_ids_of
     from dspark_core.decoding.target_runner import TargetRunner
     from dspark_core.target import load_target
     from dspark_core.testing import save_tiny_target

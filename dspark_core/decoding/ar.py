@@ -9,7 +9,7 @@ Same stop / max_new_tokens rules and the same ``GenerationResult`` (one cycle pe
 compare like with like.
 
 ``StaticARDecoder`` (greedy) keeps the whole step on the device (one CUDA graph with the argmax and the
-position update). Measured on the H200 (session 4, SmolLM2 shapes, ``benchmarks/bench_decode.py`` reports
+position update). Measured on an H200 (SmolLM2 shapes, ``benchmarks/bench_decode.py`` reports
 both) it is 1-3% *slower* than ``ARDecoder``'s host loop, whose GPU never waits for the host either; the
 benchmarks therefore compare speculative decoding with ``ARDecoder``, and keep this one as a measured
 alternative.
@@ -112,7 +112,7 @@ class StaticARDecoder:
 
     def _step(self) -> None:
         ids = self.seq.index_select(0, self.p).view(1, 1)  # [1, 1]
-        logits, _ = self.target._step(ids, self.p)  # [1, 1, V]
+        logits, _ = self.target.step(ids, self.p)  # [1, 1, V]
         self.seq.index_copy_(0, self.p + 1, logits[0, -1].argmax().view(1))
         self.p += 1
 
@@ -164,7 +164,7 @@ class StaticARDecoder:
                 result.proposal_lengths.append(0)
                 if t in stops:
                     break
-        self.target.length = n_prompt + len(tokens) - 1  # host view of the target cache (last token not in it)
+        self.target.commit(n_prompt + len(tokens) - 1)  # host view of the target cache (last token not in it)
         result.decode_s = self._clock() - t1
         result.tokens, hit_stop = cut_at_stop(tokens, sorted(stops), max_new_tokens)
         result.stop_reason = "stop" if hit_stop else "length"

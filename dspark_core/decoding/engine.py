@@ -174,7 +174,7 @@ class SpeculativeDecoder:
         proposal = propose_tree(self.draft, cache, anchor, self.tree, self.sampling, self.generator, extras)
         t1 = self._clock()
         ids = proposal.tokens.to(self.target.device).view(1, -1)  # [1, R]
-        logits, aux = self.target._step(ids, p + t.depth, tree=(t.offset, t.back))  # [1, R, V], [1, R, K, H]
+        logits, aux = self.target.step(ids, p + t.depth, tree=(t.offset, t.back))  # [1, R, V], [1, R, K, H]
         nodes = ids[0, 1:]  # [N]
         if self.sampling.greedy:
             a, _, path, bonus = tree_accept_reference(logits[0], nodes, t)  # [], [], [S+1], []
@@ -184,13 +184,11 @@ class SpeculativeDecoder:
             a, _, path, bonus = (v[0] for v in tree_verify_sampling(target_probs[None], node_probs[None],
                                                                      nodes[None], t, self.generator))
         # The accepted path's K/V (rows at slots p + row) to slots p .. p + S (identity beyond the accepted depth).
-        slots = torch.stack([p + path, p + torch.arange(s + 1, device=path.device)])  # [2, S+1]
-        for cache_kv in (self.target.k_cache, self.target.v_cache):  # [L, 1, Hkv, M, D]
-            cache_kv.index_copy_(3, slots[1], cache_kv.index_select(3, slots[0]))
+        self.target.move_kv(p + path, p + torch.arange(s + 1, device=path.device))  # [S+1] slots
         host = torch.cat([a.view(1), bonus.view(1), ids[0, path]]).tolist()  # one sync: a, bonus, path tokens
         a = host[0]
         committed = tuple(host[3 : 3 + a]) + (host[1],)
-        self.target.length = p + a + 1
+        self.target.commit(p + a + 1)
         t2 = self._clock()
         self.draft.extend_context(cache, aux[:, path[: a + 1]])  # the anchor's and the accepted nodes' rows
         # proposal length = the tree's depth (as the static engine's tree: a <= S; N nodes were verified)

@@ -15,7 +15,7 @@ so a whole speculative cycle can be captured as one CUDA graph (``dspark_core.de
   the previous token there.
 
 ``kernels=True`` (Triton on CUDA, or its interpreter in tests) runs the draft layers through the same
-fused kernels as the target's decode step (``dspark_core.kernels.decode``: norm folded into the Q/K/V and
+fused kernels as the target's decode step (``dspark_core.kernels``: norm folded into the Q/K/V and
 gate/up products, q/k norm + RoPE + cache write, split-KV attention; the block's own K/V are written at
 positions p..p+S-1 of the cache and every block query sees keys <= p+S-1, i.e. bidirectional within the
 block) and each Markov slot through one kernel (``dspark_core.kernels.markov``; a sampled slot too at a plain
@@ -29,8 +29,6 @@ nq / nkv heads, d head dim, M cache positions (max_len rounded up to 16), n posi
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from dspark_core.draft.attention import AttentionMask
@@ -39,7 +37,7 @@ from dspark_core.decoding.target_runner import fuse_layer
 from dspark_core.decoding.tree import top2_reference
 
 HOOKS = ("block_inputs", "markov_features", "extra_kv", "score_candidates")
-SAMPLE_KERNEL = os.environ.get("DSPARK_SAMPLE_KERNEL", "1") != "0"  # see StaticDraft._sample_kernel_applies
+SAMPLE_KERNEL = True  # False: the torch path even where the kernel applies (see StaticDraft._sample_kernel_applies)
 
 
 def static_draft_problem(draft: DSparkDraft) -> str | None:
@@ -132,7 +130,8 @@ class StaticDraft:
 
     def _extend_kernels(self, aux_hidden: torch.Tensor, pos: torch.Tensor, slot_offset: torch.Tensor | None = None
                         ) -> None:
-        from dspark_core.kernels.decode import fused_linear, qk_norm_rope_cache
+        from dspark_core.kernels.linear import fused_linear
+        from dspark_core.kernels.rope import qk_norm_rope_cache
 
         draft, n = self.draft, aux_hidden.shape[1]
         flat = aux_hidden.reshape(n, -1).to(self.dtype)  # [n, K*Ht]
@@ -190,8 +189,8 @@ class StaticDraft:
         return not params.greedy and params.top_p >= 1.0 and not 0 < params.top_k < self.draft.vocab_size
 
     def _sample_kernel_applies(self, params) -> bool:
-        """The one-launch sampled slot (``MarkovSampler``) at a plain temperature. DSPARK_SAMPLE_KERNEL=0 keeps the
-        torch path (A/B timing)."""
+        """The one-launch sampled slot (``MarkovSampler``) at a plain temperature (the tests compare it with the
+        torch path, ``SAMPLE_KERNEL = False``)."""
         return self.kernels and self.markov is not None and self.plain_temperature(params) and SAMPLE_KERNEL
 
     def _sampled_slots_kernel(self, base: torch.Tensor, anchor: torch.Tensor, temperature: float,
@@ -215,7 +214,9 @@ class StaticDraft:
 
     def _block_kernels(self, anchor: torch.Tensor, p: torch.Tensor, need_hidden: bool
                        ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        from dspark_core.kernels.decode import decode_attention, fused_linear, qk_norm_rope_cache
+        from dspark_core.kernels.attention import decode_attention
+        from dspark_core.kernels.linear import fused_linear
+        from dspark_core.kernels.rope import qk_norm_rope_cache
 
         draft, s, eps = self.draft, self.block_size, self.eps
         x = draft._block_states(anchor.view(1, 1), None)[0].contiguous()  # [S, H]

@@ -5,7 +5,7 @@ sampling, host-side bookkeeping), restricted to a baseline ``DSparkDraft`` (gree
 step of a cycle has a static shape and reads its lengths from device tensors:
 
     propose   tokens t_1..t_S = draft block at (anchor, p), greedy Markov slots      (graph 1)
-    verify    target forward of [anchor, t_1..t_S] at p..p+S (``TargetRunner._step``)  (graph 2)
+    verify    target forward of [anchor, t_1..t_S] at p..p+S (``TargetRunner.step``)  (graph 2)
     accept    a = matching prefix of t vs the target's argmax (capped at the confident slots);
               bonus = target argmax at row a (one Triton kernel with the Triton draft: kernels/accept.py)
     update    draft context K/V of positions p..p+S written (only p..p+a count); p += a + 1; anchor = bonus
@@ -22,11 +22,10 @@ which commits the same tokens the reference commits after proposing only the con
 (``sampling.rejection_step``: accept t_i while u_i q_i(t_i) < p_i(t_i), then one token from
 normalize(max(p_a - q_a, 0)), or from p_a past the last counted slot), every draw an exponential race on device
 uniforms: no host read, static shapes (with the Triton draft at a plain temperature: ``MarkovSampler`` slots, and
-the accept step in two launches, ``kernels.accept.SampledAccept``; ``DSPARK_REJECT_KERNEL=0`` for the torch
+the accept step in two launches, ``kernels.accept.SampledAccept``; ``REJECT_KERNEL = False`` for the torch
 ops). Without CUDA graphs the draws come from ``torch.Generator(seed)``; with them from the default CUDA generator
 (graph-safe). Tested on CPU (chi-square against the target's distribution) and, captured in CUDA graphs with and
-without the Triton kernels, on an H200 (sessions 10 and 15,
-``test_static_cuda_graph_sampling_matches_the_targets_distribution``):
+without the Triton kernels, on an H200 (``test_static_cuda_graph_sampling_matches_the_targets_distribution``):
 ``bench_online``'s ``engine: auto`` picks it for sampling on CUDA.
 
 ``tree_branches`` ((start, length), ...; ``dspark_core.decoding.tree``) adds side branches to the proposal: the
@@ -45,7 +44,6 @@ Shape legend: S block size, V vocab, K aux layers, H target hidden.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from typing import Sequence
@@ -61,9 +59,9 @@ from dspark_core.decoding.types import GenerationResult, cut_at_stop
 
 # The sampled accept step in two Triton launches (``kernels.accept.SampledAccept``) instead of ~50 torch kernels:
 # tested against the torch step (interpreter and H200) and, in CUDA graphs, against the target's distribution
-# (chi-square, H200, session 15); SmolLM2 ``mma`` sampling cycle 1.166 -> 1.094 ms. DSPARK_REJECT_KERNEL=0 keeps
-# the torch ops (``logits_to_probs`` + ``sampling.rejection_step``).
-REJECT_KERNEL = os.environ.get("DSPARK_REJECT_KERNEL", "1") != "0"
+# (chi-square, H200); SmolLM2 ``mma`` sampling cycle 1.166 -> 1.094 ms. False keeps the torch ops
+# (``logits_to_probs`` + ``sampling.rejection_step``), the reference the tests compare it with.
+REJECT_KERNEL = True
 
 
 class StaticSpeculativeDecoder:
@@ -127,7 +125,7 @@ class StaticSpeculativeDecoder:
             from dspark_core.kernels.accept import GreedyAccept
 
             tree = None if self.tree.is_chain else self.tree
-            self._accept = GreedyAccept(self.tree.rows, target._head_w.shape[0], dev, tree=tree)
+            self._accept = GreedyAccept(self.tree.rows, target.vocab_size, dev, tree=tree)
             if tree is not None:
                 self.path = self._accept.path
         self._graphs: tuple | None = None
@@ -161,7 +159,7 @@ class StaticSpeculativeDecoder:
         tokens = self.out[2 : 2 + s]  # [S]
         ids = torch.cat([self.anchor, tokens]).view(1, s + 1)  # [1, S+1]
         pos = self.p + self.verify_slots  # [S+1]
-        logits, aux = self.target._step(ids, pos)  # [1, S+1, V], [1, S+1, K, H]
+        logits, aux = self.target.step(ids, pos)  # [1, S+1, V], [1, S+1, K, H]
         if self.sampling is not None and self._sampled_accept is not None:  # the same step in two kernels
             self._sampled_accept(logits[0], self.q, self.out, self.p, self.anchor, self._rand(s),
                                  self._rand(self.q.shape[1]), self.sampling.temperature)
@@ -193,14 +191,14 @@ class StaticSpeculativeDecoder:
         s, t = self.block_size, self.tables
         ids = self.out[2 + s :].view(1, -1)  # [1, R] the anchor (= the last bonus) and the node tokens
         pos = self.p + t.depth  # [R] logical positions
-        logits, aux = self.target._step(ids, pos, tree=(t.offset, t.back))  # [1, R, V], [1, R, K, H]
+        logits, aux = self.target.step(ids, pos, tree=(t.offset, t.back))  # [1, R, V], [1, R, K, H]
         self.static.extend(aux, pos, slot_offset=t.offset)  # every row's context, in its row's slot like the target
-        kv, draft_kv = (self.target.k_cache, self.target.v_cache), (self.static.k, self.static.v)
+        kv, draft_kv = self.target.caches, (self.static.k, self.static.v)
         if self._accept is not None:  # one launch: accept, then the winning branch's K/V moves (target and draft)
             self._accept(logits[0], self.out, self.p, self.anchor, kv=kv, draft_kv=draft_kv)
         else:
             greedy_accept_tree_reference(logits[0], self.out, self.p, self.anchor, t, self.path)
-            kv_move_reference(*kv, self.path)  # the accepted path's K/V to slots p+1..p+a
+            self.target.move_kv(self.path[1], self.path[2])  # the accepted path's K/V to slots p+1..p+a
             kv_move_reference(*draft_kv, self.path)
 
     # -- CUDA graphs ----------------------------------------------------------------------------
@@ -304,7 +302,7 @@ class StaticSpeculativeDecoder:
         result.stop_reason = "stop" if hit_stop else "length"
         # host view of the target cache: the returned tokens but the last (the next anchor); a last cycle that
         # accepted past the cut or a stop token leaves no trace
-        self.target.length = n_prompt + len(result.tokens) - 1
+        self.target.commit(n_prompt + len(result.tokens) - 1)
         return result
 
     def _first_token(self, logits: torch.Tensor) -> torch.Tensor:

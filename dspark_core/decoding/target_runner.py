@@ -11,6 +11,11 @@ host-side length pointer.
   ``aux_hidden [B, n, K, H]`` (used for verification, n = 1 + proposal, and for AR decoding, n = 1).
 - ``truncate(length)``: roll back; stale K/V beyond ``length`` are never read (causal mask on the
   absolute position) and get overwritten by the next ``forward``.
+- ``step(ids [B, n], pos [n], tree=...)``: the same forward at device positions, sync-free and without
+  moving the host length (what CUDA-graph-captured engines run); ``move_kv(src, dst)`` copies K/V between
+  cache slots (a draft tree's accepted path into place); ``commit(length)`` then sets the host length
+  to what the device-side steps left in the cache. ``caches`` gives the K / V cache tensors to kernels
+  that update them in place (the fused tree accept).
 
 Aux layer ids follow the cache stage: zero-based decoder layer ids, ``-1`` = embedding output; the
 final layer is refused (its HF hidden state is the normalised one).
@@ -24,7 +29,7 @@ half shared by all layers: weights are arguments), which fuses the element-wise 
 matmuls. Outputs of a graph replay live in static buffers: they are valid until the next ``forward``.
 
 ``kernels=True`` (CUDA, batch 1) runs every chunk of n <= 16 tokens through the Triton kernels of
-``dspark_core.kernels.decode`` instead: 6 kernels per decoder layer (norm fused into the Q/K/V and
+``dspark_core.kernels`` instead: 6 kernels per decoder layer (norm fused into the Q/K/V and
 gate/up matrix-vector products, SiLU and residual adds in their epilogues, q/k norm + RoPE + cache write
 in one kernel, split-KV attention). The Q/K/V and gate/up weights are concatenated once and the HF
 module weights re-pointed to views of the concatenation (values unchanged, no second copy).
@@ -35,14 +40,11 @@ weight-read limit 520 tokens/s at the measured 4.2 TB/s copy bandwidth):
 | path | n = 1 step | AR tokens/s | of the limit | n = 8 verify |
 |---|---|---|---|---|
 | compile + CUDA graphs (cuBLAS GEMVs, separate Q/K/V) | 4.94 ms | 197.5 | 37 % | 4.68 ms |
-| ``kernels=True`` + CUDA graphs, no PDL | 2.67 ms | 370.2 | 70 % | |
-| ``kernels=True`` + CUDA graphs + PDL (``DSPARK_SMALL_GEMM=fma``) | 2.52 ms | 392.3 | 75 % | 10.8 ms |
-| ``kernels=True`` + CUDA graphs + PDL, ``DSPARK_SMALL_GEMM=mma`` | 4.36 ms | 225.7 | 43 % | 4.44 ms |
-| same, ``mma`` with session 9's deeper-pipeline tiles (``reports/bench/decode_modes_h200``) | 4.03 ms | 245.9 | 47 % | 4.11 ms |
-| same, ``mma`` with session 10's swap-AB + split-K tiles (``reports/bench/decode_modes_h200``) | 2.91 ms | 339.7 | 65 % | 3.01 ms |
+| ``kernels=True`` + CUDA graphs + PDL, ``small_gemm: fma`` | 2.52 ms | 392.3 | 75 % | 10.8 ms |
+| ``kernels=True`` + CUDA graphs + PDL, ``small_gemm: mma`` (swap-AB + split-K tiles) | 2.91 ms | 339.7 | 65 % | 3.01 ms |
 
 Both kernel modes are batch-invariant (verify logits bit for bit those of AR steps); ``fma`` is the fast AR
-step, ``mma`` (the default where bf16 tensor cores exist) the cheap verify (see ``dspark_core.kernels.decode``).
+step, ``mma`` (the default where bf16 tensor cores exist) the cheap verify (see ``dspark_core.kernels.linear``).
 
 Shape legend: B batch, n tokens in this call, M cache positions (max_len rounded up to 16), L decoder
 layers, Hq / Hkv query / KV heads, D head dim, G = Hq / Hkv, H hidden, F FFN width, K aux layers, V vocab.
@@ -299,7 +301,7 @@ class TargetRunner:
         self.kernels = bool(kernels)
         if self.kernels:
             _check_kernels(model, batch_size)
-            from dspark_core.kernels.decode import resolve_small_gemm
+            from dspark_core.kernels.linear import resolve_small_gemm
 
             resolve_small_gemm(next(model.parameters()).device)  # mma where it applies, else fma (says why)
             self._fused = self._fuse_weights(model)  # before _init_weights: it re-points the HF weights
@@ -364,6 +366,11 @@ class TargetRunner:
     def num_aux_layers(self) -> int:
         return len(self.aux_layer_ids)
 
+    @property
+    def caches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V caches ``[L, B, Hkv, M, D]``, for kernels that move cache slots in place."""
+        return self.k_cache, self.v_cache
+
     def reset(self) -> None:
         self.length = 0
 
@@ -372,6 +379,28 @@ class TargetRunner:
         if not 0 <= length <= self.length:
             raise ValueError(f"truncate length must be in [0, {self.length}]; got {length}")
         self.length = int(length)
+
+    def commit(self, length: int) -> None:
+        """Set the host length to ``length`` (0 <= length <= max_len) after :meth:`step` calls, which write the
+        cache at device positions without moving it: positions below ``length`` must hold the committed tokens."""
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"commit length must be in [0, {self.max_len}]; got {length}")
+        self.length = int(length)
+
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V at cache slots ``src [E]`` to slots ``dst [E]`` (int64 device tensors; all
+        sources are gathered before any destination is written, so a slot may be both)."""
+        for cache in self.caches:  # [L, B, Hkv, M, D]
+            cache.index_copy_(3, dst, cache.index_select(3, src))
+
+    def step(self, ids: torch.Tensor, pos: torch.Tensor, *, tree: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward ``ids [B, n]`` at positions ``pos [n]`` (a device tensor) -> ``logits [B, n, V]``,
+        ``aux [B, n, K, H]``, with no host sync and no change of the host length (see :meth:`commit`): the
+        step CUDA-graph-captured engines replay. ``tree = (offset [n], back [n])``: the rows are a draft
+        tree's (``dspark_core.decoding.tree``): row t at logical position pos[t], written to slot
+        pos[t] + offset[t], attending to its ancestors only (batch 1)."""
+        return self._step(ids, pos, tree=tree)
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, *, last_logits_only: bool = False,
@@ -482,14 +511,16 @@ class TargetRunner:
 
     @staticmethod
     def _kernel_max_tokens() -> int:
-        from dspark_core.kernels.decode import MAX_TOKENS
+        from dspark_core.kernels.linear import MAX_TOKENS
 
         return MAX_TOKENS
 
     def _kernel_step(self, ids: torch.Tensor, pos: torch.Tensor, *, head: str = "all",
                      tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The Triton path of :meth:`_step` (batch 1, n <= 16 tokens; see the module docstring)."""
-        from dspark_core.kernels.decode import decode_attention, fused_linear, qk_norm_rope_cache
+        from dspark_core.kernels.attention import decode_attention
+        from dspark_core.kernels.linear import fused_linear
+        from dspark_core.kernels.rope import qk_norm_rope_cache
 
         n, eps = ids.shape[1], self._spec.eps
         x = F.embedding(ids[0], self._embed_w)  # [n, H]

@@ -24,8 +24,6 @@ paths implement one definition (tests compare it with a brute-force loop and the
 
 from __future__ import annotations
 
-import json
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -35,21 +33,6 @@ import torch.nn.functional as F
 
 BACKENDS = ("auto", "flex", "dense")
 _compiled_flex: Callable[..., torch.Tensor] | None = None
-
-
-def _flex_kernel_options() -> dict[str, Any] | None:
-    """flex_attention ``kernel_options`` from ``DSPARK_FLEX_OPTIONS`` (JSON, e.g. '{"BLOCK_M": 64}'): a speed knob
-    for benchmarks (``benchmarks/bench_kernels.py --parts flex`` compares them); results do not depend on it."""
-    raw = os.environ.get("DSPARK_FLEX_OPTIONS")
-    if not raw:
-        return None
-    try:
-        opts = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"DSPARK_FLEX_OPTIONS is not JSON: {raw!r} ({e})") from None
-    if not isinstance(opts, dict):
-        raise ValueError(f"DSPARK_FLEX_OPTIONS must be a JSON object; got {raw!r}")
-    return opts
 
 
 def make_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, ctx_len: int, block_size: int,
@@ -127,11 +110,10 @@ _COMPILE_BLOCK_MASK = [True]
 def _block_mask(mask_mod, batch: int, q_len: int, kv_len: int, device: torch.device):
     """flex's BlockMask of ``mask_mod``; on CUDA its construction is compiled (``_compile=True``: a few fused
     kernels instead of a vmapped eager evaluation that costs milliseconds of host time every step).
-    ``DSPARK_COMPILE_BLOCK_MASK=0`` (or a first failure, with a warning) falls back to the eager construction."""
+    A first failure (a torch build without it; with a warning) falls back to the eager construction."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    use = (device.type == "cuda" and _COMPILE_BLOCK_MASK[0]
-           and os.environ.get("DSPARK_COMPILE_BLOCK_MASK", "1") != "0")
+    use = device.type == "cuda" and _COMPILE_BLOCK_MASK[0]
     if use:
         try:
             return create_block_mask(mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device,
@@ -147,13 +129,12 @@ def _flex(q, k, v, block_mask, scale: float, enable_gqa: bool) -> torch.Tensor:
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
-    opts = _flex_kernel_options()
     if torch.compiler.is_compiling():  # inside a compiled layer: traced and fused there
-        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, kernel_options=opts)
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
     if q.device.type == "cuda":
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=True)
-        return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, kernel_options=opts)
+        return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
     with warnings.catch_warnings():  # CPU: the unfused path is what we want (tests only)
         warnings.simplefilter("ignore", UserWarning)
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)

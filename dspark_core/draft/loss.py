@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark_core.draft.config import LossConfig
+from dspark_core.errors import UserError
 from dspark_core.metrics import block_metric_sums, overlap_from_l1
 
 _OUT_DTYPE_OK: dict[str, bool] = {}
@@ -111,27 +112,32 @@ def chunk_math(logits: torch.Tensor, teacher: torch.Tensor, targets: torch.Tenso
 
 
 LOSS_KERNELS = ("auto", "triton", "compile", "torch")
+LOSS_KERNEL = "auto"  # params train.loss_kernel, through set_loss_kernel
+
+
+def set_loss_kernel(choice: str) -> None:
+    """Choose the chunk math's implementation (``train.loss_kernel``; see :func:`loss_kernel`)."""
+    global LOSS_KERNEL
+    if choice not in LOSS_KERNELS:
+        raise UserError(f"train.loss_kernel must be one of {', '.join(LOSS_KERNELS)}; got {choice!r}")
+    LOSS_KERNEL = choice
 
 
 def loss_kernel(device: torch.device) -> str:
-    """Which implementation of the chunk math runs: ``DSPARK_LOSS_KERNEL`` (auto | triton | compile | torch),
-    where auto = the Triton kernels on CUDA when Triton imports, else torch.compile on CUDA, else eager torch.
+    """Which implementation of the chunk math runs: ``LOSS_KERNEL`` (auto | triton | compile | torch), where
+    auto = the Triton kernels on CUDA when Triton imports, else torch.compile on CUDA, else eager torch.
 
-    A speed knob, not a hyperparameter: every choice computes the same numbers (tests), so it lives in the
-    environment rather than in params.yaml."""
-    import os
-
+    A speed knob, not a hyperparameter: every choice computes the same numbers (tests), so it is an execution
+    key of ``train`` (a checkpoint resumes under any choice)."""
     from dspark_core.kernels import triton_ok
 
-    choice = os.environ.get("DSPARK_LOSS_KERNEL", "auto")
-    if choice not in LOSS_KERNELS:
-        raise ValueError(f"DSPARK_LOSS_KERNEL must be one of {', '.join(LOSS_KERNELS)}; got {choice!r}")
+    choice = LOSS_KERNEL
     if choice == "auto":
         if device.type != "cuda":
             return "torch"
         return "triton" if triton_ok(device) else "compile"
     if choice == "triton" and not triton_ok(device):
-        raise ValueError(f"DSPARK_LOSS_KERNEL=triton but Triton cannot run on {device}")
+        raise UserError(f"train.loss_kernel: triton, but Triton cannot run on {device}; use auto")
     return choice
 
 

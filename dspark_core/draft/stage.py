@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dspark_core.config import ParamsError
 from dspark_core.draft.config import DraftConfig, LossConfig, WarmStartConfig
+from dspark_core.draft.loss import set_loss_kernel
 from dspark_core.errors import UserError
 from dspark_core.io import sha256_file, sha256_json
 from dspark_core.train.trainer import TrainConfig
@@ -71,6 +72,7 @@ def run_train_stage(params: Path, variant: str, time_budget_s: float | None = No
 
     check_variant_dag(params)
     draft_cfg, loss_cfg, train_cfg = variant_configs(params, variant)
+    set_loss_kernel(train_cfg.loss_kernel)
     warm, ckpt, offset = warm_start_checkpoint(params, variant)
     task = task_class(draft_cfg.kind).from_paths(draft_cfg, loss_cfg, TARGET_DIR, CACHE_DIR / "train.zarr",
                                                  init_checkpoint=ckpt, freeze_base=warm.freeze_base)

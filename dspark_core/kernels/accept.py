@@ -26,7 +26,7 @@ and the reduction reads them in a fixed order anyway; the same logits give the s
 NaN logits are not handled like torch (which treats NaN as the maximum): with a NaN in a row the row's
 result is unspecified, but always a valid token id in [0, V).
 
-Same pattern as ``dspark_core.kernels.decode._gemm_small``'s split-K (last-arriving program reduces) and its
+Same pattern as ``dspark_core.kernels.gemm._gemm_small``'s split-K (last-arriving program reduces) and its
 programmatic-dependent-launch convention (``gdc_wait`` first thing when ``PDL``).
 
 Shape legend: R rows = S+1 (verify positions), S block size (draft tokens), V vocab, T = cdiv(V, BLOCK_V)
@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark_core.kernels.decode import _LAUNCH, PDL, gdc_launch_dependents, gdc_wait
+from dspark_core.kernels.pdl import _LAUNCH, PDL, gdc_launch_dependents, gdc_wait
 
 MAX_ROWS = 16  # R = S+1 <= 16 (the widest verify step of the decode kernels)
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # exact in the kernel's float32 compare

@@ -8,7 +8,7 @@ argmax). Here it is one launch: programs over row tiles of W2 compute their rows
 (max, first argmax) each and write it to a workspace; then each bumps an arrival counter (acq_rel atomic, gpu
 scope), and the last program to arrive reduces all the partials, writes the token where the next slot reads
 it, and resets the counter to 0 for the next launch (the next slot, or a CUDA graph replay). The pattern is
-``_gemm_small``'s split-K in ``dspark_core.kernels.decode``. The previous token is read on the device, so no
+``_gemm_small``'s split-K in ``dspark_core.kernels.gemm``. The previous token is read on the device, so no
 host sync is needed between slots.
 
 ``MarkovArgmax.rows`` runs several such picks of one slot in one launch (grid: tiles x rows, a counter per row):
@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark_core.kernels.decode import _LAUNCH, PDL, gdc_launch_dependents, gdc_wait
+from dspark_core.kernels.pdl import _LAUNCH, PDL, gdc_launch_dependents, gdc_wait
 
 BLOCK_V = 128
 

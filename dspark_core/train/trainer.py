@@ -58,8 +58,9 @@ class TrainConfig(Section):
     # How the run executes, not what it learns (left out of the resume identity, see identity_dict):
     time_budget_s: float | None = None   # stop (checkpoint + export) after the step that passes this many seconds
     nproc_per_node: int = 1              # > 1: the stage re-launches itself under torchrun with this many processes
+    loss_kernel: str = "auto"            # the draft loss's chunk math: auto | triton | compile | torch (same numbers)
 
-    EXECUTION_KEYS = ("time_budget_s", "nproc_per_node")
+    EXECUTION_KEYS = ("time_budget_s", "nproc_per_node", "loss_kernel")
 
     def validate(self) -> None:
         positive("lr", self.lr)

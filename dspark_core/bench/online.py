@@ -44,17 +44,21 @@ from typing import Any, Sequence
 
 import torch
 
+from dspark_core.bench.peers import PEERS, peer_comparison, truncated_assistant
+from dspark_core.bench.plots import plot_metrics
 from dspark_core.config import Section, non_negative, positive, require
 from dspark_core.data.sources import utf8_line
 from dspark_core.errors import UserError
 from dspark_core.io import atomic_path, write_json
 from dspark_core.decoding.ar import ARDecoder
-from dspark_core.decoding.common import BudgetError, synced_clock
+from dspark_core.decoding.common import BudgetError
 from dspark_core.decoding.engine import SpeculativeDecoder
 from dspark_core.decoding.sampling import SamplingParams
 from dspark_core.decoding.static_draft import static_draft_problem
 from dspark_core.decoding.target_runner import TargetRunner
 from dspark_core.decoding.types import GenerationResult
+from dspark_core.errors import UserError
+from dspark_core.io import write_json
 
 DOMAINS = ("math_word", "competition_math", "code", "chat")   # prepare's domains (dspark_core/data/sources.py)
 DATASET_ALIASES = {"gsm8k": "math_word"}
@@ -63,7 +67,6 @@ DATASET_SOURCES = {"math_word": ("gsm8k_symbolic", "gsm8k_test", "gsm_symbolic_v
                    "competition_math": ("aime2025", "project_euler"), "code": ("humaneval", "codeio"),
                    "chat": ("sharegpt",)}
 JSONL_PREFIX = "jsonl:"
-PEERS = ("hf_generate", "assisted", "prompt_lookup")
 ENGINES = ("auto", "reference", "static")
 TIME_EVERY = 16  # the static engine times draft / verify separately on every 16th cycle
 
@@ -89,8 +92,12 @@ class BenchOnlineConfig(Section):
     cuda_graph: bool | None = None        # None: on for cuda
     compile: bool = False                 # torch.compile the decoder layer (GPU)
     kernels: bool | None = None           # the Triton decode step (GPU); None: on for cuda where it applies
-    small_gemm: str | None = None         # mma | fma (kernels.decode); None: $DSPARK_SMALL_GEMM, else mma
+    small_gemm: str | None = None         # mma | fma (kernels.linear); None: mma where it applies
     kernel_config_store: str | None = "~/.cache/dspark/kernel_configs"  # tuned tiles per device + target
+    kernel_configs: str | None = None     # a pinned tile table (kernels.tuning.save_kernel_configs); wins over the store
+    batch_invariant: bool = True          # kernels: each token of a verify summed as in a one-token step
+    tune_kernels: bool = True             # kernels: time the tile candidates per shape (False: the first one)
+    fma_tiles: bool = False               # kernels, mma mode: the tuner also times the FMA tiles
     ar_all_modes: bool = True             # with kernels: AR again in the other small-GEMM mode (fastest AR)
     engine: str = "auto"                  # reference | static | auto (static for greedy on cuda where it applies)
     tree_branches: tuple[tuple[int, ...], ...] = ()  # draft-tree branches [start, length] (decoding/tree.py)
@@ -292,71 +299,6 @@ def _throughput(results: Sequence[GenerationResult]) -> float | None:
     return tokens / seconds if seconds > 0 else None
 
 
-# -- peers: Hugging Face generate, assisted generation, prompt lookup --------------------------------
-def truncated_assistant(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
-    """An assistant for HF assisted generation sharing the target's tokenizer: the target's first
-    ``num_layers`` decoder layers + its final norm and LM head (weights copied)."""
-    import copy
-
-    from transformers import AutoModelForCausalLM
-
-    cfg = copy.deepcopy(model.config)
-    if not 1 <= num_layers < cfg.num_hidden_layers:
-        raise UserError(f"bench_online.assistant_layers must be in [1, {cfg.num_hidden_layers - 1}]; got {num_layers}")
-    cfg.num_hidden_layers = num_layers
-    if getattr(cfg, "layer_types", None):
-        cfg.layer_types = cfg.layer_types[:num_layers]
-    first = next(model.parameters())
-    small = AutoModelForCausalLM.from_config(cfg, dtype=first.dtype).to(first.device)
-    state = {k: v for k, v in model.state_dict().items()
-             if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
-    small.load_state_dict(state, strict=False)
-    if getattr(cfg, "tie_word_embeddings", False):
-        small.tie_weights()
-    return small.eval()
-
-
-@torch.no_grad()
-def peer_comparison(model: torch.nn.Module, prompts: Sequence[Sequence[int]], reference: Sequence[Sequence[int]],
-                    max_new_tokens: int, stop_ids: Sequence[int], peers: Sequence[str] = PEERS,
-                    assistant: torch.nn.Module | None = None, prompt_lookup_num_tokens: int = 10,
-                    pad_token_id: int | None = None) -> dict[str, dict[str, Any]]:
-    """Greedy HF ``generate`` variants on ``prompts``: decode tokens/s (prefill excluded, estimated by a
-    1-token run) and whether each output equals ``reference`` (our AR tokens)."""
-    rows: dict[str, dict[str, Any]] = {}
-    for peer in peers:
-        kwargs: dict[str, Any] = {}
-        if peer == "assisted":
-            if assistant is None:
-                raise UserError("peer 'assisted' needs an assistant model")
-            kwargs["assistant_model"] = assistant
-        elif peer == "prompt_lookup":
-            kwargs["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
-        tokens = seconds = 0.0
-        identical = True
-        for prompt, ref in zip(prompts, reference):
-            out, decode_s = _timed_generate(model, prompt, max_new_tokens, stop_ids, pad_token_id, kwargs)
-            identical &= out == list(ref)
-            tokens += max(len(out) - 1, 0)
-            seconds += decode_s
-        rows[peer] = {"tokens_per_s": tokens / seconds if seconds > 0 else None, "identical": identical}
-    return rows
-
-
-def _timed_generate(model, prompt, max_new_tokens, stop_ids, pad_token_id, kwargs) -> tuple[list[int], float]:
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt)], device=device)
-    common = dict(do_sample=False, eos_token_id=list(stop_ids) or None, pad_token_id=pad_token_id,
-                  attention_mask=torch.ones_like(ids), **kwargs)
-    clock = synced_clock(device)
-    t0 = clock()
-    model.generate(ids, max_new_tokens=1, **common)  # the prefill's share
-    t1 = clock()
-    out = model.generate(ids, max_new_tokens=max_new_tokens, **common)
-    t2 = clock()
-    return out[0, ids.shape[1]:].tolist(), max((t2 - t1) - (t1 - t0), 1e-9)
-
-
 # -- the stage ---------------------------------------------------------------------------------------
 TARGET_DIR = Path("data/target")  # fixed by the DAG (dvc.yaml), as in dspark_core.draft.stage
 TRAIN_DIR = Path("data/train")
@@ -437,8 +379,8 @@ def resolve_engine(name: str, sampling: SamplingParams, draft: Any, device: torc
                    tree: bool = False) -> str:
     """``bench_online.engine``: "static" (the device-side cycle: greedy, or sampling along a chain; baseline
     draft hooks), "reference" (``SpeculativeDecoder``: any sampling, any variant), or "auto": static on CUDA where
-    it applies (greedy, or sampling along a chain: its CUDA-graph sampling cycle passed the chi-square test on an
-    H200 in session 10), else reference. Asking for "static" where it cannot run is a ValueError with the reason."""
+    it applies (greedy, or sampling along a chain: its CUDA-graph sampling cycle passes the chi-square test against
+    the target's distribution on an H200), else reference. Asking for "static" where it cannot run is a ValueError with the reason."""
     if name == "reference":
         return name
     problem = static_draft_problem(draft)
@@ -507,7 +449,7 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
     for temp in cfg.also_temperatures:
         hot_cfg = cfg.replace(temperature=float(temp))
         hot_runs = at_temperature(metrics, runner, draft, hot_cfg, prompt_sets, tokenizer, stops, block, device)
-        if kernels and cfg.ar_all_modes:  # the sampled speedup against the fastest sampled AR too (issue 18)
+        if kernels and cfg.ar_all_modes:  # the sampled speedup against the fastest sampled AR too
             key = f"{hot_cfg.temperature:g}"
             rows = {name: metrics[name]["at_temperature"][key] for name in [*hot_runs, "overall"]}
             by_mode = ar_in_other_modes(model, hot_cfg, hot_runs, stops, runner.aux_layer_ids, block, graphs)
@@ -531,7 +473,7 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
                         "confidence_threshold": cfg.confidence_threshold, "max_new_tokens": cfg.max_new_tokens,
                         "tree_branches": [list(b) for b in cfg.tree_branches]}
     if kernels:
-        from dspark_core.kernels.decode import close_config_store, kernel_configs
+        from dspark_core.kernels.tuning import close_config_store, kernel_configs
 
         metrics["setup"]["kernel_configs"] = kernel_configs(device)["configs"]
         close_config_store()
@@ -570,16 +512,25 @@ def setup_kernels(cfg: BenchOnlineConfig, target_dir: str | Path, device: torch.
     """The small-GEMM mode (``bench_online.small_gemm``; mma where it applies) and the config store: the tiles
     tuned for this target on this device, pinned from the store file when an earlier run made it, and
     added to it otherwise -- so every run sums in the same order (the bits of mma-mode outputs)."""
-    from dspark_core.kernels import decode
+    from dspark_core.kernels import linear, tuning
     from dspark_core.target import read_fingerprint
 
     if cfg.small_gemm is not None:
-        decode.set_small_gemm(cfg.small_gemm)
-    out: dict[str, Any] = {"small_gemm": decode.resolve_small_gemm(device), "kernel_config_file": None}
+        linear.set_small_gemm(cfg.small_gemm)
+    linear.set_batch_invariant(cfg.batch_invariant)
+    tuning.set_tuning(cfg.tune_kernels)
+    tuning.set_fma_tiles(cfg.fma_tiles)
+    out: dict[str, Any] = {"small_gemm": linear.resolve_small_gemm(device), "kernel_config_file": None}
+    if cfg.kernel_configs:
+        try:
+            pins = tuning.pin_kernel_configs(Path(cfg.kernel_configs).expanduser(), device)
+        except ValueError as e:  # names the file and what is wrong with it
+            raise UserError(f"bench_online.kernel_configs: {e}; set it to null to tune") from None
+        out["kernel_configs_file_pinned"] = len(pins)
     if cfg.kernel_config_store:
         fingerprint = read_fingerprint(target_dir)["fingerprint"]
-        path = decode.kernel_store_path(cfg.kernel_config_store, device, fingerprint)
-        pins = decode.use_config_store(path, device, fingerprint)
+        path = tuning.kernel_store_path(cfg.kernel_config_store, device, fingerprint)
+        pins = tuning.use_config_store(path, device, fingerprint)
         out.update(kernel_config_file=str(path), kernel_configs_pinned=len(pins))
     return out
 
@@ -589,16 +540,16 @@ def ar_in_other_modes(model: torch.nn.Module, cfg: BenchOnlineConfig, runs: dict
                       graphs: bool) -> dict[str, dict[str, list[GenerationResult]]]:
     """AR decoding of the same prompts in each other small-GEMM mode that applies (kernels on): the generations
     per dataset and mode, the current mode's from ``runs``. Every speedup is then also reported against the fastest
-    AR of all modes (issue 18): a mode that makes the verify cheap may make the AR step slow."""
-    from dspark_core.kernels import decode
+    AR of all modes: a mode that makes the verify cheap may make the AR step slow."""
+    from dspark_core.kernels import linear
 
-    main = decode.SMALL_GEMM
+    main = linear.SMALL_GEMM
     device = next(model.parameters()).device
     by_mode = {name: {main: run.ar} for name, run in runs.items()}
-    for mode in decode.SMALL_GEMM_MODES:
-        if mode == main or (mode == "mma" and decode.small_gemm_problem(device)):
+    for mode in linear.SMALL_GEMM_MODES:
+        if mode == main or (mode == "mma" and linear.small_gemm_problem(device)):
             continue
-        decode.set_small_gemm(mode)
+        linear.set_small_gemm(mode)
         try:
             runner = make_runner(model, cfg, aux_layer_ids, block, graphs, kernels=True)
             ar = ARDecoder(runner, sampling=cfg.sampling, seed=cfg.seed)
@@ -608,7 +559,7 @@ def ar_in_other_modes(model: torch.nn.Module, cfg: BenchOnlineConfig, runs: dict
                 by_mode[name][mode] = [ar.generate(p, cfg.max_new_tokens, stops) for p in run.prompts]
             del ar, runner
         finally:
-            decode.set_small_gemm(main)
+            linear.set_small_gemm(main)
     return by_mode
 
 
@@ -688,42 +639,3 @@ def _assistant(cfg: BenchOnlineConfig, model: torch.nn.Module) -> torch.nn.Modul
         first = next(model.parameters())
         return load_target(cfg.assistant_dir, dtype=first.dtype, device=first.device)[0]
     return truncated_assistant(model, cfg.assistant_layers)
-
-
-def plot_metrics(metrics: dict[str, Any], plots_dir: Path, block_size: int) -> None:
-    """``accept_rate.png`` (accept_rate@i per dataset) and ``proposal_lengths.png`` (histograms)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [k for k in metrics if k not in ("setup",)]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in names:
-        rates = [metrics[name].get(f"accept_rate@{i}") for i in range(block_size)]
-        ax.plot(range(block_size), [r if r is not None else float("nan") for r in rates], marker="o",
-                label=f"{name} (MAL {_fmt(metrics[name]['mal'])}, x{_fmt(metrics[name]['speedup'])})")
-    ax.set(xlabel="slot i", ylabel="accept_rate@i", ylim=(0, 1), title="online acceptance per slot")
-    ax.legend(fontsize=8)
-    _save(fig, plots_dir / "accept_rate.png")
-    fig, ax = plt.subplots(figsize=(6, 4))
-    width = 0.8 / max(len(names), 1)
-    for j, name in enumerate(names):
-        hist = metrics[name]["proposal_length_hist"]
-        total = max(sum(hist.values()), 1)
-        ax.bar([int(k) + j * width for k in hist], [v / total for v in hist.values()], width=width, label=name)
-    ax.set(xlabel="proposed tokens per cycle", ylabel="fraction of cycles", title="proposal lengths")
-    ax.legend(fontsize=8)
-    _save(fig, plots_dir / "proposal_lengths.png")
-
-
-def _fmt(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
-
-
-def _save(fig, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    with atomic_path(path, ".png") as tmp:
-        fig.savefig(tmp, dpi=100, bbox_inches="tight", format="png")
-    plt.close(fig)
