@@ -168,7 +168,7 @@ def config_key(key: tuple) -> str:
 
 
 def device_name(device: torch.device) -> str:
-    return torch.cuda.getdevice_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
 
 
 def kernel_configs(device: torch.device | str = "cuda") -> dict:
