@@ -382,6 +382,9 @@ def test_export_stage_writes_every_layout(target, draft, tmp_path, monkeypatch):
     Path("params.yaml").write_text("export: {layouts: [eagle3]}\n")
     with pytest.raises(ParamsError, match="layouts"):
         run_export_stage(Path("params.yaml"), "baseline")
+    Path("params.yaml").write_text("export: {unsupported: ignore}\n")
+    with pytest.raises(ParamsError, match="export.unsupported must be one of skip, error"):
+        run_export_stage(Path("params.yaml"), "baseline")
 
 
 # -- a reduced draft vocabulary (draft.vocab_size N): speculators' d2t / t2d, its own head rows, W2 with N rows --
@@ -482,6 +485,29 @@ def test_speculators_own_loader_and_writer_round_trip_a_reduced_export(target, r
         assert torch.equal(a, b)
 
 
+def test_export_stage_skips_a_layout_that_cannot_run_the_draft(target, reduced, tmp_path, monkeypatch, capsys):
+    """``export.unsupported: skip`` (the default): a reduced-vocabulary draft (as ``dvc exp run -S
+    draft.vocab_size=N`` trains) is written in the speculators layout, and deepspec/SKIPPED.txt says why;
+    ``error`` fails the stage with the same reason."""
+    import shutil
+
+    from dspark_core.export.run import run_export_stage
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(target[0], "data/target")
+    save_draft("data/train/baseline/final", reduced)
+    Path("params.yaml").write_text("export: {dtype: float32}\n")
+    out = run_export_stage(Path("params.yaml"), "baseline")
+    assert [p.name for p in out] == ["deepspec", "speculators"]
+    assert sorted(p.name for p in Path("data/export/baseline/deepspec").iterdir()) == ["SKIPPED.txt"]
+    assert "reduced draft vocabulary" in Path("data/export/baseline/deepspec/SKIPPED.txt").read_text()
+    assert "skipped: export --layout deepspec" in capsys.readouterr().err
+    assert load_any_draft("data/export/baseline/speculators", target[1]).cfg.vocab_size == N
+    Path("params.yaml").write_text("export: {dtype: float32, unsupported: error}\n")
+    with pytest.raises(UserError, match="reduced draft vocabulary"):
+        run_export_stage(Path("params.yaml"), "baseline")
+
+
 def test_cli_export_then_import_of_a_reduced_draft(target, reduced, context, tmp_path):
     from dspark_core.export.run import export_dir, import_dir
 
@@ -493,4 +519,19 @@ def test_cli_export_then_import_of_a_reduced_draft(target, reduced, context, tmp
     back = load_draft(tmp_path / "back", target[1])
     assert back.cfg.vocab_size == N and torch.equal(back.draft_vocab.d2t, reduced.draft_vocab.d2t)
     for (a, b) in zip(propose(reduced, *context), propose(back, *context)):
+        assert torch.equal(a, b)
+
+
+def test_identity_maps_of_a_full_vocabulary_import_as_no_maps(target, draft, context, tmp_path):
+    """A full-vocabulary speculators draft that stores d2t / t2d anyway (zero offsets, every id kept) is the
+    full-vocabulary draft: it imports without a draft vocabulary and proposes the same block."""
+    out = export_draft(draft, tmp_path, "speculators", dtype="float32", target=str(target[0]))
+    v = target[1].config.vocab_size
+    w = load_file(str(out / "model.safetensors"))
+    save_file({**w, "d2t": torch.zeros(v, dtype=torch.int64), "t2d": torch.ones(v, dtype=torch.bool)},
+              str(out / "model.safetensors"))
+    (out / "manifest.json").unlink()  # as a published draft: read as it is
+    back = load_any_draft(out, target[1])
+    assert back.cfg.vocab_size is None and getattr(back, "draft_vocab", None) is None
+    for (a, b) in zip(propose(draft, *context), propose(back, *context)):
         assert torch.equal(a, b)

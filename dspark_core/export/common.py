@@ -103,7 +103,9 @@ def from_layout_names(weights: dict[str, torch.Tensor], src: str = "model.safete
     if "d2t" in weights or "t2d" in weights:
         if not ("d2t" in weights and "t2d" in weights):
             raise UserError(f"{src}: holds only one of d2t / t2d; a reduced draft vocabulary needs both")
-        out.update(zip(VOCAB_KEYS, from_speculators_maps(weights["d2t"], weights["t2d"], src)))
+        d2t, t2d = from_speculators_maps(weights["d2t"], weights["t2d"], src)
+        if d2t.shape[0] < t2d.shape[0]:  # identity maps (a full vocabulary written with them) mean no maps
+            out.update(zip(VOCAB_KEYS, (d2t, t2d)))
     for name, w in weights.items():
         if name in FROZEN_NAMES or name in ("d2t", "t2d"):
             continue

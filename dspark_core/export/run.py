@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from dspark_core.config import ParamsError, Section, one_of, require
+from dspark_core.errors import UserError
 from dspark_core.export import export_draft, load_any_draft
+from dspark_core.export.common import check_exportable
 
 TARGET_DIR, TRAIN_DIR, EXPORT_DIR = Path("data/target"), Path("data/train"), Path("data/export")
+UNSUPPORTED = ("skip", "error")
+SKIPPED = "SKIPPED.txt"  # in data/export/<variant>/<layout>/ when the layout cannot run the draft (unsupported: skip)
 
 
 def _target(target_dir: Path):
@@ -21,17 +26,38 @@ def _target(target_dir: Path):
 
 
 def export_dir(draft_dir: str | Path, out_dir: str | Path, layouts: Sequence[str], dtype: str = "bfloat16",
-               target_dir: str | Path = "data/target", variant: str = "draft", subdirs: bool = True) -> list[Path]:
+               target_dir: str | Path = "data/target", variant: str = "draft", subdirs: bool = True,
+               unsupported: str = "error") -> list[Path]:
     """Export the saved draft ``draft_dir`` (made on ``target_dir``) once per layout, to ``out_dir/<layout>/``
-    (``subdirs``; else ``out_dir`` itself, for one layout)."""
+    (``subdirs``; else ``out_dir`` itself, for one layout). ``unsupported="skip"``: a layout that cannot run
+    the draft (``check_exportable``) gets ``<layout>/SKIPPED.txt`` with the reason instead, printed too."""
     if not subdirs and len(layouts) != 1:
         raise ValueError(f"export_dir: subdirs=False needs one layout; got {list(layouts)}")
     target_dir = Path(target_dir)
     model, fingerprint = _target(target_dir)
     draft = load_any_draft(draft_dir, model, expected_fingerprint=fingerprint)
     out = Path(out_dir)
-    return [export_draft(draft, out / layout if subdirs else out, layout, dtype, str(target_dir), variant)
-            for layout in layouts]
+    written = []
+    for layout in layouts:
+        dest = out / layout if subdirs else out
+        try:
+            if unsupported == "skip":
+                check_exportable(draft, layout)
+        except UserError as err:
+            written.append(_skip(dest, str(err)))
+            continue
+        written.append(export_draft(draft, dest, layout, dtype, str(target_dir), variant))
+    return written
+
+
+def _skip(dest: Path, reason: str) -> Path:
+    """``dest/SKIPPED.txt`` holding why the layout was not written (atomically, replacing an older export)."""
+    from dspark_core.target import atomic_dir
+
+    print(f"skipped: {reason}", file=sys.stderr)
+    with atomic_dir(dest) as tmp:
+        (tmp / SKIPPED).write_text(f"Not exported: {reason}\n(params.yaml export.unsupported: skip)\n")
+    return dest
 
 
 @dataclass(frozen=True)
@@ -42,6 +68,7 @@ class ExportConfig(Section):
     variants: tuple[str, ...] = ("baseline",)
     layouts: tuple[str, ...] = ("deepspec", "speculators")
     dtype: str = "bfloat16"
+    unsupported: str = "skip"  # a layout that cannot run this draft: skip (SKIPPED.txt says why) | error
 
     def validate(self) -> None:
         from dspark_core.export import LAYOUTS
@@ -51,6 +78,7 @@ class ExportConfig(Section):
         for layout in self.layouts:
             one_of("layouts", layout, LAYOUTS)
         one_of("dtype", self.dtype, DTYPES)
+        one_of("unsupported", self.unsupported, UNSUPPORTED)
 
 
 def run_export_stage(params: Path, variant: str) -> list[Path]:
@@ -59,7 +87,7 @@ def run_export_stage(params: Path, variant: str) -> list[Path]:
     if variant not in cfg.variants:
         raise ParamsError(f"{params}: export.variants {list(cfg.variants)} does not list {variant!r}")
     return export_dir(TRAIN_DIR / variant / "final", EXPORT_DIR / variant, cfg.layouts, cfg.dtype, TARGET_DIR,
-                      variant)
+                      variant, unsupported=cfg.unsupported)
 
 
 def import_dir(src_dir: str | Path, out_dir: str | Path, target_dir: str | Path = "data/target") -> Path:
