@@ -30,6 +30,13 @@ only (LM-head rows ``d2t``, W2 [Vd, r]), the teacher's over V; the chunk math se
 column holding the teacher's mass outside the draft vocabulary (:func:`outside_column`), so L1 and the overlap are
 against the full teacher. A slot whose token is outside the draft vocabulary has no CE term (see
 :func:`chunked_distill`).
+
+``loss.teacher_vocab: draft`` (with a reduced draft vocabulary) restricts the teacher to the draft's Vd tokens too,
+as the ``speculators`` trainer does: ``p~ = softmax(lm_head(last_hidden)[d2t])`` renormalised over the Vd, so the
+teacher GEMM reads Vd LM-head rows instead of V and the chunk math sees [n, Vd]. The trade-off: L1 (and the
+overlap, the confidence target, the logged ``tau_prob``) then ignore the teacher's mass outside the draft
+vocabulary, ``L1~ = sum_{v in draft} |q_v - p~_v|``, an optimistic distance to the target. eval_offline always
+measures against the full teacher.
 """
 
 from __future__ import annotations
@@ -162,12 +169,14 @@ class _ChunkedDistill(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, head_h, markov, w2, lm_w, teacher_h, targets, weights, ce_alpha, l1_alpha, chunk,
-                cdtype, with_grad, d2t, no_ce):
+                cdtype, with_grad, d2t, no_ce, teacher_draft):
         n_slots = head_h.shape[0]
         dev = head_h.device
         with torch.autocast(dev.type, enabled=False):
             w_lm = lm_w.to(cdtype)  # [V, Ht] (no copy when already cdtype)
             w_dr = w_lm if d2t is None else w_lm.index_select(0, d2t)  # the draft's head rows [Vd, Ht]
+            w_teach = w_dr if teacher_draft else w_lm  # the teacher's rows [Vd, Ht] | [V, Ht]
+            outside = d2t is not None and not teacher_draft  # the full teacher beside a reduced draft
             ht = head_h.shape[1]
             if markov is not None:  # lm_head(h) + W2 m as one GEMM [h ; m] @ [W_lm ; W2]^T: one pass over [n, V]
                 w_in = torch.cat([w_dr, w2.to(cdtype)], dim=1)  # [Vd, Ht + r]
@@ -182,8 +191,8 @@ class _ChunkedDistill(torch.autograd.Function):
             for s in range(0, n_slots, chunk):
                 e = min(n_slots, s + chunk)
                 logits = mm_f32(x_in[s:e].to(cdtype), w_in.t())  # [n, Vd]
-                teacher = mm_f32(teacher_h[s:e].to(cdtype), w_lm.t())  # [n, V]
-                if d2t is not None:  # [n, Vd + 1] both: the teacher's mass outside the draft vocabulary as a column
+                teacher = mm_f32(teacher_h[s:e].to(cdtype), w_teach.t())  # [n, V] | [n, Vd]
+                if outside:  # [n, Vd + 1] both: the teacher's mass outside the draft vocabulary as a column
                     logits, teacher = outside_column(logits, teacher, d2t)
                 ce[s:e], l1[s:e], g = math(logits, teacher, targets[s:e], weights[s:e], ce_alpha, l1_alpha,
                                            cdtype if with_grad else None)
@@ -192,7 +201,7 @@ class _ChunkedDistill(torch.autograd.Function):
                     g = _drop_ce(g, logits, ce, weights, targets, s, rows, ce_alpha)
                 del logits, teacher
                 if with_grad:
-                    if d2t is not None:
+                    if outside:
                         g = g[:, :-1].contiguous()  # the outside column's logit is a constant
                     d_in[s:e] = mm_f32(g, w_in)  # [dh ; dm]
                     if markov is not None:
@@ -214,7 +223,7 @@ class _ChunkedDistill(torch.autograd.Function):
         grad_h = (g_distill * d_head).to(h_dt)
         grad_m = (g_distill * d_mk).to(m_dt) if d_mk is not None and ctx.needs_input_grad[1] else None
         grad_w2 = (g_distill * d_w2).to(w2_dt) if d_w2 is not None and ctx.needs_input_grad[2] else None
-        return (grad_h, grad_m, grad_w2) + (None,) * 11
+        return (grad_h, grad_m, grad_w2) + (None,) * 12
 
 
 def outside_column(logits: torch.Tensor, teacher: torch.Tensor, d2t: torch.Tensor):
@@ -243,7 +252,8 @@ def _drop_ce(g, logits, ce, weights, targets, start, rows, ce_alpha):
 
 def chunked_distill(head_h: torch.Tensor, markov: torch.Tensor | None, w2: torch.Tensor | None,
                     lm_w: torch.Tensor, teacher_h: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-                    ce_alpha: float, l1_alpha: float, chunk_slots: int, d2t: torch.Tensor | None = None):
+                    ce_alpha: float, l1_alpha: float, chunk_slots: int, d2t: torch.Tensor | None = None,
+                    teacher_vocab: str = "full"):
     """(distill [], ce [N], l1 [N]) for head_h [N, Ht] (draft states the LM head reads), markov [N, r] with
     w2 [Vd, r] (or None, None), lm_w [V, Ht] frozen, teacher_h [N, Ht], targets [N], weights [N].
 
@@ -253,12 +263,17 @@ def chunked_distill(head_h: torch.Tensor, markov: torch.Tensor | None, w2: torch
     ``1 - L1 / 2`` is the acceptance probability against the target. A slot whose token is outside the draft
     vocabulary has no CE term (reported CE 0); its L1 term stays. ``d2t`` None: Vd = V, draft ids = target ids.
 
+    ``teacher_vocab`` ``draft``: the teacher over the ``d2t`` rows only, renormalised there (``L1 = sum_{v in
+    draft} |q_v - p~_v|``, see the module docstring); with ``d2t`` None it is the ``full`` loss (no-op).
+
     Matmuls run in the autocast dtype when autocast is on, else in ``lm_w``'s dtype; softmax math in fp32.
     """
     if (markov is None) != (w2 is None):
         raise ValueError("chunked_distill: give both markov and w2, or neither")
     if lm_w.requires_grad:
         raise ValueError("chunked_distill: the LM head must be frozen (requires_grad=False)")
+    if teacher_vocab not in ("full", "draft"):
+        raise ValueError(f"chunked_distill: teacher_vocab must be full or draft; got {teacher_vocab!r}")
     dev = head_h.device
     cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else lm_w.dtype
     inputs = [t for t in (head_h, markov, w2) if t is not None]
@@ -268,7 +283,8 @@ def chunked_distill(head_h: torch.Tensor, markov: torch.Tensor | None, w2: torch
         no_ce = (targets < 0).nonzero().flatten().tolist()  # one host read a step
         targets = targets.clamp(min=0)
     return _ChunkedDistill.apply(head_h, markov, w2, lm_w, teacher_h, targets, weights.float(), float(ce_alpha),
-                                 float(l1_alpha), int(chunk_slots), cdtype, with_grad, d2t, no_ce)
+                                 float(l1_alpha), int(chunk_slots), cdtype, with_grad, d2t, no_ce,
+                                 teacher_vocab == "draft" and d2t is not None)
 
 
 def _valid_slot_index(batch: Mapping[str, torch.Tensor]):
@@ -297,7 +313,8 @@ def slot_outputs(draft, hidden: torch.Tensor, batch: Mapping[str, torch.Tensor],
     targets = batch["targets"][b, a, j]  # [N] target ids
     distill, ce, l1 = chunked_distill(draft.head_states(h), u, w2, draft.lm_head_weight, teacher,
                                       targets if vocab is None else vocab.to_draft(targets), weights, cfg.ce_alpha,
-                                      cfg.l1_alpha, cfg.vocab_chunk_slots, None if vocab is None else vocab.d2t)
+                                      cfg.l1_alpha, cfg.vocab_chunk_slots, None if vocab is None else vocab.d2t,
+                                      cfg.teacher_vocab)
     return {"weights": weights, "distill": distill, "ce": ce, "l1": l1, "overlap": overlap_from_l1(l1),
             "conf_logits": draft.confidence_logits(h, m), "index": torch.stack([b, a, j])}
 
