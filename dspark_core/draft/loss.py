@@ -50,6 +50,7 @@ from dspark_core.draft.config import LossConfig
 from dspark_core.errors import UserError
 from dspark_core.metrics import block_metric_sums, overlap_from_l1
 
+PROFILE_RANGE = "dspark.chunked_distill"  # the profiler range around the chunked loss (LM-head GEMMs, chunk math)
 _OUT_DTYPE_OK: dict[str, bool] = {}
 _compiled_math: Any = None
 
@@ -282,9 +283,10 @@ def chunked_distill(head_h: torch.Tensor, markov: torch.Tensor | None, w2: torch
     if d2t is not None:
         no_ce = (targets < 0).nonzero().flatten().tolist()  # one host read a step
         targets = targets.clamp(min=0)
-    return _ChunkedDistill.apply(head_h, markov, w2, lm_w, teacher_h, targets, weights.float(), float(ce_alpha),
-                                 float(l1_alpha), int(chunk_slots), cdtype, with_grad, d2t, no_ce,
-                                 teacher_vocab == "draft" and d2t is not None)
+    with torch.profiler.record_function(PROFILE_RANGE):  # names the loss's kernels in a profile (bench_train_step)
+        return _ChunkedDistill.apply(head_h, markov, w2, lm_w, teacher_h, targets, weights.float(), float(ce_alpha),
+                                     float(l1_alpha), int(chunk_slots), cdtype, with_grad, d2t, no_ce,
+                                     teacher_vocab == "draft" and d2t is not None)
 
 
 def _valid_slot_index(batch: Mapping[str, torch.Tensor]):
