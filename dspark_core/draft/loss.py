@@ -97,9 +97,11 @@ def _out_dtype_ok(a: torch.Tensor) -> bool:
 
 
 def chunk_math(logits: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-               ce_alpha: float, l1_alpha: float, grad_dtype: torch.dtype | None):
+               ce_alpha: float, l1_alpha: float, grad_dtype: torch.dtype | None,
+               ce_rows: torch.Tensor | None = None):
     """Draft and teacher logits [n, V] float32 -> CE [n], L1 [n] and
-    G = d(sum w (ce_alpha CE + l1_alpha L1)) / d logits [n, V] in ``grad_dtype`` (None: no gradient).
+    G = d(sum w (ce_alpha c CE + l1_alpha L1)) / d logits [n, V] in ``grad_dtype`` (None: no gradient), with
+    c = ``ce_rows`` [n] (1: the row has a CE term, 0: none; None: every row has one). CE is returned for every row.
 
     dCE/dl = q - onehot(t); dL1/dl = q * (s - <q, s>) with s = sign(q - p).
     """
@@ -114,8 +116,9 @@ def chunk_math(logits: torch.Tensor, teacher: torch.Tensor, targets: torch.Tenso
     sign = torch.sign(diff)
     qs = (q * sign).sum(dim=-1, keepdim=True)  # [n, 1]
     w = weights.unsqueeze(-1)  # [n, 1]
-    grad = q * (w * (l1_alpha * (sign - qs) + ce_alpha))  # [n, V]
-    grad = grad.scatter_add(-1, targets.unsqueeze(-1), -ce_alpha * w)
+    cw = ce_alpha if ce_rows is None else ce_alpha * ce_rows.unsqueeze(-1)  # the rows' CE weight [n, 1]
+    grad = q * (w * (l1_alpha * (sign - qs) + cw))  # [n, V]
+    grad = grad.scatter_add(-1, targets.unsqueeze(-1), -cw * w)
     return ce, l1, grad.to(grad_dtype)
 
 
@@ -170,7 +173,7 @@ class _ChunkedDistill(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, head_h, markov, w2, lm_w, teacher_h, targets, weights, ce_alpha, l1_alpha, chunk,
-                cdtype, with_grad, d2t, no_ce, teacher_draft):
+                cdtype, with_grad, d2t, ce_rows, teacher_draft):
         n_slots = head_h.shape[0]
         dev = head_h.device
         with torch.autocast(dev.type, enabled=False):
@@ -195,11 +198,10 @@ class _ChunkedDistill(torch.autograd.Function):
                 teacher = mm_f32(teacher_h[s:e].to(cdtype), w_teach.t())  # [n, V] | [n, Vd]
                 if outside:  # [n, Vd + 1] both: the teacher's mass outside the draft vocabulary as a column
                     logits, teacher = outside_column(logits, teacher, d2t)
-                ce[s:e], l1[s:e], g = math(logits, teacher, targets[s:e], weights[s:e], ce_alpha, l1_alpha,
-                                           cdtype if with_grad else None)
-                rows = [r - s for r in no_ce if s <= r < e]
-                if rows:  # tokens outside the draft vocabulary: no CE term (undo its gradient, report 0)
-                    g = _drop_ce(g, logits, ce, weights, targets, s, rows, ce_alpha)
+                rows = None if ce_rows is None else ce_rows[s:e]  # [n] 0: a token outside the draft vocabulary
+                ce_c, l1[s:e], g = math(logits, teacher, targets[s:e], weights[s:e], ce_alpha, l1_alpha,
+                                        cdtype if with_grad else None, rows)
+                ce[s:e] = ce_c if rows is None else torch.where(rows > 0, ce_c, 0.0)  # no CE term: reported 0
                 del logits, teacher
                 if with_grad:
                     if outside:
@@ -237,20 +239,6 @@ def outside_column(logits: torch.Tensor, teacher: torch.Tensor, d2t: torch.Tenso
     return F.pad(logits, (0, 1), value=float("-inf")), torch.cat([inside, outside], dim=1)
 
 
-def _drop_ce(g, logits, ce, weights, targets, start, rows, ce_alpha):
-    """Remove the CE term of chunk rows ``rows`` (their token is outside the draft vocabulary) from the gradient
-    G [n, Vd + 1] (None: no gradient) and set their reported CE to 0."""
-    idx = torch.tensor(rows, device=logits.device)
-    ce[start + idx] = 0.0
-    if g is None:
-        return g
-    w = weights[start + idx].unsqueeze(-1)  # [k, 1]
-    d_ce = torch.softmax(logits[idx], dim=-1) * w  # [k, Vd + 1]: d(w CE)/dl = w (q - onehot)
-    d_ce.scatter_add_(-1, targets[start + idx].unsqueeze(-1), -w)
-    g[idx] = (g[idx].float() - ce_alpha * d_ce).to(g.dtype)
-    return g
-
-
 def chunked_distill(head_h: torch.Tensor, markov: torch.Tensor | None, w2: torch.Tensor | None,
                     lm_w: torch.Tensor, teacher_h: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
                     ce_alpha: float, l1_alpha: float, chunk_slots: int, d2t: torch.Tensor | None = None,
@@ -279,13 +267,13 @@ def chunked_distill(head_h: torch.Tensor, markov: torch.Tensor | None, w2: torch
     cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else lm_w.dtype
     inputs = [t for t in (head_h, markov, w2) if t is not None]
     with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    no_ce: list[int] = []
-    if d2t is not None:
-        no_ce = (targets < 0).nonzero().flatten().tolist()  # one host read a step
+    ce_rows = None
+    if d2t is not None:  # on the device (no host read): 0 where the token is outside the draft vocabulary
+        ce_rows = (targets >= 0).float()  # [N]
         targets = targets.clamp(min=0)
     with torch.profiler.record_function(PROFILE_RANGE):  # names the loss's kernels in a profile (bench_train_step)
         return _ChunkedDistill.apply(head_h, markov, w2, lm_w, teacher_h, targets, weights.float(), float(ce_alpha),
-                                     float(l1_alpha), int(chunk_slots), cdtype, with_grad, d2t, no_ce,
+                                     float(l1_alpha), int(chunk_slots), cdtype, with_grad, d2t, ce_rows,
                                      teacher_vocab == "draft" and d2t is not None)
 
 

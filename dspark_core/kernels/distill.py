@@ -10,7 +10,8 @@ with ``s = sign(q - p)``. Three passes over the two [n, V] inputs, one program p
 
 1. ``_stats``: online max / sum-exp of l and t -> lse_l, lse_t [n];
 2. ``_reduce``: L1 [n] and <q, s> [n];
-3. ``_grad`` (training only): G [n, V] in the gradient dtype.
+3. ``_grad`` (training only): G [n, V] in the gradient dtype (a row's CE term scaled by ``ce_rows``, 0 for a
+   token outside a reduced draft vocabulary).
 
 That is 6 reads of [n, V] float32 and one write of G: the whole loss is memory-bound, and this is
 about 3x fewer bytes than what Inductor generated for ``chunk_math`` (split reductions, no online
@@ -81,7 +82,8 @@ def _reduce(L, T, LSE_L, LSE_T, L1, QS, V, stride, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _grad(L, T, LSE_L, LSE_T, QS, W, TGT, G, V, stride, g_stride, ce_alpha, l1_alpha, BLOCK: tl.constexpr):
+def _grad(L, T, LSE_L, LSE_T, QS, W, TGT, CE_ROWS, G, V, stride, g_stride, ce_alpha, l1_alpha,
+          HAS_CE_ROWS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base_l = L + row * stride
     base_t = T + row * stride
@@ -90,19 +92,24 @@ def _grad(L, T, LSE_L, LSE_T, QS, W, TGT, G, V, stride, g_stride, ce_alpha, l1_a
     qs = tl.load(QS + row)
     w = tl.load(W + row)
     tgt = tl.load(TGT + row)
+    cea = ce_alpha
+    if HAS_CE_ROWS:  # the row's CE weight: 0 where the token has no CE term
+        cea = ce_alpha * tl.load(CE_ROWS + row)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < V
         q, _, sign = _q_diff_sign(base_l, base_t, lse_l, lse_t, cols, mask)
-        g = q * (w * (l1_alpha * (sign - qs) + ce_alpha))
-        g = tl.where(cols == tgt, g - ce_alpha * w, g)
+        g = q * (w * (l1_alpha * (sign - qs) + cea))
+        g = tl.where(cols == tgt, g - cea * w, g)
         tl.store(G + row * g_stride + cols, g.to(G.dtype.element_ty), mask=mask)
 
 
 def chunk_math_triton(logits: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-                      ce_alpha: float, l1_alpha: float, grad_dtype: torch.dtype | None):
+                      ce_alpha: float, l1_alpha: float, grad_dtype: torch.dtype | None,
+                      ce_rows: torch.Tensor | None = None):
     """Same contract as ``dspark_core.draft.loss.chunk_math``: logits / teacher [n, V] float32 ->
-    CE [n], L1 [n], G [n, V] in ``grad_dtype`` (None: no gradient, two passes only)."""
+    CE [n], L1 [n], G [n, V] in ``grad_dtype`` (None: no gradient, two passes only); ``ce_rows`` [n]: each
+    row's CE weight factor (None: 1)."""
     if logits.dtype != torch.float32 or teacher.dtype != torch.float32:
         raise ValueError(f"chunk_math_triton wants float32 logits; got {logits.dtype}, {teacher.dtype}")
     logits, teacher = logits.contiguous(), teacher.contiguous()
@@ -119,7 +126,9 @@ def chunk_math_triton(logits: torch.Tensor, teacher: torch.Tensor, targets: torc
     if grad_dtype is None:
         return ce, l1, None
     grad = torch.empty(n, vocab, device=logits.device, dtype=grad_dtype)
-    _grad[grid](logits, teacher, lse_l, lse_t, qs, weights.float().contiguous(), targets.contiguous(), grad, vocab,
-                logits.stride(0), grad.stride(0), float(ce_alpha), float(l1_alpha), BLOCK=_BLOCK_V,
-                num_warps=_NUM_WARPS)
+    weights = weights.float().contiguous()
+    rows = weights if ce_rows is None else ce_rows.float().contiguous()  # read only with HAS_CE_ROWS
+    _grad[grid](logits, teacher, lse_l, lse_t, qs, weights, targets.contiguous(), rows, grad, vocab,
+                logits.stride(0), grad.stride(0), float(ce_alpha), float(l1_alpha), HAS_CE_ROWS=ce_rows is not None,
+                BLOCK=_BLOCK_V, num_warps=_NUM_WARPS)
     return ce, l1, grad
