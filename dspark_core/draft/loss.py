@@ -26,9 +26,9 @@ matmuls run 3 times (2 forward, 1 backward) instead of 5 with per-chunk recomput
 LM head gets no gradient.
 
 A reduced draft vocabulary (``draft.vocab_size``, ``draft/vocab.py``): the draft's logits are over its Vd tokens
-only (LM-head rows ``d2t``, W2 [Vd, r]), the teacher's over V; the chunk math sees both as [n, Vd + 1], the last
-column holding the teacher's mass outside the draft vocabulary (:func:`outside_column`), so L1 and the overlap are
-against the full teacher. A slot whose token is outside the draft vocabulary has no CE term (see
+only (LM-head rows ``d2t``, W2 [Vd, r]), the teacher's over V; the chunk math sees the teacher's Vd columns of the
+draft's tokens [n, Vd] with its logsumexp over all V, and adds the teacher's mass outside them, ``1 - sum p``, to
+L1 (q is 0 there), so L1 and the overlap are against the full teacher. A slot whose token is outside the draft vocabulary has no CE term (see
 :func:`chunked_distill`).
 
 ``loss.teacher_vocab: draft`` (with a reduced draft vocabulary) restricts the teacher to the draft's Vd tokens too,
@@ -98,19 +98,28 @@ def _out_dtype_ok(a: torch.Tensor) -> bool:
 
 def chunk_math(logits: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
                ce_alpha: float, l1_alpha: float, grad_dtype: torch.dtype | None,
-               ce_rows: torch.Tensor | None = None):
+               ce_rows: torch.Tensor | None = None, teacher_lse: torch.Tensor | None = None):
     """Draft and teacher logits [n, V] float32 -> CE [n], L1 [n] and
     G = d(sum w (ce_alpha c CE + l1_alpha L1)) / d logits [n, V] in ``grad_dtype`` (None: no gradient), with
     c = ``ce_rows`` [n] (1: the row has a CE term, 0: none; None: every row has one). CE is returned for every row.
+
+    ``teacher_lse`` [n] (a reduced draft vocabulary, the teacher full): the columns are the draft's tokens of a
+    teacher over more tokens, whose logsumexp this is; p = exp(t - teacher_lse) and L1 adds the teacher's mass
+    outside the columns, ``1 - sum p`` (q is 0 there; the gradient has no term from it).
 
     dCE/dl = q - onehot(t); dL1/dl = q * (s - <q, s>) with s = sign(q - p).
     """
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [n, 1]
     q = torch.exp(logits - lse)  # [n, V]
-    p = torch.softmax(teacher, dim=-1)  # [n, V]
+    if teacher_lse is None:
+        p = torch.softmax(teacher, dim=-1)  # [n, V]
+    else:
+        p = torch.exp(teacher - teacher_lse.unsqueeze(-1))  # [n, V], summing to 1 - the mass outside
     ce = lse.squeeze(-1) - logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [n]
     diff = q - p
     l1 = diff.abs().sum(dim=-1)  # [n]
+    if teacher_lse is not None:
+        l1 = l1 + (1.0 - p.sum(dim=-1)).clamp_min(0.0)
     if grad_dtype is None:
         return ce, l1, None
     sign = torch.sign(diff)
@@ -196,16 +205,15 @@ class _ChunkedDistill(torch.autograd.Function):
                 e = min(n_slots, s + chunk)
                 logits = mm_f32(x_in[s:e].to(cdtype), w_in.t())  # [n, Vd]
                 teacher = mm_f32(teacher_h[s:e].to(cdtype), w_teach.t())  # [n, V] | [n, Vd]
-                if outside:  # [n, Vd + 1] both: the teacher's mass outside the draft vocabulary as a column
-                    logits, teacher = outside_column(logits, teacher, d2t)
+                t_lse = None
+                if outside:  # the full teacher's lse [n] and its draft-vocabulary columns [n, Vd]
+                    t_lse, teacher = torch.logsumexp(teacher, dim=-1), teacher.index_select(1, d2t)
                 rows = None if ce_rows is None else ce_rows[s:e]  # [n] 0: a token outside the draft vocabulary
                 ce_c, l1[s:e], g = math(logits, teacher, targets[s:e], weights[s:e], ce_alpha, l1_alpha,
-                                        cdtype if with_grad else None, rows)
+                                        cdtype if with_grad else None, rows, t_lse)
                 ce[s:e] = ce_c if rows is None else torch.where(rows > 0, ce_c, 0.0)  # no CE term: reported 0
                 del logits, teacher
                 if with_grad:
-                    if outside:
-                        g = g[:, :-1].contiguous()  # the outside column's logit is a constant
                     d_in[s:e] = mm_f32(g, w_in)  # [dh ; dm]
                     if markov is not None:
                         _add_mm_f32_(d_w2, g.t(), x_in[s:e, ht:])  # dW2 += G^T m in the GEMM epilogue
@@ -227,16 +235,6 @@ class _ChunkedDistill(torch.autograd.Function):
         grad_m = (g_distill * d_mk).to(m_dt) if d_mk is not None and ctx.needs_input_grad[1] else None
         grad_w2 = (g_distill * d_w2).to(w2_dt) if d_w2 is not None and ctx.needs_input_grad[2] else None
         return (grad_h, grad_m, grad_w2) + (None,) * 12
-
-
-def outside_column(logits: torch.Tensor, teacher: torch.Tensor, d2t: torch.Tensor):
-    """Draft logits [n, Vd] and teacher logits [n, V] -> both [n, Vd + 1]: the teacher's logits of the draft
-    vocabulary's tokens plus ``logsumexp`` of all others (so its softmax is the target's p on the Vd tokens and
-    the mass outside them), the draft's plus ``-inf`` (q is 0 outside its vocabulary). Then ``sum |q - p|`` over
-    the Vd + 1 columns is the L1 distance to the full-vocabulary teacher."""
-    inside = teacher.index_select(1, d2t)  # [n, Vd]
-    outside = teacher.index_fill_(1, d2t, float("-inf")).logsumexp(dim=-1, keepdim=True)  # [n, 1]
-    return F.pad(logits, (0, 1), value=float("-inf")), torch.cat([inside, outside], dim=1)
 
 
 def chunked_distill(head_h: torch.Tensor, markov: torch.Tensor | None, w2: torch.Tensor | None,
