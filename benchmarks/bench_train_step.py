@@ -25,6 +25,13 @@ frozen LM head kept in bf16) and ``bf16`` (bf16 weights and AdamW state, no auto
     python benchmarks/bench_train_step.py --vocab-size 32000 --out reports/bench/train_step_v32k.json
         # a reduced draft vocabulary (draft.vocab_size): the draft's head and W2 over 32,000 tokens, the teacher
         # over all 151,936; the batch's tokens are drawn from those 32,000 (the ranking's full coverage)
+    python benchmarks/bench_train_step.py --vocab-size 32000 --teacher-vocab draft --out reports/bench/train_step_v32k_td.json
+        # loss.teacher_vocab: draft, the teacher over the 32,000 only and renormalised (speculators' 32k teacher)
+
+``--profile`` profiles one more step after the timed ones (at the last length) and writes its tables beside the
+JSON (``<out stem>.profile_<precision>.txt``): the device time by part (the chunked loss = LM-head GEMMs + chunk
+math, the rest) and kernel kind (GEMM, attention, the loss kernels, optimiser, other elementwise), the top kernels
+by device time, the top host ops, and every host-device synchronisation of a step with its caller.
     torchrun --nproc_per_node 4 benchmarks/bench_train_step.py --precision bf16 \
         --baseline reports/bench/train_step.json --out reports/bench/train_step_ddp4.json   # 4 GPUs, DDP
 
@@ -55,6 +62,7 @@ from transformers import Qwen3Config  # noqa: E402
 from dspark_core.dist import Dist, init_distributed  # noqa: E402
 from dspark_core.draft.anchors import add_anchor_fields  # noqa: E402
 from dspark_core.draft.config import DraftConfig, LossConfig  # noqa: E402
+from dspark_core.draft.loss import PROFILE_RANGE  # noqa: E402
 from dspark_core.draft.model import DSparkDraft  # noqa: E402
 from dspark_core.draft.packing import collate_packed  # noqa: E402
 from dspark_core.draft.synthetic import random_item  # noqa: E402
@@ -88,7 +96,7 @@ def build(args, precision: str,
     param_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     draft = draft.to(device=device, dtype=param_dtype)
     draft.set_frozen_dtype(frozen_dtype)
-    model = DSparkTrainModel(draft, LossConfig(vocab_chunk_slots=args.chunk[0]))
+    model = DSparkTrainModel(draft, loss_config(args, args.chunk[0]))
     params = [p for p in model.parameters() if p.requires_grad]
     fused = device.type == "cuda" and args.fused
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=fused)
@@ -157,11 +165,11 @@ def run_length(args, precision: str, model, opt, params, length: int, device: to
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     tokens = int(batches[0]["lengths"].sum()) if args.mixed else length  # a step's real tokens (first batch)
     row = {"precision": precision, "chunk": model.loss_cfg.vocab_chunk_slots, "L": length,
-           "draft_vocab_size": args.vocab_size, "step_s": step_s,
+           "draft_vocab_size": args.vocab_size, "teacher_vocab": args.teacher_vocab, "step_s": step_s,
            "tokens_per_s": d.world_size * tokens / step_s, "peak_gib": peak, "loss": loss,
            "mixed": args.mixed, "packed": args.packed, "rows": int(batches[0]["input_ids"].shape[0]),
            "warmup_s": warm_s, "valid_slots": int(batches[0]["slot_valid"].sum()), "world_size": d.world_size}
-    row["model_tflop"] = step_tflop(target_config(args.tiny), model.draft, length, args.anchors)
+    row["model_tflop"] = step_tflop(target_config(args.tiny), model.draft, length, args.anchors, args.teacher_vocab)
     if device.type == "cuda" and args.peak_tflops:
         row["mfu"] = row["model_tflop"] / step_s / args.peak_tflops
     refs = reference_runs(args.reference, length, args.vocab_size) if not args.tiny else {}
@@ -203,33 +211,107 @@ def add_scaling(rows: list[dict], baseline: Path) -> None:
         r["scaling_efficiency"] = ref[key] / r["step_s"]
 
 
-def profile_step(args, precision: str, model, opt, params, length: int, device: torch.device, forward) -> None:
+def profile_step(args, precision: str, model, opt, params, length: int, device: torch.device, forward) -> Path:
+    """Profile one step at ``length``; its tables go to ``<out stem>.profile_<precision>.txt`` (returned)."""
     from torch.profiler import ProfilerActivity, profile
 
     batch = make_batch(args, length, device, 7)
     amp = precision == "amp" and device.type == "cuda"
     train_step(model, opt, params, batch, amp, forward)
-    if device.type == "cuda":  # report every host<->device synchronisation of one step, with its caller
-        import warnings
-
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            train_step(model, opt, params, batch, amp, forward)
-            torch.cuda.set_sync_debug_mode(0)
-        sites = sorted({f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
-        print(f"synchronising calls in one step: {len(sites)}", *sites, sep="\n  ")
+    lines = [f"bench_train_step profile: precision {precision}, L {length}, draft vocab {args.vocab_size or 'full'}, "
+             f"teacher {args.teacher_vocab}, chunk {model.loss_cfg.vocab_chunk_slots}, recompute {args.recompute}"]
+    if device.type == "cuda":  # every host<->device synchronisation of one step, with its caller
+        lines += sync_sites(lambda: train_step(model, opt, params, batch, amp, forward))
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync(device)
     t0 = time.perf_counter()
     with profile(activities=acts) as prof:
         train_step(model, opt, params, batch, amp, forward)
         sync(device)
-    print(f"profiled step wall {time.perf_counter() - t0:.4f} s")
+    lines.append(f"profiled step wall {time.perf_counter() - t0:.4f} s")
     avg = prof.key_averages()
+    lines += [f"{e.key}: {e.count} call(s), host {e.cpu_time_total / 1e3:.2f} ms, device {e.device_time_total / 1e3:.2f} "
+              f"ms (its kernels and its children's)" for e in avg if e.key == PROFILE_RANGE]
     if device.type == "cuda":
-        print(avg.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70))
-    print(avg.table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=70))
+        listed = sum(e.self_device_time_total for e in avg)
+        lines += ["", device_time_shares(prof.events(), listed), "",
+                  avg.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=90)]
+    lines += ["", avg.table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=90)]
+    path = args.out.with_name(f"{args.out.stem}.profile_{precision}.txt")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+    print("\n".join(lines[:-2]))  # all but the host-op table
+    print(f"wrote {path}")
+    return path
+
+
+def sync_sites(step) -> list[str]:
+    """The ``file:line`` of each call that synchronised host and device during ``step()``."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    sites = sorted({f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
+    return [f"synchronising calls in one step: {len(sites)}"] + [f"  {site}" for site in sites]
+
+
+# kernel kinds by name (first match wins): what a profiled step's device time goes to
+KERNEL_KINDS = (
+    ("loss math", ("_stats", "_reduce", "_grad")),  # dspark_core/kernels/distill.py
+    ("attention", ("flex", "attention", "fmha", "flash")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "splitk")),
+    ("optimiser", ("adam", "multi_tensor", "foreach", "norm_kernel")),
+    ("copy / cast", ("copy", "cat", "index", "gather", "scatter", "fill")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a device kernel by its name (``KERNEL_KINDS``; ``other elementwise`` when none matches)."""
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other elementwise"
+
+
+def _kernels(event, in_loss: bool, out: list) -> None:
+    """(kernel name, device us, inside the loss range) of ``event``'s kernels and its children's, into ``out``."""
+    in_loss = in_loss or event.name == PROFILE_RANGE
+    out.extend((k.name, k.duration, in_loss) for k in event.kernels)
+    for child in event.cpu_children:
+        _kernels(child, in_loss, out)
+
+
+def device_time_shares(events, listed_us: float) -> str:
+    """A table of a profiled step's device time by part (the chunked loss, the rest) and kernel kind;
+    ``listed_us``: the profile's own total of kernel time, to show how much of it the host ops account for."""
+    rows: list = []
+    for ev in events:
+        if ev.cpu_parent is None:
+            _kernels(ev, False, rows)
+    total = sum(us for _, us, _ in rows) or 1.0
+    table: dict[tuple[str, bool], float] = {}
+    for name, us, in_loss in rows:
+        key = (kernel_kind(name), in_loss)
+        table[key] = table.get(key, 0.0) + us
+    kinds = [k for k, _ in KERNEL_KINDS] + ["other elementwise"]
+    out = [f"device time {total / 1e3:.2f} ms in {len(rows)} kernels launched by host ops (the profile lists "
+           f"{listed_us / 1e3:.2f} ms); by kind: in the chunked loss (LM-head GEMMs "
+           f"for teacher, draft and its gradient, chunk math) | elsewhere (layers, fc, heads, backward, optimiser)",
+           f"{'kind':<18} {'loss ms':>9} {'loss %':>7} {'rest ms':>9} {'rest %':>7}"]
+    for kind in kinds:
+        a, b = table.get((kind, True), 0.0), table.get((kind, False), 0.0)
+        out.append(f"{kind:<18} {a / 1e3:>9.2f} {a / total:>7.1%} {b / 1e3:>9.2f} {b / total:>7.1%}")
+    a = sum(v for (_, inside), v in table.items() if inside)
+    out.append(f"{'all':<18} {a / 1e3:>9.2f} {a / total:>7.1%} {(total - a) / 1e3:>9.2f} {(total - a) / total:>7.1%}")
+    return "\n".join(out)
 
 
 def main() -> None:
@@ -250,9 +332,13 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the whole training forward")
     ap.add_argument("--no-compile-layers", dest="compile_layers", action="store_false",
                     help="run the draft layers eagerly (default: each layer step compiled, flex inside)")
-    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one extra step")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one extra step: tables written beside --out (<stem>.profile_<precision>.txt)")
     ap.add_argument("--vocab-size", type=int, default=None,
                     help="draft.vocab_size: a reduced draft vocabulary of this many tokens (default: the target's)")
+    ap.add_argument("--teacher-vocab", choices=("full", "draft"), default="full",
+                    help="loss.teacher_vocab: the teacher over the full vocabulary, or over the draft's only "
+                         "(renormalised there; the same as full without --vocab-size)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench" / "train_step.json")
@@ -290,7 +376,7 @@ def main() -> None:
             core = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         forward = torch.compile(core) if args.compile else core
         for chunk in args.chunk:
-            model.loss_cfg = LossConfig(vocab_chunk_slots=chunk)
+            model.loss_cfg = loss_config(args, chunk)
             for length in args.lengths:
                 rows.append(run_length(args, precision, model, opt, params, length, device, forward, d))
                 if args.baseline is not None:
@@ -332,12 +418,17 @@ def reference_runs(path: Path | None, length: int, vocab_size: int | None) -> di
     return out
 
 
-def step_tflop(tc, draft: DSparkDraft, length: int, anchors: int) -> float:
+def loss_config(args, chunk: int) -> LossConfig:
+    return LossConfig(vocab_chunk_slots=chunk, teacher_vocab=args.teacher_vocab)
+
+
+def step_tflop(tc, draft: DSparkDraft, length: int, anchors: int, teacher_vocab: str = "full") -> float:
     """Matrix work of one training step in TFLOP (2 per multiply-add; backward = 2x forward for trained weights,
     1x for the input gradient through frozen ones): the draft layers over the ``anchors * block`` block tokens,
     their K/V projections over the ``length`` context tokens and attention (each block over half the context on
     average plus itself), ``fc`` over context and block, the frozen LM head as teacher (forward) and as the
-    draft's head (forward + input gradient), the Markov head's W2, all over the draft's vocabulary where reduced."""
+    draft's head (forward + input gradient), the Markov head's W2, all over the draft's vocabulary where reduced
+    (the teacher too with ``teacher_vocab`` draft)."""
     c = draft.cfg
     h, hq, hkv, dh = draft.hidden_size, draft.layers[0].self_attn.num_heads, draft.layers[0].self_attn.num_kv_heads, \
         draft.layers[0].self_attn.head_dim
@@ -349,7 +440,8 @@ def step_tflop(tc, draft: DSparkDraft, length: int, anchors: int) -> float:
     v_draft = c.vocab_size or tc.vocab_size
     work = (6 * layer * t + 6 * kv * length) * c.num_draft_layers + 3 * attn * t * c.num_draft_layers
     work += 6 * len(draft.aux_layer_ids) * tc.hidden_size * h * (length + t)  # fc
-    work += 2 * tc.vocab_size * h * t + 4 * v_draft * h * t  # teacher logits; draft head forward + input grad
+    v_teacher = v_draft if teacher_vocab == "draft" else tc.vocab_size
+    work += 2 * v_teacher * h * t + 4 * v_draft * h * t  # teacher logits; draft head forward + input grad
     if c.markov_head != "none":
         work += 6 * c.markov_rank * v_draft * t
     return work / 1e12
@@ -380,7 +472,7 @@ def print_table(report: dict) -> None:
     cfg = report["config"]
     print(f"device {report['device']}, torch {report['torch']}, anchors {cfg['anchors']}, recompute "
           f"{cfg['recompute']}, trainable params {report['trainable_params'] / 1e6:.1f}M")
-    print(f"{'precision':>9} {'vocab':>7} {'L':>6} {'step_s':>9} {'tokens/s':>9} {'peak GiB':>9} {'TFLOP':>6} {'MFU':>5} "
+    print(f"{'precision':>9} {'vocab':>7} {'teacher':>7} {'L':>6} {'step_s':>9} {'tokens/s':>9} {'peak GiB':>9} {'TFLOP':>6} {'MFU':>5} "
           f"{'vs DeepSpec':>11} {'vs specul.':>10} {'mem vs spec.':>12}")
 
     def fmt(v, spec):
@@ -389,7 +481,7 @@ def print_table(report: dict) -> None:
     for r in report["results"]:
         vs_ref = r.get("speedup_vs_ref", r.get("speedup_vs_deepspec"))
         print(f"{r['precision']:>9} {fmt(r['draft_vocab_size'], 'd') if r['draft_vocab_size'] else 'full':>7} "
-              f"{r['L']:>6} {r['step_s']:>9.4f} {r['tokens_per_s']:>9.0f} {fmt(r['peak_gib'], '.2f'):>9} {r['model_tflop']:>6.1f} "
+              f"{r['teacher_vocab']:>7} {r['L']:>6} {r['step_s']:>9.4f} {r['tokens_per_s']:>9.0f} {fmt(r['peak_gib'], '.2f'):>9} {r['model_tflop']:>6.1f} "
               f"{fmt(r.get('mfu'), '.0%'):>5} {fmt(vs_ref, '.2f'):>11} {fmt(r.get('speedup_vs_speculators'), '.2f'):>10} "
               f"{fmt(r.get('peak_ratio_vs_speculators'), '.2f'):>12}")
 

@@ -6,6 +6,9 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench_train_step.py"
@@ -67,3 +70,65 @@ def test_bench_train_step_mixed_lengths_padded_and_packed(tmp_path):
     assert rows[False]["rows"] == 4 and rows[True]["rows"] == 3 and rows[True]["packed"] is True
     assert rows[True]["valid_slots"] == rows[False]["valid_slots"] > 0
     assert abs(rows[True]["loss"] - rows[False]["loss"]) <= 1e-4 * abs(rows[False]["loss"])
+
+
+def test_bench_train_step_teacher_vocab_and_profile_file(tmp_path):
+    """``--teacher-vocab draft`` is recorded in the rows and costs fewer teacher FLOPs at a reduced vocabulary;
+    ``--profile`` writes its tables beside the JSON, the chunked loss named in them."""
+    out = tmp_path / "td.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--tiny", "--steps", "1", "--warmup", "1", "--lengths", "48",
+                           "--precision", "bf16", "--vocab-size", "100", "--teacher-vocab", "draft", "--profile",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(out.read_text())["results"][0]
+    assert row["teacher_vocab"] == "draft" and row["draft_vocab_size"] == 100
+    bench = _bench_module()
+    tc = bench.target_config(True)
+    draft = SimpleNamespace(cfg=SimpleNamespace(vocab_size=100, block_size=7, num_draft_layers=5, markov_head="none",
+                                                markov_rank=16),
+                            hidden_size=64, aux_layer_ids=(1, 9, 17, 25, 33), layers=[_tiny_layer()])
+    full, td = (bench.step_tflop(tc, draft, 48, 16, t) for t in ("full", "draft"))
+    assert full - td == pytest.approx(2 * (tc.vocab_size - 100) * 64 * 16 * 7 / 1e12)  # the teacher GEMM's rows
+    assert row["model_tflop"] > 0
+    text = (tmp_path / "td.profile_bf16.txt").read_text()
+    assert "teacher draft" in text and "dspark.chunked_distill" in text and "profiled step wall" in text
+
+
+def test_device_time_shares_attributes_kernels_to_the_loss_range():
+    bench = _bench_module()
+
+    def ev(name, kernels=(), children=()):
+        e = SimpleNamespace(name=name, kernels=[SimpleNamespace(name=k, duration=us) for k, us in kernels],
+                            cpu_children=list(children), cpu_parent=None)
+        for c in e.cpu_children:
+            c.cpu_parent = e
+        return e
+
+    loss = ev("dspark.chunked_distill", children=[ev("aten::mm", [("sm90_xmma_gemm_bf16", 600.0)]),
+                                                 ev("_stats", [("_stats", 100.0)])])
+    step = ev("step", children=[loss, ev("aten::mm", [("nvjet_hsh_gemm", 200.0)]),
+                                ev("flex", [("triton_tem_fused_flex_attention", 80.0)]),
+                                ev("aten::add_", [("vectorized_elementwise_kernel", 20.0)])])
+    events = [step, *step.cpu_children, *loss.cpu_children]  # every event; only roots are walked
+    text = bench.device_time_shares(events, 1000.0)
+    lines = {ln.split()[0]: ln.split() for ln in text.splitlines()[2:]}
+    assert lines["gemm"][1:5] == ["0.60", "60.0%", "0.20", "20.0%"]
+    assert lines["loss"][1:] == ["math", "0.10", "10.0%", "0.00", "0.0%"]
+    assert lines["attention"][3:5] == ["0.08", "8.0%"] and lines["other"][4:6] == ["0.02", "2.0%"]
+    assert lines["all"][1:5] == ["0.70", "70.0%", "0.30", "30.0%"]
+    assert "1.00 ms in 5 kernels" in text
+    assert bench.kernel_kind("void at::native::vectorized_elementwise_kernel") == "other elementwise"
+
+
+def _tiny_layer():
+    attn = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=16)
+    return SimpleNamespace(self_attn=attn, mlp=SimpleNamespace(gate_proj=SimpleNamespace(out_features=128)))
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_train_step", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

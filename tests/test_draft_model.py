@@ -318,3 +318,21 @@ def test_seed_profiles_are_valid_sections(name):
     if name == "seed000_table.yaml":
         assert (train.lr, train.total_steps, train.stop_step, train.checkpoint_every) == (3e-4, 26040, 2604, 651)
         assert train.grad_accum(world_size=4) == 32 and train.seed == 42
+
+
+def test_context_features_under_autocast_skip_the_fp32_round_trip():
+    """fp32 weights under bf16 autocast (the trainer's mixed precision): bf16 cache states go to fc as they are,
+    the same output and fc gradient to the bit as upcasting them first (autocast casts them straight back)."""
+    target = tiny_model("qwen3")
+    draft = _draft(target)
+    aux = torch.randn(2, 9, len(AUX), target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    aux = aux.to(torch.bfloat16)
+    outs = []
+    for ref in (True, False):
+        draft.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = (draft.hidden_norm(draft.fc(aux.flatten(2).float())) if ref else draft.context_features(aux))
+        y.float().square().sum().backward()
+        outs.append((y.detach(), draft.fc.weight.grad.clone()))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

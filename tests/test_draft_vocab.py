@@ -17,6 +17,8 @@ from dspark_core.draft.vocab import (DraftVocab, count_tokens, coverage, from_sp
                                      read_ranking, run_draft_vocab_stage, speculators_maps, top_ids)
 from dspark_core.errors import UserError
 
+ITEM_KEYS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
+
 
 # -- the ranking stage -----------------------------------------------------------------------------------------
 def _stage_inputs(tmp_path: Path, answers: list[list[int]], vocab: int = 10) -> Path:
@@ -141,6 +143,113 @@ def test_reduced_distill_matches_the_full_vocabulary_reference(chunk, with_marko
     for got, ref in zip(*results):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert results[1][1][-4:].eq(0).all() and results[1][2][-4:].gt(0).all()  # outside: no CE, L1 kept
+
+
+def _naive_draft_teacher(head_h, m, w2, lm_w, teacher_h, targets, weights, a_ce, a_l1, d2t):
+    """``teacher_vocab: draft``: the teacher's softmax over the d2t rows only, renormalised there (speculators')."""
+    logits = head_h @ lm_w[d2t].t() + (m @ w2.t() if m is not None else 0.0)  # [N, Vd]
+    q, p = torch.softmax(logits, -1), torch.softmax(teacher_h @ lm_w[d2t].t(), -1)  # [N, Vd] both
+    t2d = torch.full((lm_w.shape[0],), -1).index_copy(0, d2t, torch.arange(len(d2t)))
+    inside = t2d[targets] >= 0
+    ce = torch.where(inside, -torch.log(q.gather(1, t2d[targets].clamp(min=0).unsqueeze(1)).squeeze(1)), 0.0)
+    l1 = (q - p).abs().sum(-1)
+    return (weights * (a_ce * ce + a_l1 * l1)).sum(), ce, l1
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+@pytest.mark.parametrize("with_markov", [True, False])
+def test_draft_teacher_matches_the_renormalised_brute_force(chunk, with_markov):
+    from dspark_core.draft.loss import chunked_distill
+
+    g = torch.Generator().manual_seed(chunk)
+    n, v, vd, ht, r = 13, 50, 20, 16, 4
+    d2t = _ids(v, vd, seed=chunk)
+    vocab = DraftVocab(v, vd)
+    vocab.set_ids(d2t)
+    lm_w, teacher = torch.randn(v, ht, generator=g), torch.randn(n, ht, generator=g)
+    targets = torch.cat([d2t[torch.randint(0, vd, (n - 3,), generator=g)],
+                         torch.tensor([i for i in range(v) if i not in set(d2t.tolist())][:3])])  # 3 outside
+    weights = torch.rand(n, generator=g)
+    leaves = [torch.randn(n, ht, generator=g), torch.randn(n, r, generator=g), torch.randn(vd, r, generator=g)]
+    results = []
+    for fn in (lambda *a: _naive_draft_teacher(*a, d2t),
+               lambda *a: chunked_distill(*a[:5], vocab.to_draft(a[5]), *a[6:], chunk_slots=chunk, d2t=d2t,
+                                          teacher_vocab="draft"),
+               lambda *a: chunked_distill(*a[:5], vocab.to_draft(a[5]), *a[6:], chunk_slots=chunk, d2t=d2t)):
+        h, m, w2 = (t.clone().requires_grad_(True) for t in leaves)
+        if not with_markov:
+            m = w2 = None
+        distill, ce, l1 = fn(h, m, w2, lm_w, teacher, targets, weights, 0.1, 0.9)
+        (1.7 * distill).backward()
+        results.append([distill.detach(), ce, l1] + [t.grad for t in (h, m, w2) if t is not None])
+    ref, got, full = results
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert (full[2] - got[2]).abs().max() > 1e-3  # the full teacher's mass outside d2t moves L1: another loss
+    torch.testing.assert_close(full[1], got[1], rtol=0, atol=0)  # CE reads the draft only
+
+
+def test_draft_teacher_without_a_reduced_vocabulary_is_the_full_loss():
+    """``teacher_vocab: draft`` with ``draft.vocab_size`` null: the draft's vocabulary is the target's, the same
+    loss to the bit (a no-op, not an error: a sweep over vocab sizes may include null)."""
+    from dspark_core.draft.config import LossConfig
+    from dspark_core.draft.loss import chunked_distill
+
+    g = torch.Generator().manual_seed(3)
+    n, v, ht, r = 9, 30, 8, 3
+    args = [torch.randn(n, ht, generator=g), torch.randn(n, r, generator=g), torch.randn(v, r, generator=g),
+            torch.randn(v, ht, generator=g), torch.randn(n, ht, generator=g), torch.randint(0, v, (n,), generator=g),
+            torch.rand(n, generator=g), 0.1, 0.9, 4]
+    outs = []
+    for teacher_vocab in ("full", "draft"):
+        h = args[0].clone().requires_grad_(True)
+        d, ce, l1 = chunked_distill(h, *args[1:], teacher_vocab=teacher_vocab)
+        d.backward()
+        outs.append((d.detach(), ce, l1, h.grad))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert LossConfig().teacher_vocab == "full"
+    with pytest.raises(UserError, match="loss.teacher_vocab must be one of full, draft; got 'target'"):
+        LossConfig.from_dict({"teacher_vocab": "target"}, src="params.yaml", prefix="loss.")
+    with pytest.raises(ValueError, match="teacher_vocab must be full or draft"):
+        chunked_distill(*args, teacher_vocab="Draft")
+
+
+def test_teacher_vocab_reaches_the_training_loss_not_eval_offline(monkeypatch):
+    """A reduced draft's training sums under ``loss.teacher_vocab: draft`` are the renormalised teacher's; the
+    offline metrics (eval_offline's own LossConfig) stay against the full teacher."""
+    from test_draft_model import _batch
+
+    from dspark_core.draft import eval_offline
+    from dspark_core.draft.config import LossConfig
+    from dspark_core.draft.loss import slot_outputs
+    from dspark_core.testing import tiny_model
+
+    target = tiny_model("qwen3")
+    draft = _reduced_draft(target)
+    d2t = draft.draft_vocab.d2t
+    batch = _batch(target)
+    with torch.no_grad():
+        h = draft.forward_train(batch["input_ids"], batch["aux_hidden"], batch["anchors"], batch["anchor_valid"])
+        m = draft.markov_features(batch["prev_tokens"], h, None)
+        logits = h @ draft.draft_head_weight().t() + draft.markov.bias(draft.markov_block(m, h))  # [B, A, S, Vd]
+        out = slot_outputs(draft, h, batch, LossConfig(vocab_chunk_slots=5, teacher_vocab="draft"))
+        full = slot_outputs(draft, h, batch, LossConfig(vocab_chunk_slots=5))
+    b, a, j = out["index"]
+    teacher = batch["last_hidden"][b, batch["anchors"][b, a] + j] @ draft.lm_head_weight[d2t].t()  # [N, Vd]
+    q, p = torch.softmax(logits[b, a, j], -1), torch.softmax(teacher, -1)
+    torch.testing.assert_close(out["overlap"], torch.minimum(p, q).sum(-1), rtol=1e-5, atol=1e-5)
+    assert (out["overlap"] > full["overlap"]).all()  # the renormalised teacher hides its outside mass
+    seen = []
+
+    def spy(draft, hidden, batch, cfg, extras=None):
+        seen.append(cfg.teacher_vocab)
+        return slot_outputs(draft, hidden, batch, cfg, extras)
+
+    monkeypatch.setattr(eval_offline, "slot_outputs", spy)
+    items = [{k: v[0, :int(batch["lengths"][0])] for k, v in batch.items() if k in ITEM_KEYS}]
+    eval_offline.evaluate_offline(draft, items, eval_offline.EvalOfflineConfig(num_anchors=3), progress=False)
+    assert seen == ["full"]  # its own loss config: the full teacher whatever the training params say
 
 
 def _reduced_draft(target, vd: int = 120, seed: int = 1, **over):

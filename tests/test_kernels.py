@@ -202,28 +202,61 @@ def test_kernels_refused_with_reason():
         TargetRunner(tiny_model("llama").to(DEVICE), max_len=16, batch_size=2, kernels=True)
 
 
+def test_chunk_math_ce_rows_matches_reference_and_autograd():
+    """``ce_rows`` (0: no CE term for that row, a token outside a reduced draft vocabulary): the Triton kernel ==
+    the torch math == autograd of sum w (ce_alpha c CE + l1_alpha L1)."""
+    from dspark_core.draft.loss import chunk_math
+    from dspark_core.kernels.distill import chunk_math_triton
+
+    g = torch.Generator().manual_seed(2)
+    n, vocab = 5, 3001
+    logits = (torch.randn(n, vocab, generator=g) * 3).to(DEVICE)
+    teacher = (torch.randn(n, vocab, generator=g) * 3).to(DEVICE)
+    targets = torch.randint(0, vocab, (n,), generator=g).to(DEVICE)
+    weights = torch.rand(n, generator=g).to(DEVICE)
+    rows = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0], device=DEVICE)
+    ref = chunk_math(logits, teacher, targets, weights, 0.1, 0.9, torch.float32, rows)
+    out = chunk_math_triton(logits, teacher, targets, weights, 0.1, 0.9, torch.float32, rows)
+    for a, b in zip(ref, out):
+        torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-4)
+    x = logits.clone().requires_grad_()
+    q = torch.softmax(x, -1)
+    ce = torch.nn.functional.cross_entropy(x, targets, reduction="none")
+    l1 = (q - torch.softmax(teacher, -1)).abs().sum(-1)
+    (weights * (0.1 * rows * ce + 0.9 * l1)).sum().backward()
+    torch.testing.assert_close(ref[2], x.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ref[0], ce.detach(), atol=1e-5, rtol=1e-5)  # CE reported for every row
+
+
+@pytest.mark.parametrize("vocab_mode", ["full", "reduced", "reduced_draft_teacher"])
 @pytest.mark.parametrize("with_markov", [True, False])
-def test_chunked_distill_triton_matches_torch(monkeypatch, with_markov):
-    """The whole chunked loss (values and gradients) with the Triton chunk math == with the torch one."""
+def test_chunked_distill_triton_matches_torch(monkeypatch, with_markov, vocab_mode):
+    """The whole chunked loss (values and gradients) with the Triton chunk math == with the torch one; also with a
+    reduced draft vocabulary (some tokens outside it: no CE term) and its teacher full or over the draft's only."""
     from dspark_core.draft import loss as loss_mod
     from dspark_core.draft.loss import chunked_distill
 
     g = torch.Generator().manual_seed(5)
     n, ht, r, vocab = 11, 16, 4, 301
+    d2t = torch.randperm(vocab, generator=g)[:120].sort().values.to(DEVICE) if vocab_mode != "full" else None
     lm = torch.randn(vocab, ht, generator=g).to(DEVICE)
     teacher = torch.randn(n, ht, generator=g).to(DEVICE)
-    targets = torch.randint(0, vocab, (n,), generator=g).to(DEVICE)
+    targets = torch.randint(0, vocab if d2t is None else 120, (n,), generator=g).to(DEVICE)
+    if d2t is not None:
+        targets[:3] = -1  # outside the draft vocabulary
     weights = torch.rand(n, generator=g).to(DEVICE)
     h0 = torch.randn(n, ht, generator=g).to(DEVICE)
     m0 = torch.randn(n, r, generator=g).to(DEVICE) if with_markov else None
-    w20 = torch.randn(vocab, r, generator=g).to(DEVICE) if with_markov else None
+    w20 = torch.randn(vocab if d2t is None else 120, r, generator=g).to(DEVICE) if with_markov else None
+    teacher_vocab = "draft" if vocab_mode == "reduced_draft_teacher" else "full"
     results = []
     for kernel in ("torch", "triton"):
         monkeypatch.setattr(loss_mod, "LOSS_KERNEL", kernel)
         h = h0.clone().requires_grad_()
         m = m0.clone().requires_grad_() if with_markov else None
         w2 = w20.clone().requires_grad_() if with_markov else None
-        distill, ce, l1 = chunked_distill(h, m, w2, lm, teacher, targets, weights, 0.1, 0.9, chunk_slots=4)
+        distill, ce, l1 = chunked_distill(h, m, w2, lm, teacher, targets, weights, 0.1, 0.9, chunk_slots=4, d2t=d2t,
+                                          teacher_vocab=teacher_vocab)
         distill.backward()
         grads = [t.grad for t in (h, m, w2) if t is not None]
         results.append([distill.detach(), ce, l1, *grads])

@@ -17,6 +17,7 @@ MIXING_HEAD_KINDS = ("baseline", "engram_markov", "engram_mask_gated", "engram_m
 LAYER_STYLES = ("target", "qwen3")
 ENGRAM_SOURCES = ("trainable", "frozen")
 MEMORY_ONLINE = ("chained", "first_stage")
+TEACHER_VOCABS = ("full", "draft")
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,12 @@ class DraftConfig(Section):
 
 @dataclass(frozen=True)
 class LossConfig(Section):
-    """``ce_alpha * CE + l1_alpha * L1 + conf_alpha * BCE(conf)``, slot weights ``exp(-i / decay_gamma)``."""
+    """``ce_alpha * CE + l1_alpha * L1 + conf_alpha * BCE(conf)``, slot weights ``exp(-i / decay_gamma)``.
+
+    ``teacher_vocab`` (with a reduced ``draft.vocab_size``): ``full`` compares the draft with the target's whole
+    distribution; ``draft`` computes the teacher over the draft vocabulary only and renormalises it there (as the
+    ``speculators`` trainer does), a cheaper teacher that ignores its mass outside the draft vocabulary. With the
+    full vocabulary both are the same loss. eval_offline is always against the full teacher."""
 
     ce_alpha: float = 0.1
     l1_alpha: float = 0.9
@@ -170,8 +176,10 @@ class LossConfig(Section):
     decay_gamma: float = 4.0
     vocab_chunk_slots: int = 512        # slots whose full-vocabulary logits exist at once
     rank_alpha: float = 1.0             # weight of the prefix reranker's rank loss (draft.kind reranker only)
+    teacher_vocab: str = "full"         # full | draft: the teacher over the draft vocabulary only (draft/loss.py)
 
     def validate(self) -> None:
+        one_of("teacher_vocab", self.teacher_vocab, TEACHER_VOCABS)
         non_negative("ce_alpha", self.ce_alpha)
         non_negative("l1_alpha", self.l1_alpha)
         non_negative("conf_alpha", self.conf_alpha)

@@ -26,10 +26,17 @@ matmuls run 3 times (2 forward, 1 backward) instead of 5 with per-chunk recomput
 LM head gets no gradient.
 
 A reduced draft vocabulary (``draft.vocab_size``, ``draft/vocab.py``): the draft's logits are over its Vd tokens
-only (LM-head rows ``d2t``, W2 [Vd, r]), the teacher's over V; the chunk math sees both as [n, Vd + 1], the last
-column holding the teacher's mass outside the draft vocabulary (:func:`outside_column`), so L1 and the overlap are
-against the full teacher. A slot whose token is outside the draft vocabulary has no CE term (see
+only (LM-head rows ``d2t``, W2 [Vd, r]), the teacher's over V; the chunk math sees the teacher's Vd columns of the
+draft's tokens [n, Vd] with its logsumexp over all V, and adds the teacher's mass outside them, ``1 - sum p``, to
+L1 (q is 0 there), so L1 and the overlap are against the full teacher. A slot whose token is outside the draft vocabulary has no CE term (see
 :func:`chunked_distill`).
+
+``loss.teacher_vocab: draft`` (with a reduced draft vocabulary) restricts the teacher to the draft's Vd tokens too,
+as the ``speculators`` trainer does: ``p~ = softmax(lm_head(last_hidden)[d2t])`` renormalised over the Vd, so the
+teacher GEMM reads Vd LM-head rows instead of V and the chunk math sees [n, Vd]. The trade-off: L1 (and the
+overlap, the confidence target, the logged ``tau_prob``) then ignore the teacher's mass outside the draft
+vocabulary, ``L1~ = sum_{v in draft} |q_v - p~_v|``, an optimistic distance to the target. eval_offline always
+measures against the full teacher.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from dspark_core.draft.config import LossConfig
 from dspark_core.errors import UserError
 from dspark_core.metrics import block_metric_sums, overlap_from_l1
 
+PROFILE_RANGE = "dspark.chunked_distill"  # the profiler range around the chunked loss (LM-head GEMMs, chunk math)
 _OUT_DTYPE_OK: dict[str, bool] = {}
 _compiled_math: Any = None
 
@@ -89,25 +97,37 @@ def _out_dtype_ok(a: torch.Tensor) -> bool:
 
 
 def chunk_math(logits: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-               ce_alpha: float, l1_alpha: float, grad_dtype: torch.dtype | None):
+               ce_alpha: float, l1_alpha: float, grad_dtype: torch.dtype | None,
+               ce_rows: torch.Tensor | None = None, teacher_lse: torch.Tensor | None = None):
     """Draft and teacher logits [n, V] float32 -> CE [n], L1 [n] and
-    G = d(sum w (ce_alpha CE + l1_alpha L1)) / d logits [n, V] in ``grad_dtype`` (None: no gradient).
+    G = d(sum w (ce_alpha c CE + l1_alpha L1)) / d logits [n, V] in ``grad_dtype`` (None: no gradient), with
+    c = ``ce_rows`` [n] (1: the row has a CE term, 0: none; None: every row has one). CE is returned for every row.
+
+    ``teacher_lse`` [n] (a reduced draft vocabulary, the teacher full): the columns are the draft's tokens of a
+    teacher over more tokens, whose logsumexp this is; p = exp(t - teacher_lse) and L1 adds the teacher's mass
+    outside the columns, ``1 - sum p`` (q is 0 there; the gradient has no term from it).
 
     dCE/dl = q - onehot(t); dL1/dl = q * (s - <q, s>) with s = sign(q - p).
     """
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [n, 1]
     q = torch.exp(logits - lse)  # [n, V]
-    p = torch.softmax(teacher, dim=-1)  # [n, V]
+    if teacher_lse is None:
+        p = torch.softmax(teacher, dim=-1)  # [n, V]
+    else:
+        p = torch.exp(teacher - teacher_lse.unsqueeze(-1))  # [n, V], summing to 1 - the mass outside
     ce = lse.squeeze(-1) - logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [n]
     diff = q - p
     l1 = diff.abs().sum(dim=-1)  # [n]
+    if teacher_lse is not None:
+        l1 = l1 + (1.0 - p.sum(dim=-1)).clamp_min(0.0)
     if grad_dtype is None:
         return ce, l1, None
     sign = torch.sign(diff)
     qs = (q * sign).sum(dim=-1, keepdim=True)  # [n, 1]
     w = weights.unsqueeze(-1)  # [n, 1]
-    grad = q * (w * (l1_alpha * (sign - qs) + ce_alpha))  # [n, V]
-    grad = grad.scatter_add(-1, targets.unsqueeze(-1), -ce_alpha * w)
+    cw = ce_alpha if ce_rows is None else ce_alpha * ce_rows.unsqueeze(-1)  # the rows' CE weight [n, 1]
+    grad = q * (w * (l1_alpha * (sign - qs) + cw))  # [n, V]
+    grad = grad.scatter_add(-1, targets.unsqueeze(-1), -cw * w)
     return ce, l1, grad.to(grad_dtype)
 
 
@@ -162,12 +182,14 @@ class _ChunkedDistill(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, head_h, markov, w2, lm_w, teacher_h, targets, weights, ce_alpha, l1_alpha, chunk,
-                cdtype, with_grad, d2t, no_ce):
+                cdtype, with_grad, d2t, ce_rows, teacher_draft):
         n_slots = head_h.shape[0]
         dev = head_h.device
         with torch.autocast(dev.type, enabled=False):
             w_lm = lm_w.to(cdtype)  # [V, Ht] (no copy when already cdtype)
             w_dr = w_lm if d2t is None else w_lm.index_select(0, d2t)  # the draft's head rows [Vd, Ht]
+            w_teach = w_dr if teacher_draft else w_lm  # the teacher's rows [Vd, Ht] | [V, Ht]
+            outside = d2t is not None and not teacher_draft  # the full teacher beside a reduced draft
             ht = head_h.shape[1]
             if markov is not None:  # lm_head(h) + W2 m as one GEMM [h ; m] @ [W_lm ; W2]^T: one pass over [n, V]
                 w_in = torch.cat([w_dr, w2.to(cdtype)], dim=1)  # [Vd, Ht + r]
@@ -182,18 +204,16 @@ class _ChunkedDistill(torch.autograd.Function):
             for s in range(0, n_slots, chunk):
                 e = min(n_slots, s + chunk)
                 logits = mm_f32(x_in[s:e].to(cdtype), w_in.t())  # [n, Vd]
-                teacher = mm_f32(teacher_h[s:e].to(cdtype), w_lm.t())  # [n, V]
-                if d2t is not None:  # [n, Vd + 1] both: the teacher's mass outside the draft vocabulary as a column
-                    logits, teacher = outside_column(logits, teacher, d2t)
-                ce[s:e], l1[s:e], g = math(logits, teacher, targets[s:e], weights[s:e], ce_alpha, l1_alpha,
-                                           cdtype if with_grad else None)
-                rows = [r - s for r in no_ce if s <= r < e]
-                if rows:  # tokens outside the draft vocabulary: no CE term (undo its gradient, report 0)
-                    g = _drop_ce(g, logits, ce, weights, targets, s, rows, ce_alpha)
+                teacher = mm_f32(teacher_h[s:e].to(cdtype), w_teach.t())  # [n, V] | [n, Vd]
+                t_lse = None
+                if outside:  # the full teacher's lse [n] and its draft-vocabulary columns [n, Vd]
+                    t_lse, teacher = torch.logsumexp(teacher, dim=-1), teacher.index_select(1, d2t)
+                rows = None if ce_rows is None else ce_rows[s:e]  # [n] 0: a token outside the draft vocabulary
+                ce_c, l1[s:e], g = math(logits, teacher, targets[s:e], weights[s:e], ce_alpha, l1_alpha,
+                                        cdtype if with_grad else None, rows, t_lse)
+                ce[s:e] = ce_c if rows is None else torch.where(rows > 0, ce_c, 0.0)  # no CE term: reported 0
                 del logits, teacher
                 if with_grad:
-                    if d2t is not None:
-                        g = g[:, :-1].contiguous()  # the outside column's logit is a constant
                     d_in[s:e] = mm_f32(g, w_in)  # [dh ; dm]
                     if markov is not None:
                         _add_mm_f32_(d_w2, g.t(), x_in[s:e, ht:])  # dW2 += G^T m in the GEMM epilogue
@@ -214,36 +234,13 @@ class _ChunkedDistill(torch.autograd.Function):
         grad_h = (g_distill * d_head).to(h_dt)
         grad_m = (g_distill * d_mk).to(m_dt) if d_mk is not None and ctx.needs_input_grad[1] else None
         grad_w2 = (g_distill * d_w2).to(w2_dt) if d_w2 is not None and ctx.needs_input_grad[2] else None
-        return (grad_h, grad_m, grad_w2) + (None,) * 11
-
-
-def outside_column(logits: torch.Tensor, teacher: torch.Tensor, d2t: torch.Tensor):
-    """Draft logits [n, Vd] and teacher logits [n, V] -> both [n, Vd + 1]: the teacher's logits of the draft
-    vocabulary's tokens plus ``logsumexp`` of all others (so its softmax is the target's p on the Vd tokens and
-    the mass outside them), the draft's plus ``-inf`` (q is 0 outside its vocabulary). Then ``sum |q - p|`` over
-    the Vd + 1 columns is the L1 distance to the full-vocabulary teacher."""
-    inside = teacher.index_select(1, d2t)  # [n, Vd]
-    outside = teacher.index_fill_(1, d2t, float("-inf")).logsumexp(dim=-1, keepdim=True)  # [n, 1]
-    return F.pad(logits, (0, 1), value=float("-inf")), torch.cat([inside, outside], dim=1)
-
-
-def _drop_ce(g, logits, ce, weights, targets, start, rows, ce_alpha):
-    """Remove the CE term of chunk rows ``rows`` (their token is outside the draft vocabulary) from the gradient
-    G [n, Vd + 1] (None: no gradient) and set their reported CE to 0."""
-    idx = torch.tensor(rows, device=logits.device)
-    ce[start + idx] = 0.0
-    if g is None:
-        return g
-    w = weights[start + idx].unsqueeze(-1)  # [k, 1]
-    d_ce = torch.softmax(logits[idx], dim=-1) * w  # [k, Vd + 1]: d(w CE)/dl = w (q - onehot)
-    d_ce.scatter_add_(-1, targets[start + idx].unsqueeze(-1), -w)
-    g[idx] = (g[idx].float() - ce_alpha * d_ce).to(g.dtype)
-    return g
+        return (grad_h, grad_m, grad_w2) + (None,) * 12
 
 
 def chunked_distill(head_h: torch.Tensor, markov: torch.Tensor | None, w2: torch.Tensor | None,
                     lm_w: torch.Tensor, teacher_h: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-                    ce_alpha: float, l1_alpha: float, chunk_slots: int, d2t: torch.Tensor | None = None):
+                    ce_alpha: float, l1_alpha: float, chunk_slots: int, d2t: torch.Tensor | None = None,
+                    teacher_vocab: str = "full"):
     """(distill [], ce [N], l1 [N]) for head_h [N, Ht] (draft states the LM head reads), markov [N, r] with
     w2 [Vd, r] (or None, None), lm_w [V, Ht] frozen, teacher_h [N, Ht], targets [N], weights [N].
 
@@ -253,22 +250,29 @@ def chunked_distill(head_h: torch.Tensor, markov: torch.Tensor | None, w2: torch
     ``1 - L1 / 2`` is the acceptance probability against the target. A slot whose token is outside the draft
     vocabulary has no CE term (reported CE 0); its L1 term stays. ``d2t`` None: Vd = V, draft ids = target ids.
 
+    ``teacher_vocab`` ``draft``: the teacher over the ``d2t`` rows only, renormalised there (``L1 = sum_{v in
+    draft} |q_v - p~_v|``, see the module docstring); with ``d2t`` None it is the ``full`` loss (no-op).
+
     Matmuls run in the autocast dtype when autocast is on, else in ``lm_w``'s dtype; softmax math in fp32.
     """
     if (markov is None) != (w2 is None):
         raise ValueError("chunked_distill: give both markov and w2, or neither")
     if lm_w.requires_grad:
         raise ValueError("chunked_distill: the LM head must be frozen (requires_grad=False)")
+    if teacher_vocab not in ("full", "draft"):
+        raise ValueError(f"chunked_distill: teacher_vocab must be full or draft; got {teacher_vocab!r}")
     dev = head_h.device
     cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else lm_w.dtype
     inputs = [t for t in (head_h, markov, w2) if t is not None]
     with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    no_ce: list[int] = []
-    if d2t is not None:
-        no_ce = (targets < 0).nonzero().flatten().tolist()  # one host read a step
+    ce_rows = None
+    if d2t is not None:  # on the device (no host read): 0 where the token is outside the draft vocabulary
+        ce_rows = (targets >= 0).float()  # [N]
         targets = targets.clamp(min=0)
-    return _ChunkedDistill.apply(head_h, markov, w2, lm_w, teacher_h, targets, weights.float(), float(ce_alpha),
-                                 float(l1_alpha), int(chunk_slots), cdtype, with_grad, d2t, no_ce)
+    with torch.profiler.record_function(PROFILE_RANGE):  # names the loss's kernels in a profile (bench_train_step)
+        return _ChunkedDistill.apply(head_h, markov, w2, lm_w, teacher_h, targets, weights.float(), float(ce_alpha),
+                                     float(l1_alpha), int(chunk_slots), cdtype, with_grad, d2t, ce_rows,
+                                     teacher_vocab == "draft" and d2t is not None)
 
 
 def _valid_slot_index(batch: Mapping[str, torch.Tensor]):
@@ -297,7 +301,8 @@ def slot_outputs(draft, hidden: torch.Tensor, batch: Mapping[str, torch.Tensor],
     targets = batch["targets"][b, a, j]  # [N] target ids
     distill, ce, l1 = chunked_distill(draft.head_states(h), u, w2, draft.lm_head_weight, teacher,
                                       targets if vocab is None else vocab.to_draft(targets), weights, cfg.ce_alpha,
-                                      cfg.l1_alpha, cfg.vocab_chunk_slots, None if vocab is None else vocab.d2t)
+                                      cfg.l1_alpha, cfg.vocab_chunk_slots, None if vocab is None else vocab.d2t,
+                                      cfg.teacher_vocab)
     return {"weights": weights, "distill": distill, "ce": ce, "l1": l1, "overlap": overlap_from_l1(l1),
             "conf_logits": draft.confidence_logits(h, m), "index": torch.stack([b, a, j])}
 

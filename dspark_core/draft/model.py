@@ -309,7 +309,10 @@ class DSparkDraft(nn.Module):
         if aux_hidden.dim() != 4 or tuple(aux_hidden.shape[2:]) != (k, t_hidden):
             raise ValueError(f"aux_hidden must be [B, n, {k}, {t_hidden}] (aux layers {list(self.aux_layer_ids)}); "
                              f"got {tuple(aux_hidden.shape)}")
-        flat = aux_hidden.reshape(*aux_hidden.shape[:2], k * t_hidden).to(self.compute_dtype)  # [B, n, K*Ht]
+        flat = aux_hidden.reshape(*aux_hidden.shape[:2], k * t_hidden)  # [B, n, K*Ht]
+        dev = flat.device.type
+        if not (torch.is_autocast_enabled(dev) and flat.dtype == torch.get_autocast_dtype(dev)):
+            flat = flat.to(self.compute_dtype)  # under autocast fc reads the cache's bf16 as it is: no fp32 round trip
         return self.hidden_norm(self.fc(flat))
 
     def _block_states(self, anchor_tokens: torch.Tensor, extras: Mapping[str, Any] | None) -> torch.Tensor:

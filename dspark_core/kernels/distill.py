@@ -8,9 +8,11 @@ Given draft logits ``l`` and teacher logits ``t`` [n, V] (float32), per row:
 ``G = d(w (ce_alpha CE + l1_alpha L1)) / dl = q * w (l1_alpha (s - <q, s>) + ce_alpha) - ce_alpha w onehot``
 with ``s = sign(q - p)``. Three passes over the two [n, V] inputs, one program per row:
 
-1. ``_stats``: online max / sum-exp of l and t -> lse_l, lse_t [n];
-2. ``_reduce``: L1 [n] and <q, s> [n];
-3. ``_grad`` (training only): G [n, V] in the gradient dtype.
+1. ``_stats``: online max / sum-exp of l and t -> lse_l, lse_t [n] (lse_t given: a reduced draft vocabulary's
+   columns of the full teacher, whose lse is over all V);
+2. ``_reduce``: L1 [n] (plus the teacher's mass outside the columns when lse_t is given) and <q, s> [n];
+3. ``_grad`` (training only): G [n, V] in the gradient dtype (a row's CE term scaled by ``ce_rows``, 0 for a
+   token outside a reduced draft vocabulary).
 
 That is 6 reads of [n, V] float32 and one write of G: the whole loss is memory-bound, and this is
 about 3x fewer bytes than what Inductor generated for ``chunk_math`` (split reductions, no online
@@ -28,7 +30,8 @@ _NUM_WARPS = 8
 
 
 @triton.jit
-def _stats(L, T, LSE_L, LSE_T, V, stride, BLOCK: tl.constexpr):
+def _stats(L, T, LSE_L, LSE_T, V, stride, TEACHER_LSE: tl.constexpr, BLOCK: tl.constexpr):
+    """lse of the row's draft logits, and of its teacher logits unless ``TEACHER_LSE`` (given in LSE_T)."""
     row = tl.program_id(0).to(tl.int64)
     base_l = L + row * stride
     base_t = T + row * stride
@@ -40,17 +43,19 @@ def _stats(L, T, LSE_L, LSE_T, V, stride, BLOCK: tl.constexpr):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < V
         x = tl.load(base_l + cols, mask=mask, other=float("-inf"))
-        y = tl.load(base_t + cols, mask=mask, other=float("-inf"))
         new_l = tl.maximum(m_l, x)
         s_l = s_l * tl.exp(m_l - new_l) + tl.exp(x - new_l)
         m_l = new_l
-        new_t = tl.maximum(m_t, y)
-        s_t = s_t * tl.exp(m_t - new_t) + tl.exp(y - new_t)
-        m_t = new_t
+        if not TEACHER_LSE:
+            y = tl.load(base_t + cols, mask=mask, other=float("-inf"))
+            new_t = tl.maximum(m_t, y)
+            s_t = s_t * tl.exp(m_t - new_t) + tl.exp(y - new_t)
+            m_t = new_t
     ml = tl.max(m_l, 0)
-    mt = tl.max(m_t, 0)
     tl.store(LSE_L + row, ml + tl.log(tl.sum(s_l * tl.exp(m_l - ml), 0)))
-    tl.store(LSE_T + row, mt + tl.log(tl.sum(s_t * tl.exp(m_t - mt), 0)))
+    if not TEACHER_LSE:
+        mt = tl.max(m_t, 0)
+        tl.store(LSE_T + row, mt + tl.log(tl.sum(s_t * tl.exp(m_t - mt), 0)))
 
 
 @triton.jit
@@ -63,7 +68,8 @@ def _q_diff_sign(base_l, base_t, lse_l, lse_t, cols, mask):
 
 
 @triton.jit
-def _reduce(L, T, LSE_L, LSE_T, L1, QS, V, stride, BLOCK: tl.constexpr):
+def _reduce(L, T, LSE_L, LSE_T, L1, QS, V, stride, TEACHER_LSE: tl.constexpr, BLOCK: tl.constexpr):
+    """L1 and <q, s> of the row; with ``TEACHER_LSE`` the teacher's mass outside the columns, 1 - sum p, joins L1."""
     row = tl.program_id(0).to(tl.int64)
     base_l = L + row * stride
     base_t = T + row * stride
@@ -71,17 +77,23 @@ def _reduce(L, T, LSE_L, LSE_T, L1, QS, V, stride, BLOCK: tl.constexpr):
     lse_t = tl.load(LSE_T + row)
     acc_l1 = tl.zeros([BLOCK], tl.float32)
     acc_qs = tl.zeros([BLOCK], tl.float32)
+    acc_p = tl.zeros([BLOCK], tl.float32)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         q, d, sign = _q_diff_sign(base_l, base_t, lse_l, lse_t, cols, cols < V)
         acc_l1 += tl.abs(d)
         acc_qs += q * sign
-    tl.store(L1 + row, tl.sum(acc_l1, 0))
+        acc_p += q - d  # p
+    l1 = tl.sum(acc_l1, 0)
+    if TEACHER_LSE:
+        l1 += tl.maximum(1.0 - tl.sum(acc_p, 0), 0.0)
+    tl.store(L1 + row, l1)
     tl.store(QS + row, tl.sum(acc_qs, 0))
 
 
 @triton.jit
-def _grad(L, T, LSE_L, LSE_T, QS, W, TGT, G, V, stride, g_stride, ce_alpha, l1_alpha, BLOCK: tl.constexpr):
+def _grad(L, T, LSE_L, LSE_T, QS, W, TGT, CE_ROWS, G, V, stride, g_stride, ce_alpha, l1_alpha,
+          HAS_CE_ROWS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base_l = L + row * stride
     base_t = T + row * stride
@@ -90,36 +102,46 @@ def _grad(L, T, LSE_L, LSE_T, QS, W, TGT, G, V, stride, g_stride, ce_alpha, l1_a
     qs = tl.load(QS + row)
     w = tl.load(W + row)
     tgt = tl.load(TGT + row)
+    cea = ce_alpha
+    if HAS_CE_ROWS:  # the row's CE weight: 0 where the token has no CE term
+        cea = ce_alpha * tl.load(CE_ROWS + row)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < V
         q, _, sign = _q_diff_sign(base_l, base_t, lse_l, lse_t, cols, mask)
-        g = q * (w * (l1_alpha * (sign - qs) + ce_alpha))
-        g = tl.where(cols == tgt, g - ce_alpha * w, g)
+        g = q * (w * (l1_alpha * (sign - qs) + cea))
+        g = tl.where(cols == tgt, g - cea * w, g)
         tl.store(G + row * g_stride + cols, g.to(G.dtype.element_ty), mask=mask)
 
 
 def chunk_math_triton(logits: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-                      ce_alpha: float, l1_alpha: float, grad_dtype: torch.dtype | None):
+                      ce_alpha: float, l1_alpha: float, grad_dtype: torch.dtype | None,
+                      ce_rows: torch.Tensor | None = None, teacher_lse: torch.Tensor | None = None):
     """Same contract as ``dspark_core.draft.loss.chunk_math``: logits / teacher [n, V] float32 ->
-    CE [n], L1 [n], G [n, V] in ``grad_dtype`` (None: no gradient, two passes only)."""
+    CE [n], L1 [n], G [n, V] in ``grad_dtype`` (None: no gradient, two passes only); ``ce_rows`` [n]: each
+    row's CE weight factor (None: 1); ``teacher_lse`` [n]: the teacher's lse over a larger vocabulary (None:
+    over these columns)."""
     if logits.dtype != torch.float32 or teacher.dtype != torch.float32:
         raise ValueError(f"chunk_math_triton wants float32 logits; got {logits.dtype}, {teacher.dtype}")
     logits, teacher = logits.contiguous(), teacher.contiguous()
     n, vocab = logits.shape
     lse_l = torch.empty(n, device=logits.device, dtype=torch.float32)
-    lse_t = torch.empty_like(lse_l)
+    given = teacher_lse is not None
+    lse_t = teacher_lse.float().contiguous() if given else torch.empty_like(lse_l)
     l1 = torch.empty_like(lse_l)
     qs = torch.empty_like(lse_l)
     grid = (n,)
-    _stats[grid](logits, teacher, lse_l, lse_t, vocab, logits.stride(0), BLOCK=_BLOCK_V, num_warps=_NUM_WARPS)
-    _reduce[grid](logits, teacher, lse_l, lse_t, l1, qs, vocab, logits.stride(0), BLOCK=_BLOCK_V,
-                  num_warps=_NUM_WARPS)
+    _stats[grid](logits, teacher, lse_l, lse_t, vocab, logits.stride(0), TEACHER_LSE=given, BLOCK=_BLOCK_V,
+                 num_warps=_NUM_WARPS)
+    _reduce[grid](logits, teacher, lse_l, lse_t, l1, qs, vocab, logits.stride(0), TEACHER_LSE=given,
+                  BLOCK=_BLOCK_V, num_warps=_NUM_WARPS)
     ce = lse_l - logits.gather(1, targets.view(n, 1)).squeeze(1)  # [n]
     if grad_dtype is None:
         return ce, l1, None
     grad = torch.empty(n, vocab, device=logits.device, dtype=grad_dtype)
-    _grad[grid](logits, teacher, lse_l, lse_t, qs, weights.float().contiguous(), targets.contiguous(), grad, vocab,
-                logits.stride(0), grad.stride(0), float(ce_alpha), float(l1_alpha), BLOCK=_BLOCK_V,
-                num_warps=_NUM_WARPS)
+    weights = weights.float().contiguous()
+    rows = weights if ce_rows is None else ce_rows.float().contiguous()  # read only with HAS_CE_ROWS
+    _grad[grid](logits, teacher, lse_l, lse_t, qs, weights, targets.contiguous(), rows, grad, vocab,
+                logits.stride(0), grad.stride(0), float(ce_alpha), float(l1_alpha), HAS_CE_ROWS=ce_rows is not None,
+                BLOCK=_BLOCK_V, num_warps=_NUM_WARPS)
     return ce, l1, grad
