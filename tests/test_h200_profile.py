@@ -60,7 +60,7 @@ def test_ablation_profile_trains_each_variant_at_one_budget(tmp_path):
     assert [(d.vocab_size, d.markov_head) for d in drafts.values()] == [
         (None, "vanilla"), (8192, "vanilla"), (None, "gated"), (None, "rnn"), (None, "none")]
     trains = {TrainConfig.from_dict(section_for_variant(params, "train", v)).stop_step for v in names}
-    assert trains == {400}
+    assert trains == {300}
     stages = load_stages(str(ROOT / "dvc.yaml"), params)
     order = [s.name for s in plan(stages, [f"eval_offline@{v}" for v in names])]
     assert order[:6] == ["target", "prepare", "regenerate", "cache", "engram_build", "draft_vocab"]
