@@ -558,12 +558,13 @@ def _print_ar(name: str, r: dict) -> None:
               f"{r['cycle_verify_ms']:.3f}) | break-even MAL {r['break_even_mal']:.2f}, 2.5x needs MAL "
               f"{r['mal_for_2.5x']:.2f}", flush=True)
     for key, row in r.get("cycle_by_draft_vocab", {}).items():
-        if key != "full":
-            print(f"{'':>21} | draft vocabulary {key}: cycle {row['cycle_ms']:.3f} ms (draft {row['cycle_draft_ms']:.3f}"
-                  f" = {row['draft_ms_over_full']:.2f} of the full vocabulary's, verify + update "
-                  f"{row['cycle_verify_ms']:.3f})" + (f", sampling cycle {row['cycle_sampled_ms']:.3f} ms (draft "
-                                                      f"{row['cycle_sampled_draft_ms']:.3f})"
-                                                      if "cycle_sampled_ms" in row else ""), flush=True)
+        if key == "full":
+            continue
+        sampled = (f", sampling cycle {row['cycle_sampled_ms']:.3f} ms (draft {row['cycle_sampled_draft_ms']:.3f})"
+                   if "cycle_sampled_ms" in row else "")
+        print(f"{'':>21} | draft vocabulary {key}: cycle {row['cycle_ms']:.3f} ms (draft {row['cycle_draft_ms']:.3f} "
+              f"= {row['draft_ms_over_full']:.2f} of the full vocabulary's, verify + update "
+              f"{row['cycle_verify_ms']:.3f}){sampled}", flush=True)
     if "cycle_sampled_ms" in r:
         print(f"{'':>21} | sampling cycle at T {r['cycle_temperature']:g}: {r['cycle_sampled_ms']:.3f} ms (draft "
               f"{r['cycle_sampled_draft_ms']:.3f}, verify + update {r['cycle_sampled_verify_ms']:.3f})", flush=True)

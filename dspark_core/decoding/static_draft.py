@@ -28,8 +28,9 @@ rejection step's q). The prompt's context
 (any length) always goes through the torch path. Like ``TargetRunner(kernels=True)`` it concatenates each
 layer's Q/K/V and gate/up weights once and re-points the draft's modules to views of them (same values).
 
-Shape legend: S block size, V vocab (Vd a reduced draft vocabulary), K aux layers, Ht target hidden, H draft hidden, nl draft layers,
-nq / nkv heads, d head dim, M cache positions (max_len rounded up to 16), n positions of an extend.
+Shape legend: S block size, V vocab (Vd a reduced draft vocabulary), K aux layers, Ht target hidden, H draft
+hidden, nl draft layers, nq / nkv heads, d head dim, M cache positions (max_len rounded up to 16), n positions of
+an extend.
 """
 
 from __future__ import annotations

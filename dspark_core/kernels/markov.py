@@ -373,8 +373,8 @@ class MarkovSampler(MarkovArgmax):
             return
         vt = self.t2d.shape[0]
         if src is None or tuple(src.shape) != (q.shape[0], self.vocab) or tuple(q.shape[1:]) != (vt,):
-            raise ValueError(f"MarkovSampler.normalize: a reduced vocabulary needs src [S, {self.vocab}] and q [S, {vt}]"
-                             f"; got src {None if src is None else list(src.shape)}, q {list(q.shape)}")
+            raise ValueError(f"MarkovSampler.normalize: a reduced vocabulary needs src [S, {self.vocab}] and q "
+                             f"[S, {vt}]; got src {None if src is None else list(src.shape)}, q {list(q.shape)}")
         _expand_q[(triton.cdiv(vt, block), q.shape[0])](q, src, stats, self.t2d, vt, self.vocab, BLOCK=block,
                                                          PDL_ON=PDL, num_warps=4, **_LAUNCH)
 
