@@ -20,6 +20,8 @@ speculative decoding with a trained draft.
         --out reports/bench/decode_h200/qwen3-4b.json                   # H200: the README's decode figures
     python benchmarks/bench_decode.py --compile                         # torch.compile + CUDA graphs, no kernels
     python benchmarks/bench_decode.py --compile --target data/target --draft data/train/baseline/draft
+    python benchmarks/bench_decode.py --kernels --shapes qwen3-4b,qwen3-8b --draft-vocab 32000 \
+        --out reports/bench/decode_h200/draft_vocab.json                # the cycle with a reduced draft vocabulary
     python benchmarks/bench_decode.py --tiny --out /tmp/decode.json     # CPU smoke run on tiny shapes
 
 Imports only torch, transformers and dspark_core (no zarr / dvclive / vllm).
@@ -179,25 +181,27 @@ def hf_generate_tokens_per_s(model, prompt: torch.Tensor, new_tokens: int) -> fl
     return (new_tokens - 1) / max((t2 - t1) - (t1 - t0), 1e-9)
 
 
-def static_cycle(model, prompt: torch.Tensor, args) -> dict:
-    """Cost of one greedy speculative cycle of the static engine (``StaticSpeculativeDecoder``: propose ->
-    verify S+1 tokens -> accept -> context update, CUDA graphs on GPU) with a random DSpark draft of
-    ``--cycle-draft-layers`` layers on these shapes. The draft is untrained (MAL ~1), so this measures time per
-    cycle, not speedup: speculative beats AR when MAL > cycle_ms / decode_step_ms."""
+def cycle_draft(model, cfg_kwargs: dict, aux: list[int], vocab_size: int | None):
+    """A random DSpark draft on the target's shapes; ``vocab_size`` N: over N target tokens (a random ascending
+    selection, as a ranking's would be: the gathers read scattered rows)."""
     from dspark_core.draft import DraftConfig, DSparkDraft
-    from dspark_core.decoding.static_engine import StaticSpeculativeDecoder
 
-    layers = model.config.num_hidden_layers
-    aux = sorted({max(1, round(i * (layers - 2) / 4)) for i in range(5)})  # 5 layers spread like the seed's
     first = next(model.parameters())
     torch.manual_seed(0)
-    cfg = DraftConfig(num_draft_layers=args.cycle_draft_layers, block_size=args.block_size, mask_token_id=None)
+    cfg = DraftConfig(**cfg_kwargs, vocab_size=vocab_size)
     draft = DSparkDraft(cfg, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
-                        aux_layer_ids=aux).to(device=first.device, dtype=first.dtype).eval()
-    gpu = first.device.type == "cuda"
-    runner = TargetRunner(model, max_len=cache_len(args, args.prompt_len + args.new_tokens + 2 * 16 + 8),
-                          aux_layer_ids=aux, compile=args.compile, cuda_graph=gpu,
-                          graph_max_tokens=args.block_size + 1, kernels=args.kernels)
+                        aux_layer_ids=aux)
+    if vocab_size is not None:
+        gen = torch.Generator().manual_seed(0)
+        draft.draft_vocab.set_ids(torch.randperm(model.config.vocab_size, generator=gen)[:vocab_size].sort().values)
+    return draft.to(device=first.device, dtype=first.dtype).eval()
+
+
+def timed_cycles(runner, draft, prompt: torch.Tensor, args) -> tuple[dict, object]:
+    """Greedy (and with ``--cycle-temperature`` sampled) static cycles of ``draft``: ms per cycle, draft part,
+    verify + update part. Returns the row and the greedy engine (for the profile)."""
+    from dspark_core.decoding.static_engine import StaticSpeculativeDecoder
+
     static = StaticSpeculativeDecoder(runner, draft, time_every=4, tree_branches=args.tree_branches)
     static.generate(prompt[0], 16)  # warm-up: capture
     res = static.generate(prompt[0], args.new_tokens)
@@ -214,11 +218,43 @@ def static_cycle(model, prompt: torch.Tensor, args) -> dict:
                     "cycle_sampled_draft_ms": 1e3 * sum(res.draft_s) / len(res.draft_s),
                     "cycle_sampled_verify_ms": 1e3 * sum(res.verify_s) / len(res.verify_s)})
         del hot
-    if args.profile and gpu:  # a random draft accepts ~nothing: about one cycle per token
-        out["profile_cycle"] = kernel_profile(lambda s=static: s.generate(prompt[0], 64),
-                                              lambda s=static: s.generate(prompt[0], 16),
-                                              lambda long, short: long.cycles - short.cycles)
-    del static, runner, draft
+    return out, static
+
+
+def static_cycle(model, prompt: torch.Tensor, args) -> dict:
+    """Cost of one greedy speculative cycle of the static engine (``StaticSpeculativeDecoder``: propose ->
+    verify S+1 tokens -> accept -> context update, CUDA graphs on GPU) with a random DSpark draft of
+    ``--cycle-draft-layers`` layers on these shapes. The draft is untrained (MAL ~1), so this measures time per
+    cycle, not speedup: speculative beats AR when MAL > cycle_ms / decode_step_ms. The top-level keys are the
+    full-vocabulary draft's; ``cycle_by_draft_vocab`` holds the same row for it (``"full"``) and for each
+    ``--draft-vocab`` size N (key ``"N"``: the draft's LM head and Markov W2 over N target tokens)."""
+    layers, vocab = model.config.num_hidden_layers, model.config.vocab_size
+    aux = sorted({max(1, round(i * (layers - 2) / 4)) for i in range(5)})  # 5 layers spread like the seed's
+    gpu = next(model.parameters()).device.type == "cuda"
+    runner = TargetRunner(model, max_len=cache_len(args, args.prompt_len + args.new_tokens + 2 * 16 + 8),
+                          aux_layer_ids=aux, compile=args.compile, cuda_graph=gpu,
+                          graph_max_tokens=args.block_size + 1, kernels=args.kernels)
+    cfg = dict(num_draft_layers=args.cycle_draft_layers, block_size=args.block_size, mask_token_id=None)
+    by_vocab, out = {}, None
+    for size in [None] + [n for n in args.draft_vocab if n < vocab]:
+        draft = cycle_draft(model, cfg, aux, size)
+        row, static = timed_cycles(runner, draft, prompt, args)
+        row["draft_vocab_size"] = size or vocab
+        by_vocab["full" if size is None else str(size)] = row
+        if size is None:
+            out = dict(row)
+            if args.profile and gpu:  # a random draft accepts ~nothing: about one cycle per token
+                out["profile_cycle"] = kernel_profile(lambda s=static: s.generate(prompt[0], 64),
+                                                      lambda s=static: s.generate(prompt[0], 16),
+                                                      lambda long, short: long.cycles - short.cycles)
+        else:
+            row["draft_ms_over_full"] = row["cycle_draft_ms"] / by_vocab["full"]["cycle_draft_ms"]
+        del static, draft
+    skipped = [n for n in args.draft_vocab if n >= vocab]
+    if skipped:
+        print(f"--draft-vocab {skipped}: not below this target's vocabulary ({vocab}); skipped", flush=True)
+    out["cycle_by_draft_vocab"] = by_vocab
+    del runner
     return out
 
 
@@ -353,6 +389,9 @@ def main() -> None:
     ap.add_argument("--assistant-layers", type=int, default=4)
     ap.add_argument("--cycle-draft-layers", type=int, default=2,
                     help="(a) also time one static speculative cycle with a random draft of this depth (0 = skip)")
+    ap.add_argument("--draft-vocab", type=_sizes, default=(),
+                    help="comma list of reduced draft vocabulary sizes (e.g. 32000): the static cycle is also timed "
+                         "with a draft over that many target tokens (cycle_by_draft_vocab beside the full one)")
     ap.add_argument("--cycle-temperature", type=float, default=0.0,
                     help="(a) also time the sampling cycle at this temperature (plain T: no top-k / top-p)")
     ap.add_argument("--max-prompts", type=int, default=0, help="(b) at most this many prompts (0 = all)")
@@ -433,6 +472,17 @@ def main() -> None:
     print(f"wrote {args.out}")
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    """``--draft-vocab``: a comma list of positive integers."""
+    try:
+        sizes = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a comma list of vocabulary sizes >= 1, e.g. 32000,8192")
+    return sizes
+
+
 def _kernel_modes(args, device: torch.device) -> list[str]:
     """The small-GEMM families to run (the first is the default's and the headline's); ["torch"] without
     --kernels."""
@@ -507,6 +557,14 @@ def _print_ar(name: str, r: dict) -> None:
         print(f"{'':>21} | static spec cycle {r['cycle_ms']:.3f} ms (draft {r['cycle_draft_ms']:.3f}, verify + update "
               f"{r['cycle_verify_ms']:.3f}) | break-even MAL {r['break_even_mal']:.2f}, 2.5x needs MAL "
               f"{r['mal_for_2.5x']:.2f}", flush=True)
+    for key, row in r.get("cycle_by_draft_vocab", {}).items():
+        if key == "full":
+            continue
+        sampled = (f", sampling cycle {row['cycle_sampled_ms']:.3f} ms (draft {row['cycle_sampled_draft_ms']:.3f})"
+                   if "cycle_sampled_ms" in row else "")
+        print(f"{'':>21} | draft vocabulary {key}: cycle {row['cycle_ms']:.3f} ms (draft {row['cycle_draft_ms']:.3f} "
+              f"= {row['draft_ms_over_full']:.2f} of the full vocabulary's, verify + update "
+              f"{row['cycle_verify_ms']:.3f}){sampled}", flush=True)
     if "cycle_sampled_ms" in r:
         print(f"{'':>21} | sampling cycle at T {r['cycle_temperature']:g}: {r['cycle_sampled_ms']:.3f} ms (draft "
               f"{r['cycle_sampled_draft_ms']:.3f}, verify + update {r['cycle_sampled_verify_ms']:.3f})", flush=True)

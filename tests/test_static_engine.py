@@ -22,6 +22,7 @@ from dspark_core.decoding.sampling import SamplingParams
 from dspark_core.decoding.static_draft import StaticDraft
 from dspark_core.decoding.static_engine import StaticSpeculativeDecoder
 from dspark_core.decoding.target_runner import TargetRunner
+from dspark_core.decoding.tree import TreeLayout
 from dspark_core.testing import tiny_model
 
 if not torch.cuda.is_available():
@@ -102,8 +103,8 @@ def test_static_matches_ar_and_reference_engine(family, cut):
 
 def test_static_matches_ar_and_reference_engine_with_a_reduced_draft_vocabulary():
     """A draft over 4 of the 16 tokens (those the target's greedy output uses most; it uses 6), fitted
-    to it: the static engine (torch draft path: the fused kernels read all V rows) gives AR's output and the
-    reference engine's decisions, cycle by cycle."""
+    to it: the static engine (torch draft path) gives AR's output and the reference engine's decisions, cycle by
+    cycle."""
     model, _ = _setup("qwen3")
     ar_tokens = ARDecoder(TargetRunner(model, max_len=96, aux_layer_ids=(0, 2, 4))).generate(PROMPT, MAX_NEW).tokens
     vocab = tuple(sorted(sorted(range(16), key=lambda t: (-ar_tokens.count(t), t))[:4]))
@@ -388,6 +389,119 @@ def test_static_sampled_slots_kernel_matches_torch_path(monkeypatch):
     assert runs[1.0, True][0].tolist() == runs[1.0, False][0].tolist()
     assert runs[0.9, True][0].tolist() == runs[0.9, False][0].tolist()
     assert not torch.equal(runs[1.0, True][1], runs[0.9, True][1])  # top-p was applied (by the torch slots)
+
+
+@needs_triton
+def test_markov_kernels_over_a_reduced_vocabulary_match_torch():
+    """W2 and the base logits over Vd = 100 draft tokens of a 300-token target (W1 keeps the 300 rows): the greedy
+    slot, a gated / rnn head's input u in place of W1[prev], the tree's top-2 rows and the sampled slot pick as
+    the torch path does over the target vocabulary (draft logits scattered, -inf elsewhere; bias 0 there) and
+    write target ids; q is the torch path's and exactly 0 outside the draft tokens."""
+    from dspark_core.decoding.sampling import SamplingParams, logits_to_probs, race_sample
+    from dspark_core.decoding.tree import top2_reference
+    from dspark_core.kernels.markov import MarkovSampler
+
+    gen = torch.Generator().manual_seed(11)
+    vt, vd, rank, slots = 300, 100, 8, 4
+    d2t = torch.randperm(vt, generator=gen)[:vd].sort().values.to(DEVICE)  # [Vd] ascending target ids
+    w1, w2 = (torch.randn(vt, rank, generator=gen).to(DEVICE), torch.randn(vd, rank, generator=gen).to(DEVICE) / 3)
+    sampler = MarkovSampler(w1, w2, d2t)
+
+    def full(x, fill):  # [..., Vd] -> [..., Vt]: what the torch path sees
+        out = x.new_full((*x.shape[:-1], vt), fill)
+        out[..., d2t] = x
+        return out
+
+    bases = (3 * torch.randn(slots, vd, generator=gen)).to(DEVICE)  # [n, Vd] float32
+    tok = torch.full((2,), -1, dtype=torch.long, device=DEVICE)
+    for i, prev in enumerate((0, 7, vt - 1, int(d2t[5]))):
+        u = torch.randn(rank, generator=gen).to(DEVICE)
+        for m, features in ((w1[prev], None), (u, u)):  # vanilla (W1[prev] read by the kernel), then u given
+            sampler(bases[i], torch.tensor([prev], device=DEVICE), tok[1:], features=features)
+            want = (full(bases[i], float("-inf")) + full(w2 @ m, 0.0)).argmax()
+            assert tok[1].item() == want.item() and want.item() in d2t.tolist()
+    table = torch.tensor([[0, 1, 2], [3, 4, -1]], dtype=torch.int32, device=DEVICE)
+    buf = torch.tensor([3, -1, -1, int(d2t[0]), -1], device=DEVICE)
+    sampler.rows(bases[0], buf, table)
+    logits = full(bases[0], float("-inf")) + full(w1[buf[[0, 3]]] @ w2.T, 0.0)  # [2, Vt]
+    first, second = top2_reference(logits[:1])
+    assert buf.tolist() == [3, first.item(), second.item(), int(d2t[0]), logits[1].argmax().item()]
+    race = torch.rand(slots, vt, generator=gen).to(DEVICE)  # [n, Vt] U draws over the target vocabulary
+    q_draft = torch.full((slots, vd), float("nan"), device=DEVICE)
+    q = torch.full((slots, vt), float("nan"), device=DEVICE)
+    stats = torch.zeros(slots, 2, device=DEVICE)
+    tokens = torch.full((slots + 1,), -1, dtype=torch.long, device=DEVICE)
+    tokens[0] = 2
+    for i in range(slots):
+        sampler.sample(bases[i], tokens[i:i + 1], race[i], q_draft[i], tokens[i + 1:i + 2], stats[i], 0.7)
+    sampler.normalize(q, stats, src=q_draft)
+    prev = 2
+    for i in range(slots):
+        want_q = logits_to_probs(full(bases[i], float("-inf")) + full(w2 @ w1[prev], 0.0), SamplingParams(0.7))
+        torch.testing.assert_close(q[i], want_q, rtol=1e-5, atol=1e-7)
+        assert q[i][full(torch.zeros(vd, device=DEVICE), 1.0) == 1.0].eq(0).all()  # q = 0 outside, not NaN
+        prev = race_sample(want_q, race[i]).item()
+        assert tokens[i + 1].item() == prev
+    with pytest.raises(ValueError, match="give d2t"):
+        MarkovSampler(w1, w2)
+    with pytest.raises(ValueError, match="needs src"):
+        sampler.normalize(q, stats)
+
+
+@needs_triton
+@pytest.mark.parametrize("markov_head", ["vanilla", "gated", "rnn", "none"])
+def test_static_draft_kernels_with_a_reduced_vocabulary_match_torch_path(markov_head):
+    """``StaticDraft(kernels=True)`` over 40 draft tokens of a 300-token target, each Markov head type: the greedy
+    chain, a tree and a sampled block (plain temperature: the one-launch slots) give the torch path's tokens
+    (target ids inside the draft vocabulary), block logits within float32 rounding, and its q, 0 outside."""
+    gen = torch.Generator().manual_seed(4)
+    ids = tuple(torch.randperm(300, generator=gen)[:40].sort().values.tolist())
+    model, draft = _setup("qwen3", layers=3, aux=(0, 1), vocab=300, markov_head=markov_head, draft_vocab=ids)
+    paths = {on: StaticDraft(draft, max_len=32, kernels=on) for on in (False, True)}
+    aux = torch.randn(1, 9, 2, model.config.hidden_size, generator=gen).to(DEVICE)
+    anchor, p = torch.tensor([5], device=DEVICE), torch.tensor([9], device=DEVICE)
+    race = torch.rand(BLOCK, 300, generator=gen).to(DEVICE)  # [S, V]
+    layout = TreeLayout(BLOCK, ((1, 2), (2, 1)))
+    runs = {}
+    for on, static in paths.items():
+        static.extend(aux, torch.arange(9, device=DEVICE))
+        tokens, hidden = static.propose(anchor, p)
+        tree = torch.zeros(layout.rows, dtype=torch.long, device=DEVICE)
+        tree[0] = anchor
+        static.propose_tree(anchor, p, layout, tree)
+        q = torch.full((BLOCK, 300), float("nan"), device=DEVICE)
+        sampled, _ = static.propose_sampled(anchor, p, SamplingParams(temperature=0.7), q, race)
+        runs[on] = (tokens.tolist(), tree.tolist(), sampled.tolist(), q, hidden)
+    assert runs[True][:3] == runs[False][:3]
+    assert set(runs[True][0] + runs[True][1][1:] + runs[True][2]) <= set(ids)
+    torch.testing.assert_close(runs[True][3], runs[False][3], rtol=1e-5, atol=1e-7)
+    outside = torch.ones(300, dtype=torch.bool)
+    outside[list(ids)] = False
+    assert runs[True][3][:, outside.to(DEVICE)].eq(0).all()
+    _, base = paths[True]._block_kernels(anchor, p, need_hidden=False)  # [S, Vd]
+    torch.testing.assert_close(paths[True]._full(base), draft.slot_logits(runs[False][4]), rtol=1e-4, atol=1e-4)
+    assert paths[True]._sample_kernel_applies(SamplingParams(temperature=0.7)) == (markov_head != "none")
+
+
+@needs_triton
+def test_static_kernels_with_a_reduced_draft_vocabulary_match_ar():
+    """The Triton draft over 2 of the 16 tokens (those AR uses most), fitted to the target: greedy output == the
+    Triton AR decoder's, with the eager reference engine's cycles (the sampled slots against the torch path:
+    ``test_static_draft_kernels_with_a_reduced_vocabulary_match_torch_path``)."""
+    model, _ = _setup("qwen3", layers=3, aux=(0, 1))
+    ar_tokens = ARDecoder(TargetRunner(model, max_len=48, aux_layer_ids=(0, 1))).generate(PROMPT, 14).tokens
+    vocab = tuple(sorted(sorted(range(16), key=lambda t: (-ar_tokens.count(t), t))[:2]))
+    model, draft = _setup("qwen3", layers=3, aux=(0, 1), fit=([PROMPT], MAX_NEW), draft_vocab=vocab)
+    runner = TargetRunner(model, max_len=48, aux_layer_ids=draft.aux_layer_ids, kernels=True)
+    ar = ARDecoder(runner).generate(PROMPT, 14)
+    static = StaticSpeculativeDecoder(runner, draft)
+    assert static.static.kernels  # the target's choice: the draft's reduced vocabulary no longer refuses it
+    res = static.generate(PROMPT, 14)
+    assert res.tokens == ar.tokens and not set(ar.tokens) <= set(vocab)
+    eager = TargetRunner(model, max_len=48, aux_layer_ids=draft.aux_layer_ids)
+    assert res.accepted_per_cycle == SpeculativeDecoder(eager, draft, block_size=BLOCK).generate(PROMPT, 14
+                                                                                                ).accepted_per_cycle
+    assert sum(res.accepted_per_cycle) > 0
 
 
 def _markov_weights(vocab: int, rank: int, dtype: torch.dtype, gen: torch.Generator):

@@ -19,12 +19,18 @@ fused kernels as the target's decode step (``dspark_core.kernels``: norm folded 
 gate/up products, q/k norm + RoPE + cache write, split-KV attention; the block's own K/V are written at
 positions p..p+S-1 of the cache and every block query sees keys <= p+S-1, i.e. bidirectional within the
 block) and each Markov slot through one kernel (``dspark_core.kernels.markov``; a sampled slot too at a plain
-temperature, plus one launch that normalises the block's q). The prompt's context
+temperature, plus one launch that normalises the block's q). A gated / rnn Markov head's W2 input is computed
+by its torch step from the block's states and fed to the same kernel; a draft tree's branches with such a head
+take the torch slots. A reduced draft vocabulary (``draft.vocab_size``): the block's LM head and the Markov W2
+cover the Vd draft rows only (the head's rows gathered once), the slots pick draft ids and write target ids
+(``d2t``), and a sampled block's q is scattered into the target vocabulary, zero outside the Vd tokens (the
+rejection step's q). The prompt's context
 (any length) always goes through the torch path. Like ``TargetRunner(kernels=True)`` it concatenates each
 layer's Q/K/V and gate/up weights once and re-points the draft's modules to views of them (same values).
 
-Shape legend: S block size, V vocab, K aux layers, Ht target hidden, H draft hidden, nl draft layers,
-nq / nkv heads, d head dim, M cache positions (max_len rounded up to 16), n positions of an extend.
+Shape legend: S block size, V vocab (Vd a reduced draft vocabulary), K aux layers, Ht target hidden, H draft
+hidden, nl draft layers, nq / nkv heads, d head dim, M cache positions (max_len rounded up to 16), n positions of
+an extend.
 """
 
 from __future__ import annotations
@@ -67,8 +73,6 @@ def draft_kernels_problem(draft: DSparkDraft) -> str | None:
         problems.append(f"the draft MLP's act_fn is {type(act).__name__}, not SiLU")
     if draft.block_size + 1 > 16:
         problems.append(f"block_size {draft.block_size} + 1 exceeds the kernels' 16 tokens")
-    if getattr(draft, "draft_vocab", None) is not None:  # the fused LM head and Markov kernels read all V rows
-        problems.append(f"a reduced draft vocabulary (draft.vocab_size {draft.draft_vocab.size}) runs the torch path")
     return "; ".join(problems) if problems else None
 
 
@@ -98,7 +102,8 @@ class StaticDraft:
         self.block_visible = torch.ones(s, dtype=torch.bool, device=self.device)  # [S]
         self.tokens = torch.zeros(s, dtype=torch.long, device=self.device)  # [S] the last proposal
         self._tree_tables: dict = {}  # TreeLayout -> per-depth Markov row tables (Triton path)
-        self.markov = None  # the Triton Markov slots (a vanilla head on the kernels path)
+        self.markov = None  # the Triton Markov slots (kernels path, any Markov head type)
+        self.vocab = draft.draft_vocab if self.kernels else None  # base logits over the Vd draft tokens (kernels)
         with torch.no_grad():
             cos, sin = draft.rope(self.k[0, 0, 0], self.key_pos.unsqueeze(0))  # [1, M, d]
         self.cos, self.sin = cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()  # [M, d]
@@ -106,10 +111,13 @@ class StaticDraft:
             from dspark_core.kernels.markov import MarkovSampler
 
             self.fused = [fuse_layer(layer) for layer in draft.layers]  # re-points Q/K/V, gate/up to views
-            vanilla = draft.markov is not None and draft.markov.kind == "vanilla"  # the kernels' formula
-            self.markov = MarkovSampler(draft.markov.w1.weight.detach(), draft.markov.w2.weight.detach()) \
-                if vanilla else None
+            self.head_w = draft.draft_head_weight().detach().contiguous()  # [Vd, Ht] (the frozen head's own rows)
+            d2t = None if self.vocab is None else self.vocab.d2t
+            self.markov = None if draft.markov is None else \
+                MarkovSampler(draft.markov.w1.weight.detach(), draft.markov.w2.weight.detach(), d2t)
             self.q_stats = torch.zeros(s, 2, device=self.device, dtype=torch.float32)  # [S, 2] (max, mass) of q
+            self.q_draft = None if self.vocab is None else \
+                torch.zeros(s, self.vocab.size, device=self.device, dtype=torch.float32)  # [S, Vd] scaled logits
 
     # -- context --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -170,8 +178,9 @@ class StaticDraft:
             hidden = self._block_torch(anchor, p)  # [S, H]
             base = self.draft.slot_logits(hidden)  # [S, V] float32
         if self._sample_kernel_applies(params):
-            self._sampled_slots_kernel(base, anchor, params.temperature, q_out, race)
+            self._sampled_slots_kernel(base, anchor, hidden, params.temperature, q_out, race)
             return self.tokens, hidden
+        base = self._full(base)  # [S, V]
         draft, prev, state = self.draft, anchor.view(1), None
         for i in range(self.block_size):
             logits = base[i : i + 1].float()  # [1, V]
@@ -193,14 +202,18 @@ class StaticDraft:
         torch path, ``SAMPLE_KERNEL = False``)."""
         return self.kernels and self.markov is not None and self.plain_temperature(params) and SAMPLE_KERNEL
 
-    def _sampled_slots_kernel(self, base: torch.Tensor, anchor: torch.Tensor, temperature: float,
-                              q_out: torch.Tensor, race: torch.Tensor) -> None:
-        """Slot by slot, one launch each (token drawn, q's logits left in q_out), then q_out normalised at once."""
-        prev = anchor.view(1)
+    def _sampled_slots_kernel(self, base: torch.Tensor, anchor: torch.Tensor, hidden: torch.Tensor | None,
+                              temperature: float, q_out: torch.Tensor, race: torch.Tensor) -> None:
+        """Slot by slot, one launch each (token drawn, q's logits left in q_out, or in ``q_draft`` [S, Vd] with a
+        reduced vocabulary), then q_out normalised at once."""
+        prev, state = anchor.view(1), None
+        logits = q_out if self.q_draft is None else self.q_draft  # [S, V] | [S, Vd]
         for i in range(self.block_size):
-            self.markov.sample(base[i], prev, race[i], q_out[i], self.tokens[i : i + 1], self.q_stats[i], temperature)
+            u, state = self._head_input(prev, hidden, i, state)
+            self.markov.sample(base[i], prev, race[i], logits[i], self.tokens[i : i + 1], self.q_stats[i], temperature,
+                               features=u)
             prev = self.tokens[i : i + 1]
-        self.markov.normalize(q_out, self.q_stats)
+        self.markov.normalize(q_out, self.q_stats, src=self.q_draft)
 
     def _block_torch(self, anchor: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         draft, s = self.draft, self.block_size
@@ -233,10 +246,15 @@ class StaticDraft:
             x = fused_linear(h, w.down_w, w.down_b, residual=x)  # [S, H]
         hidden = draft.norm(x) if need_hidden or draft.head_proj is not None else None  # [S, H]
         if draft.head_proj is None:
-            base = fused_linear(x, draft.lm_head_weight, norm_weight=draft.norm.weight, eps=eps).float()  # [S, V]
+            base = fused_linear(x, self.head_w, norm_weight=draft.norm.weight, eps=eps).float()  # [S, Vd]
         else:
-            base = draft.slot_logits(hidden)
+            base = (draft.head_states(hidden).to(self.head_w.dtype) @ self.head_w.t()).float()  # [S, Vd]
         return hidden, base
+
+    def _full(self, base: torch.Tensor) -> torch.Tensor:
+        """Base logits over the target vocabulary [S, V]: those of the Triton block's Vd draft tokens, ``-inf``
+        elsewhere (what ``slot_logits`` gives the torch path)."""
+        return base if self.vocab is None else self.vocab.expand(base, float("-inf"))
 
     @torch.no_grad()
     def propose_tree(self, anchor: torch.Tensor, p: torch.Tensor, layout, tok: torch.Tensor) -> None:
@@ -250,7 +268,7 @@ class StaticDraft:
             hidden = self._block_torch(anchor, p)  # [S, H]
             base = self.draft.slot_logits(hidden)  # [S, V] float32
         rows = layout.markov_rows()
-        if self.markov is not None:
+        if self.markov is not None and self.draft.markov.kind == "vanilla":
             tables = self._tree_tables.get(layout)
             if tables is None:
                 tables = [torch.tensor(r, dtype=torch.int32, device=self.device) for r in rows]  # [rows_d, 3] each
@@ -258,6 +276,7 @@ class StaticDraft:
             for d, table in enumerate(tables):
                 self.markov.rows(base[d].contiguous(), tok, table)
             return
+        base = self._full(base)  # [S, V]
         states: dict = {0: None}  # row -> the Markov head's state after it (rnn: it follows the node's path)
         for d, picks in enumerate(rows):
             for prev, out, out2 in picks:
@@ -292,17 +311,29 @@ class StaticDraft:
         u, state = draft.markov_step(draft.markov_features(prev, h, None), h, state)  # [1, r]
         return draft.markov_bias(u).float(), state
 
+    def _head_input(self, prev: torch.Tensor, hidden: torch.Tensor | None, slot: int, state: torch.Tensor | None
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """W2's input u [r] of slot ``slot`` for the Markov kernel (None for a vanilla head: the kernel reads
+        ``W1[prev]`` itself) and the head's next state: the head type's torch step."""
+        if self.draft.markov.kind == "vanilla":
+            return None, state
+        draft, h = self.draft, hidden[slot : slot + 1]  # [1, H]
+        u, state = draft.markov_step(draft.markov_features(prev, h, None), h, state)  # [1, r]
+        return u.to(self.markov.w2.dtype).reshape(-1).contiguous(), state
+
     def _markov_slots(self, base: torch.Tensor, anchor: torch.Tensor, hidden: torch.Tensor | None) -> None:
         """tokens[i] = argmax(base[i] + Markov bias of the previous token), slot by slot on the device."""
         draft = self.draft
         if draft.markov is None:
-            self.tokens.copy_(base.argmax(dim=-1))
+            best = base.argmax(dim=-1)  # [S] (draft ids with a reduced vocabulary: ties -> lowest, as the target's)
+            self.tokens.copy_(best if self.vocab is None else self.vocab.to_target(best))
             return
         prev, state = anchor.view(1), None
         for i in range(self.block_size):
             out = self.tokens[i : i + 1]
             if self.markov is not None:
-                self.markov(base[i].contiguous(), prev, out)
+                u, state = self._head_input(prev, hidden, i, state)
+                self.markov(base[i].contiguous(), prev, out, features=u)
             else:
                 bias, state = self._markov_bias(prev, hidden, i, state)
                 out.copy_((base[i : i + 1] + bias).argmax(dim=-1))

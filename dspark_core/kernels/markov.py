@@ -32,7 +32,19 @@ Rounding follows the torch path (``markov_slot_reference``): the bias is rounded
 ``torch.argmax`` does. (Under ``TRITON_INTERPRET=1`` the float32 -> bfloat16 cast truncates where a GPU rounds
 to nearest even, so there a bfloat16 bias can be one ulp off the torch path.)
 
-Shape legend: V vocab, r Markov rank, P partial programs.
+A reduced draft vocabulary (``draft.vocab_size``): W2 and the base logits have Vd rows (the draft's tokens), W1 keeps
+one row per target token (it is read at the previous token, a target id). Given ``d2t`` [Vd] (the target id of
+each draft id, ascending) the kernels pick in draft ids and write the token as ``d2t[pick]``, where the next slot
+reads it; ties still go to the lowest target id (ascending map). The sampled slot reads its U draw at
+``race[d2t[row]]`` (the draw the torch path's race over the target vocabulary gives that token), and
+``MarkovSampler.normalize`` scatters the Vd probabilities into q over the target vocabulary through ``t2d``,
+zero on every other token.
+
+Other Markov head types (gated, rnn): their W2 input u_i is not a row of W1 but a vector the torch path computes
+from the previous token, the slot's draft state and the head's state; ``features=u`` [r] (W2's dtype) makes the
+kernels read u in place of ``W1[prev]`` (the same bias ``W2 u``, rounded as ``nn.Linear``).
+
+Shape legend: V vocab (Vd with a reduced draft vocabulary, Vt the target's), r Markov rank, P partial programs.
 """
 
 from __future__ import annotations
@@ -88,10 +100,11 @@ def _markov_tile2(BASE, W1, W2, PREV, V, R: tl.constexpr, BLOCK_V: tl.constexpr,
 
 
 @triton.jit
-def _markov_slot(BASE, W1, W2, PREV, PV, PI, LOCK, OUT, V, R: tl.constexpr, BLOCK_V: tl.constexpr,
-                 BLOCK_R: tl.constexpr, NP_P: tl.constexpr, PDL_ON: tl.constexpr):
+def _markov_slot(BASE, W1, W2, PREV, PV, PI, LOCK, OUT, D2T, V, R: tl.constexpr, BLOCK_V: tl.constexpr,
+                 BLOCK_R: tl.constexpr, NP_P: tl.constexpr, MAP: tl.constexpr, PDL_ON: tl.constexpr):
     """Program p: the partial of tile p -> PV[p], PI[p]; the last program to arrive (counter LOCK) reduces
-    the P partials -> OUT (int64: the max, the lowest token id among the tied ones) and resets LOCK to 0."""
+    the P partials -> OUT (int64: the max, the lowest token id among the tied ones; ``D2T[tok]`` with MAP) and
+    resets LOCK to 0."""
     if PDL_ON:
         gdc_wait()  # the previous kernel's outputs (base, prev) are complete and visible after this
     pid = tl.program_id(0)
@@ -109,18 +122,20 @@ def _markov_slot(BASE, W1, W2, PREV, PV, PI, LOCK, OUT, V, R: tl.constexpr, BLOC
         v = tl.load(PV + offs, mask=mask, other=float("-inf"), cache_modifier=".cg")  # [NP_P] bypass L1
         i = tl.load(PI + offs, mask=mask, other=2147483647, cache_modifier=".cg")  # [NP_P]
         top = tl.max(v, axis=0)
-        tok = tl.min(tl.where(v == top, i, 2147483647), axis=0)  # ties -> lowest id, as torch.argmax
-        tl.store(OUT, tok.to(tl.int64))
+        tok = tl.min(tl.where(v == top, i, 2147483647), axis=0).to(tl.int64)  # ties -> lowest id, as torch.argmax
+        if MAP:
+            tok = tl.load(D2T + tok)  # draft id -> target id
+        tl.store(OUT, tok)
         tl.atomic_xchg(LOCK, 0)  # zero for the next launch (stream-ordered after this kernel's end)
 
 
 @triton.jit
-def _markov_rows(BASE, W1, W2, TOK, TABLE, PV, PI, LOCK, V, R: tl.constexpr, BLOCK_V: tl.constexpr,
-                 BLOCK_R: tl.constexpr, NP_P: tl.constexpr, PDL_ON: tl.constexpr):
+def _markov_rows(BASE, W1, W2, TOK, TABLE, PV, PI, LOCK, D2T, V, R: tl.constexpr, BLOCK_V: tl.constexpr,
+                 BLOCK_R: tl.constexpr, NP_P: tl.constexpr, MAP: tl.constexpr, PDL_ON: tl.constexpr):
     """Program (p, row): ``_markov_slot`` for several (prev, out, out2) rows of one slot at once (a draft tree's
     main chain and its branches at one depth, ``dspark_core.decoding.tree``): TABLE[row] = indices into the token
     buffer TOK of the previous token, the output and the second-best output (-1: none). Each row has its own
-    partials (PV / PI + row * 2 * NP_P) and arrival counter (LOCK + row)."""
+    partials (PV / PI + row * 2 * NP_P) and arrival counter (LOCK + row). MAP: both picks written as D2T[pick]."""
     if PDL_ON:
         gdc_wait()
     pid = tl.program_id(0)
@@ -145,7 +160,10 @@ def _markov_rows(BASE, W1, W2, TOK, TABLE, PV, PI, LOCK, V, R: tl.constexpr, BLO
         i = tl.load(pi + offs, mask=mask, other=2147483647, cache_modifier=".cg")
         top = tl.max(v, axis=0)
         tok = tl.min(tl.where(v == top, i, 2147483647), axis=0)
-        tl.store(TOK + tl.load(TABLE + row * 3 + 1), tok.to(tl.int64))
+        first = tok.to(tl.int64)
+        if MAP:
+            first = tl.load(D2T + first)
+        tl.store(TOK + tl.load(TABLE + row * 3 + 1), first)
         out2_i = tl.load(TABLE + row * 3 + 2)
         if out2_i >= 0:
             v2 = tl.load(pv + NP_P + offs, mask=mask, other=float("-inf"), cache_modifier=".cg")
@@ -155,18 +173,23 @@ def _markov_rows(BASE, W1, W2, TOK, TABLE, PV, PI, LOCK, V, R: tl.constexpr, BLO
             ci = tl.where(own, i2, i)
             top2 = tl.max(cv, axis=0)
             tok2 = tl.min(tl.where(mask & (cv == top2), ci, 2147483647), axis=0)
-            tl.store(TOK + out2_i, tl.minimum(tok2, V - 1).to(tl.int64))
+            second = tl.minimum(tok2, V - 1).to(tl.int64)
+            if MAP:
+                second = tl.load(D2T + second)
+            tl.store(TOK + out2_i, second)
         tl.atomic_xchg(LOCK + row, 0)
 
 
 @triton.jit
-def _markov_sample(BASE, W1, W2, PREV, RACE, Q, PART, PI, LOCK, OUT, STATS, V, temperature, R: tl.constexpr,
-                   BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, NP_P: tl.constexpr, PDL_ON: tl.constexpr):
+def _markov_sample(BASE, W1, W2, PREV, RACE, Q, PART, PI, LOCK, OUT, STATS, D2T, V, temperature, R: tl.constexpr,
+                   BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, NP_P: tl.constexpr, MAP: tl.constexpr,
+                   PDL_ON: tl.constexpr):
     """A sampled slot at temperature T (no top-k / top-p). Program p: its tile's l = (base + bias) / T -> Q (raw;
     ``_normalize_q`` turns it into probabilities once the slot's max and mass are known) and three partials: the
     race winner (max of ``l - log E``, E = -log U, lowest row on ties), max(l) and sum(exp(l - max)). The last
     program to arrive: the token -> OUT, (M, Z) -> STATS, counter reset. ``argmax(l - log E) = argmax(softmax(l) /
-    E)``: the exponential race of ``race_sample``, without the normalisation it does not need."""
+    E)``: the exponential race of ``race_sample``, without the normalisation it does not need. MAP (a reduced draft
+    vocabulary): row d's draw is RACE[D2T[d]] and the token D2T[winner]."""
     if PDL_ON:
         gdc_wait()
     pid = tl.program_id(0)
@@ -177,7 +200,10 @@ def _markov_sample(BASE, W1, W2, PREV, RACE, Q, PART, PI, LOCK, OUT, STATS, V, t
     rmask = rows < V
     lt = logits / temperature  # [BLOCK_V] -inf past V
     tl.store(Q + rows, lt, mask=rmask)
-    u = tl.load(RACE + rows, mask=rmask, other=0.5)  # [BLOCK_V] U[0, 1)
+    if MAP:
+        u = tl.load(RACE + tl.load(D2T + rows, mask=rmask, other=0), mask=rmask, other=0.5)  # [BLOCK_V] U[0, 1)
+    else:
+        u = tl.load(RACE + rows, mask=rmask, other=0.5)  # [BLOCK_V] U[0, 1)
     g = tl.where(rmask, lt - tl.log(-tl.log(tl.maximum(u, 1e-30))), float("-inf"))  # [BLOCK_V]
     g_best = tl.max(g, axis=0)
     g_idx = tl.min(tl.where(g == g_best, rows, 2147483647), axis=0)
@@ -198,7 +224,10 @@ def _markov_sample(BASE, W1, W2, PREV, RACE, Q, PART, PI, LOCK, OUT, STATS, V, t
         mv = tl.load(PART + NP_P + offs, mask=mask, other=float("-inf"), cache_modifier=".cg")  # [NP_P]
         zv = tl.load(PART + 2 * NP_P + offs, mask=mask, other=0.0, cache_modifier=".cg")  # [NP_P]
         top = tl.max(gv, axis=0)
-        tl.store(OUT, tl.min(tl.where(gv == top, gi, 2147483647), axis=0).to(tl.int64))
+        tok = tl.min(tl.where(gv == top, gi, 2147483647), axis=0).to(tl.int64)
+        if MAP:
+            tok = tl.load(D2T + tok)
+        tl.store(OUT, tok)
         big = tl.max(mv, axis=0)
         tl.store(STATS, big)
         tl.store(STATS + 1, tl.sum(tl.where(mask, zv * tl.exp(mv - big), 0.0), axis=0))
@@ -221,15 +250,43 @@ def _normalize_q(Q, STATS, V, BLOCK: tl.constexpr, PDL_ON: tl.constexpr):
     tl.store(Q + row * V + offs, tl.exp(lt - big) / mass, mask=mask)
 
 
-class MarkovArgmax:
-    """Greedy Markov slots for one (W1 [V, r], W2 [V, r]) pair, with preallocated partial buffers and an
-    arrival counter (made here, so before any CUDA graph capture)."""
+@triton.jit
+def _expand_q(Q, SRC, STATS, T2D, VT, VD, BLOCK: tl.constexpr, PDL_ON: tl.constexpr):
+    """Row r of Q [S, Vt]: ``exp(l - M_r) / Z_r`` at each target token t of the draft vocabulary, l = SRC[r, T2D[t]]
+    (the slot's scaled logits over the Vd draft tokens), 0 at every other token (T2D[t] < 0)."""
+    if PDL_ON:
+        gdc_wait()
+    row = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] target ids
+    mask = offs < VT
+    d = tl.load(T2D + offs, mask=mask, other=-1)  # [BLOCK] draft ids, -1 outside
+    kept = d >= 0
+    big = tl.load(STATS + 2 * row)
+    mass = tl.load(STATS + 2 * row + 1)
+    lt = tl.load(SRC + row * VD + d, mask=mask & kept, other=float("-inf"))
+    if PDL_ON:
+        gdc_launch_dependents()
+    tl.store(Q + row * VT + offs, tl.where(kept, tl.exp(lt - big) / mass, 0.0), mask=mask)
 
-    def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
-        if w1.shape != w2.shape or w1.dim() != 2:
-            raise ValueError(f"MarkovArgmax: W1 {tuple(w1.shape)} and W2 {tuple(w2.shape)} must both be [V, r]")
+
+class MarkovArgmax:
+    """Greedy Markov slots for one (W1 [Vt, r], W2 [V, r]) pair, with preallocated partial buffers and an
+    arrival counter (made here, so before any CUDA graph capture). ``d2t`` [V] int64 (a reduced draft vocabulary:
+    V = Vd < Vt, the target id of each W2 row, ascending): tokens are written as target ids."""
+
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor, d2t: torch.Tensor | None = None) -> None:
+        if w1.dim() != 2 or w2.dim() != 2 or w1.shape[1] != w2.shape[1]:
+            raise ValueError(f"MarkovArgmax: W1 {tuple(w1.shape)} and W2 {tuple(w2.shape)} must be [Vt, r] and [V, r]")
+        if d2t is None and w1.shape[0] != w2.shape[0]:
+            raise ValueError(f"MarkovArgmax: W2 has {w2.shape[0]} rows, W1 {w1.shape[0]}: give d2t, the target id of "
+                             "each W2 row (a reduced draft vocabulary)")
+        if d2t is not None and (d2t.shape != (w2.shape[0],) or d2t.dtype != torch.int64):
+            raise ValueError(f"MarkovArgmax: d2t must be int64 [{w2.shape[0]}]; got {d2t.dtype} {list(d2t.shape)}")
         self.w1, self.w2 = w1.contiguous(), w2.contiguous()
-        self.vocab, self.rank = w1.shape
+        self.vocab, self.rank = w2.shape
+        self.mapped = d2t is not None
+        self.d2t = d2t.contiguous() if d2t is not None else torch.zeros(1, device=w1.device, dtype=torch.int64)
+        self.zero = torch.zeros(1, device=w1.device, dtype=torch.int64)  # [1] the row index of ``features``
         self.parts = triton.cdiv(self.vocab, BLOCK_V)
         self.pv = torch.empty(self.parts, device=w1.device, dtype=torch.float32)  # [P] partial maxima
         self.pi = torch.empty(self.parts, device=w1.device, dtype=torch.int32)  # [P] their first token ids
@@ -237,11 +294,24 @@ class MarkovArgmax:
         self.block_r = min(64, triton.next_power_of_2(self.rank))
         self._row_buffers: tuple[torch.Tensor, ...] | None = None  # partials / counters of ``rows``
 
-    def __call__(self, base: torch.Tensor, prev: torch.Tensor, out: torch.Tensor) -> None:
-        """``out[0] = argmax(base + W2 W1[prev[0]])`` for base [V] (float32), prev / out 1-element int64 views."""
-        _markov_slot[(self.parts,)](base, self.w1, self.w2, prev, self.pv, self.pi, self.arrived, out, self.vocab,
-                                    R=self.rank, BLOCK_V=BLOCK_V, BLOCK_R=self.block_r,
-                                    NP_P=triton.next_power_of_2(self.parts), PDL_ON=PDL, num_warps=4, **_LAUNCH)
+    def _input(self, prev: torch.Tensor, features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the matrix, the row index) the kernels read W2's input from: (W1, prev), or (u [r], 0)."""
+        if features is None:
+            return self.w1, prev
+        if features.numel() != self.rank or features.dtype != self.w2.dtype or not features.is_contiguous():
+            raise ValueError(f"MarkovArgmax: features must be contiguous {self.w2.dtype} [{self.rank}]; got "
+                             f"{features.dtype} {list(features.shape)}")
+        return features, self.zero
+
+    def __call__(self, base: torch.Tensor, prev: torch.Tensor, out: torch.Tensor,
+                 features: torch.Tensor | None = None) -> None:
+        """``out[0] = argmax(base + W2 W1[prev[0]])`` for base [V] (float32), prev / out 1-element int64 views
+        (``features`` u [r]: ``W2 u`` in place of ``W2 W1[prev]``; the pick as a target id with ``d2t``)."""
+        w1, prev = self._input(prev, features)
+        _markov_slot[(self.parts,)](base, w1, self.w2, prev, self.pv, self.pi, self.arrived, out, self.d2t,
+                                    self.vocab, R=self.rank, BLOCK_V=BLOCK_V, BLOCK_R=self.block_r,
+                                    NP_P=triton.next_power_of_2(self.parts), MAP=self.mapped, PDL_ON=PDL, num_warps=4,
+                                    **_LAUNCH)
 
 
     def rows(self, base: torch.Tensor, tok: torch.Tensor, table: torch.Tensor, max_rows: int = 16) -> None:
@@ -258,9 +328,9 @@ class MarkovArgmax:
                                  torch.empty(size * 2 * np_p, device=dev, dtype=torch.int32),
                                  torch.zeros(size, device=dev, dtype=torch.int32))
         pv, pi, lock = self._row_buffers
-        _markov_rows[(self.parts, n)](base, self.w1, self.w2, tok, table, pv, pi, lock, self.vocab, R=self.rank,
-                                      BLOCK_V=BLOCK_V, BLOCK_R=self.block_r, NP_P=np_p, PDL_ON=PDL, num_warps=4,
-                                      **_LAUNCH)
+        _markov_rows[(self.parts, n)](base, self.w1, self.w2, tok, table, pv, pi, lock, self.d2t, self.vocab,
+                                      R=self.rank, BLOCK_V=BLOCK_V, BLOCK_R=self.block_r, NP_P=np_p, MAP=self.mapped,
+                                      PDL_ON=PDL, num_warps=4, **_LAUNCH)
 
 
 class MarkovSampler(MarkovArgmax):
@@ -269,27 +339,44 @@ class MarkovSampler(MarkovArgmax):
     behind; then one launch (``normalize``) turns all the slots' rows into their distributions q. The torch path
     (``StaticDraft.propose_sampled`` without kernels) is ~35 kernels a slot: softmax, the race, the Markov bias."""
 
-    def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
-        super().__init__(w1, w2)
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor, d2t: torch.Tensor | None = None) -> None:
+        super().__init__(w1, w2, d2t)
+        self.t2d = None  # [Vt] int32 draft id of each target token (-1 outside), with d2t
+        if d2t is not None:
+            self.t2d = torch.full((w1.shape[0],), -1, device=w1.device, dtype=torch.int32)
+            self.t2d[d2t] = torch.arange(d2t.shape[0], device=w1.device, dtype=torch.int32)
         self.np_p = triton.next_power_of_2(self.parts)
         self.part = torch.empty(3 * self.np_p, device=w1.device, dtype=torch.float32)  # [3 P'] race best, max, mass
         self.sample_lock = torch.zeros(1, device=w1.device, dtype=torch.int32)  # [1] zero between launches
 
     def sample(self, base: torch.Tensor, prev: torch.Tensor, race: torch.Tensor, q_row: torch.Tensor,
-               out: torch.Tensor, stats: torch.Tensor, temperature: float) -> None:
-        """``out[0]`` ~ softmax((base + W2 W1[prev[0]]) / T), drawn by the race on ``race [V]``; ``q_row [V]`` gets
-        the scaled logits and ``stats [2]`` their (max, sum of exp(l - max)) until ``normalize``."""
+               out: torch.Tensor, stats: torch.Tensor, temperature: float, features: torch.Tensor | None = None
+               ) -> None:
+        """``out[0]`` ~ softmax((base + W2 W1[prev[0]]) / T), drawn by the race on ``race [Vt]``; ``q_row [V]`` gets
+        the scaled logits and ``stats [2]`` their (max, sum of exp(l - max)) until ``normalize`` (``features``: as
+        ``__call__``)."""
         if not temperature > 0:
             raise ValueError(f"MarkovSampler.sample: temperature must be > 0; got {temperature!r}")
-        _markov_sample[(self.parts,)](base, self.w1, self.w2, prev, race, q_row, self.part, self.pi, self.sample_lock,
-                                      out, stats, self.vocab, float(temperature), R=self.rank, BLOCK_V=BLOCK_V,
-                                      BLOCK_R=self.block_r, NP_P=self.np_p, PDL_ON=PDL, num_warps=4, **_LAUNCH)
+        w1, prev = self._input(prev, features)
+        _markov_sample[(self.parts,)](base, w1, self.w2, prev, race, q_row, self.part, self.pi, self.sample_lock,
+                                      out, stats, self.d2t, self.vocab, float(temperature), R=self.rank,
+                                      BLOCK_V=BLOCK_V, BLOCK_R=self.block_r, NP_P=self.np_p, MAP=self.mapped,
+                                      PDL_ON=PDL, num_warps=4, **_LAUNCH)
 
-    def normalize(self, q: torch.Tensor, stats: torch.Tensor) -> None:
-        """q [S, V] scaled logits -> probabilities, row r with ``stats[r] = (max, mass)``."""
+    def normalize(self, q: torch.Tensor, stats: torch.Tensor, src: torch.Tensor | None = None) -> None:
+        """q [S, V] scaled logits -> probabilities, row r with ``stats[r] = (max, mass)``. With ``d2t``: ``src``
+        [S, Vd] holds the scaled logits (``sample``'s q_row) and q [S, Vt] gets the probabilities, 0 outside."""
         block = 1024
-        _normalize_q[(triton.cdiv(self.vocab, block), q.shape[0])](q, stats, self.vocab, BLOCK=block, PDL_ON=PDL,
-                                                                    num_warps=4, **_LAUNCH)
+        if self.t2d is None:
+            _normalize_q[(triton.cdiv(self.vocab, block), q.shape[0])](q, stats, self.vocab, BLOCK=block, PDL_ON=PDL,
+                                                                        num_warps=4, **_LAUNCH)
+            return
+        vt = self.t2d.shape[0]
+        if src is None or tuple(src.shape) != (q.shape[0], self.vocab) or tuple(q.shape[1:]) != (vt,):
+            raise ValueError(f"MarkovSampler.normalize: a reduced vocabulary needs src [S, {self.vocab}] and q "
+                             f"[S, {vt}]; got src {None if src is None else list(src.shape)}, q {list(q.shape)}")
+        _expand_q[(triton.cdiv(vt, block), q.shape[0])](q, src, stats, self.t2d, vt, self.vocab, BLOCK=block,
+                                                         PDL_ON=PDL, num_warps=4, **_LAUNCH)
 
 
 def _rows_check(tok: torch.Tensor, table: torch.Tensor) -> None:
