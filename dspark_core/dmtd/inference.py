@@ -47,6 +47,7 @@ from dspark_core.decoding.target_runner import fuse_layer, kernel_head, kernel_l
 from dspark_core.decoding.target_runner import kernels_problem as target_kernels_problem
 
 GRAPH_MODES = ("none", "cuda_graph", "compile")
+S_STEP_GEMM = "fma"  # small-GEMM family of the kernel path's one-token S step and LM head (the faster at n = 1)
 
 
 class KVBuffers:
@@ -445,7 +446,7 @@ class KernelStack:
 
         lm = model.lm
         device = next(model.parameters()).device
-        self.s_gemm, self.p_gemm = gemm or ("fma", "fma" if small_gemm_problem(device) else "mma")
+        self.s_gemm, self.p_gemm = gemm or (S_STEP_GEMM, "fma" if small_gemm_problem(device) else "mma")
         for mode in (self.s_gemm, self.p_gemm):
             if mode not in SMALL_GEMM_MODES:
                 raise ValueError(f"kernel_gemm modes must be in {SMALL_GEMM_MODES}; got {gemm!r}")
