@@ -12,7 +12,8 @@ from dspark_core.testing import FAMILIES, tiny_model
 # Files whose tests run their CUDA paths when a GPU is there (Triton kernels, CUDA graphs, the static engine,
 # draft trees, bf16 training of every variant): `pytest -m gpu` (scripts/gpu_tests.sh) runs them on the device.
 GPU_FILES = {"test_kernels.py", "test_kernel_accept.py", "test_static_engine.py", "test_tree.py",
-             "test_tree_sampling.py", "test_decoding_target_runner.py", "test_variants_gpu.py"}
+             "test_tree_sampling.py", "test_decoding_target_runner.py", "test_variants_gpu.py",
+             "test_dmtd_kernels.py"}
 
 
 def pytest_collection_modifyitems(config, items):

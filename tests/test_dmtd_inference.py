@@ -1,6 +1,7 @@
 """Cached DMTD inference: logits at every position equal the teacher-forced training forward (every variant,
 every prompt length mod tau), the merged 2*tau refresh forward equals the two-phase reference, the caches hold
-exactly the seed's K/V, the seed's 8-slot block mask, generation / sampling / stop tokens, AR decode = HF."""
+exactly the seed's K/V, the seed's 8-slot block mask, generation / sampling / stop tokens, the AR baseline (the
+target runner) = HF."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import pytest
 import torch
 
 from dspark_core.dmtd.config import VARIANTS
-from dspark_core.dmtd.inference import ARDecoder, DMTDDecoder
+from dspark_core.dmtd.evaluate import ar_decoder, decode_speed
+from dspark_core.dmtd.inference import DMTDDecoder
 from dspark_core.dmtd.layers import attend_dense, layer_out, layer_qkv, rope
-from dspark_core.dmtd.model import DMTDModel, PlainModel, default_positions
+from dspark_core.dmtd.model import DMTDModel, default_positions
 from dspark_core.decoding.sampling import SamplingParams
 
 TAU, P, MASK = 4, 4, 259
@@ -181,13 +183,16 @@ def test_greedy_generation_follows_teacher_forced_argmax(lms, variant):
     assert out.num_new_tokens == 14 and out.tokens_per_s > 0
 
 
-def test_ar_decoder_equals_hf_greedy(lms):
+def test_ar_baseline_is_the_target_runner_and_equals_hf_greedy(lms):
     lm = lms["qwen3"]
     prompt = seq(1, 6, seed=11)
-    ours = ARDecoder(PlainModel(lm), 32).generate(prompt, 12).tokens[0]
+    ar = ar_decoder(lm, 32)
+    ours = ar.generate(prompt, 12).tokens
     with torch.no_grad():
         hf = lm.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert ours == hf[0, 6:].tolist()
+    speed = decode_speed(ar, [prompt[0].tolist()], 5, warmup=False)
+    assert speed["new_tokens"] == 5 and speed["tokens_per_s"] > 0
 
 
 def test_sampling_is_seeded_and_top_k_1_is_greedy(lms):

@@ -52,6 +52,7 @@ layers, Hq / Hkv query / KV heads, D head dim, G = Hq / Hkv, H hidden, F FFN wid
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -211,6 +212,62 @@ def lm_head(x: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor, head_b:
     return F.linear(rms_norm(x, norm_w, spec.eps), head_w, head_b)
 
 
+def kernel_layers(x: torch.Tensor, layers: Sequence[FusedWeights], k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, spec: _Spec, *,
+                  attn_pos: torch.Tensor | None = None, tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  on_layer: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+    """The Triton decode stack (batch 1, n <= 16 rows): ``x [n, H]`` through ``layers``, layer i over the caches
+    ``k_cache[i]`` / ``v_cache[i]`` ``[1, Hkv, M, D]`` -> ``[n, H]`` (pre-norm). 6 kernels per layer (module
+    docstring). Row t is rotated at ``pos[t]`` and writes its K/V at slot ``pos[t]`` (``+ tree[0][t]``); it attends
+    to logical keys ``<= attn_pos[t]`` (default ``pos``), those ``>= attn_pos[t] - tree[1][t]`` read ``tree[0][t]``
+    slots further (``kernels.attention.decode_attention``). ``cos`` / ``sin [M, D]`` are the full RoPE tables.
+    ``on_layer(i, x)`` sees each layer's output."""
+    from dspark_core.kernels.attention import decode_attention
+    from dspark_core.kernels.linear import fused_linear
+    from dspark_core.kernels.rope import qk_norm_rope_cache
+
+    n, eps = x.shape[0], spec.eps
+    attn_pos = pos if attn_pos is None else attn_pos
+    for i, w in enumerate(layers):
+        kc, vc = k_cache[i], v_cache[i]  # [1, Hkv, M, D]
+        qkv = fused_linear(x, w.qkv_w, w.qkv_b, norm_weight=w.ln1, eps=eps)  # [n, (Hq + 2 Hkv) D]
+        q = qk_norm_rope_cache(qkv, w.q_norm, w.k_norm, cos, sin, pos, kc, vc, spec.num_heads, spec.num_kv_heads,
+                               eps, slot_offset=None if tree is None else tree[0])  # [n, Hq, D]
+        attn = decode_attention(q, kc, vc, attn_pos, spec.scaling, tree=tree)  # [n, Hq, D]
+        x = fused_linear(attn.view(n, -1), w.o_w, w.o_b, residual=x)  # [n, H]
+        h = fused_linear(x, w.gate_up_w, w.gate_up_b, norm_weight=w.ln2, eps=eps, gated=True)  # [n, F]
+        x = fused_linear(h, w.down_w, w.down_b, residual=x)  # [n, H]
+        if on_layer is not None:
+            on_layer(i, x)
+    return x
+
+
+def kernel_head(x: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor, head_b: torch.Tensor | None,
+                spec: _Spec) -> torch.Tensor:
+    """Final norm + LM head in one Triton product: x [n, H] -> logits [n, V]."""
+    from dspark_core.kernels.linear import fused_linear
+
+    return fused_linear(x, head_w, head_b, norm_weight=norm_w, eps=spec.eps)
+
+
+def model_spec(model: torch.nn.Module) -> _Spec:
+    """The static facts of an HF Qwen3 / Qwen2 / Llama causal LM's decoder layers."""
+    cfg, body = model.config, model.model
+    attn0 = body.layers[0].self_attn
+    return _Spec(int(cfg.num_attention_heads), int(cfg.num_key_value_heads), int(attn0.head_dim),
+                 float(body.norm.variance_epsilon), float(attn0.scaling), body.layers[0].mlp.act_fn)
+
+
+def rope_tables(model: torch.nn.Module, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[length, D]`` of positions ``0 .. length-1`` in the model dtype, as HF applies them."""
+    first = next(model.parameters())
+    with torch.no_grad():
+        positions = torch.arange(length, device=first.device).unsqueeze(0)  # [1, M]
+        probe = torch.zeros(1, dtype=first.dtype, device=first.device)
+        cos, sin = model.model.rotary_emb(probe, positions)  # [1, M, D]
+    return cos[0].contiguous(), sin[0].contiguous()
+
+
 @dataclass
 class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
@@ -264,9 +321,27 @@ def _concat_rows(modules: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torc
     return weight, bias
 
 
+_FUSED: "weakref.WeakKeyDictionary[torch.nn.Module, FusedWeights]" = weakref.WeakKeyDictionary()
+
+
 def fuse_layer(layer: torch.nn.Module) -> FusedWeights:
     """A decoder layer (HF, or a DSpark draft layer: the same module names) for the Triton step; its Q/K/V and
-    gate/up weights are re-pointed to views of the concatenations (``_concat_rows``)."""
+    gate/up weights are re-pointed to views of the concatenations (``_concat_rows``). A layer fused before whose
+    modules still point into the concatenations gets the same ``FusedWeights`` back (no second copy: the AR
+    runner and the DMTD decoder of one model share them)."""
+    known = _FUSED.get(layer)
+    if known is not None and _still_fused(layer, known):
+        return known
+    _FUSED[layer] = fused = _fuse(layer)
+    return fused
+
+
+def _still_fused(layer: torch.nn.Module, w: FusedWeights) -> bool:
+    return (layer.self_attn.q_proj.weight.data_ptr() == w.qkv_w.data_ptr()
+            and layer.mlp.gate_proj.weight.data_ptr() == w.gate_up_w.data_ptr())
+
+
+def _fuse(layer: torch.nn.Module) -> FusedWeights:
     attn, mlp = layer.self_attn, layer.mlp
     qkv_w, qkv_b = _concat_rows([attn.q_proj, attn.k_proj, attn.v_proj])
     gate_up_w, gate_up_b = _concat_rows([mlp.gate_proj, mlp.up_proj])
@@ -327,8 +402,7 @@ class TargetRunner:
         self.head_dim = int(attn0.head_dim)
         self.hidden_size = int(cfg.hidden_size)
         self.vocab_size = int(model.lm_head.weight.shape[0])
-        self._spec = _Spec(self.num_heads, self.num_kv_heads, self.head_dim,
-                           float(body.norm.variance_epsilon), float(attn0.scaling), body.layers[0].mlp.act_fn)
+        self._spec = model_spec(model)
         self._layers = [_layer_weights(layer) for layer in body.layers]
         self._embed_w = body.embed_tokens.weight  # [V, H]
         self._norm_w = body.norm.weight  # [H]
@@ -336,11 +410,7 @@ class TargetRunner:
         # The cache is allocated to a multiple of 16 positions (aligned rows for the fused attention kernels);
         # positions >= max_len are never written and always masked.
         self._alloc_len = -(-self.max_len // 16) * 16
-        with torch.no_grad():
-            positions = torch.arange(self._alloc_len, device=self.device).unsqueeze(0)  # [1, M]
-            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
-            cos, sin = body.rotary_emb(probe, positions)  # [1, M, D] in the model dtype, as HF applies them
-        self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()  # [M, D]
+        self._cos, self._sin = rope_tables(model, self._alloc_len)  # [M, D]
         self._key_pos = torch.arange(self._alloc_len, device=self.device)  # [M]
 
     @staticmethod
@@ -518,30 +588,20 @@ class TargetRunner:
     def _kernel_step(self, ids: torch.Tensor, pos: torch.Tensor, *, head: str = "all",
                      tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The Triton path of :meth:`_step` (batch 1, n <= 16 tokens; see the module docstring)."""
-        from dspark_core.kernels.attention import decode_attention
-        from dspark_core.kernels.linear import fused_linear
-        from dspark_core.kernels.rope import qk_norm_rope_cache
-
-        n, eps = ids.shape[1], self._spec.eps
         x = F.embedding(ids[0], self._embed_w)  # [n, H]
         collected: dict[int, torch.Tensor] = {-1: x} if -1 in self.aux_layer_ids else {}
-        for layer, w in enumerate(self._fused):
-            k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]  # [1, Hkv, M, D]
-            qkv = fused_linear(x, w.qkv_w, w.qkv_b, norm_weight=w.ln1, eps=eps)  # [n, (Hq + 2 Hkv) D]
-            q = qk_norm_rope_cache(qkv, w.q_norm, w.k_norm, self._cos, self._sin, pos, k_cache, v_cache,
-                                   self.num_heads, self.num_kv_heads, eps,
-                                   slot_offset=None if tree is None else tree[0])  # [n, Hq, D]
-            attn = decode_attention(q, k_cache, v_cache, pos, self._spec.scaling, tree=tree)  # [n, Hq, D]
-            x = fused_linear(attn.view(n, -1), w.o_w, w.o_b, residual=x)  # [n, H]
-            h = fused_linear(x, w.gate_up_w, w.gate_up_b, norm_weight=w.ln2, eps=eps, gated=True)  # [n, F]
-            x = fused_linear(h, w.down_w, w.down_b, residual=x)  # [n, H]
+
+        def keep(layer: int, h: torch.Tensor) -> None:
             if layer in self.aux_layer_ids:
-                collected[layer] = x
+                collected[layer] = h
+
+        x = kernel_layers(x, self._fused, self.k_cache, self.v_cache, self._cos, self._sin, pos, self._spec,
+                          tree=tree, on_layer=keep)  # [n, H]
         aux = self._stack_aux({k: v.unsqueeze(0) for k, v in collected.items()}, x.unsqueeze(0))  # [1, n, K, H]
         if head == "none":
             return None, aux
         rows = x[-1:] if head == "last" else x
-        logits = fused_linear(rows, self._head_w, self._head_b, norm_weight=self._norm_w, eps=eps)  # [n, V]
+        logits = kernel_head(rows, self._norm_w, self._head_w, self._head_b, self._spec)  # [n, V]
         return logits.unsqueeze(0), aux
 
     def _stack_aux(self, collected: dict[int, torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,11 @@
   (``DMTDModel`` for DMTD, ``PlainModel`` for the unmodified target; same rows, same tokens).
 - ``gsm8k_accuracy(decoder, tokenizer, items)``: greedy (or sampled) generation through a cached
   decoder, the last ``\\boxed{...}`` (else the last number) compared with the item's answer.
-- ``decode_speed(decoder, prompts)``: new tokens / decode seconds (prefill excluded).
+- ``decode_speed(decoder, prompts)``: decoded tokens / decode seconds (the prefill and the first token it gives
+  excluded), for a ``DMTDDecoder`` or the project's AR decoder (``decoding.ar.ARDecoder`` over a ``TargetRunner``).
+- ``ar_decoder(lm, max_len, mode)``: that AR decoder in one of the target runner's modes (``AR_MODES``: Triton
+  kernels in each small-GEMM family, torch.compile, eager; CUDA graphs on a GPU); ``fastest_ar_speed`` times every
+  mode that applies on the device and keeps the fastest, the AR a DMTD speedup is counted against.
 - ``evaluate_variant(...)``: all three for one trained variant, as one JSON-ready dict.
 
 Shape legend: B rows, L tokens.
@@ -20,7 +24,13 @@ import torch
 
 from dspark_core.dmtd.inference import CachedDecoder
 from dspark_core.dmtd.model import StackModel
+from dspark_core.decoding.ar import ARDecoder
 from dspark_core.decoding.sampling import SamplingParams
+from dspark_core.decoding.target_runner import TargetRunner, kernels_problem
+
+# The target runner's AR modes: (kernels, small-GEMM family, torch.compile). CUDA graphs on wherever CUDA is.
+AR_MODES = {"kernels_mma": (True, "mma", False), "kernels_fma": (True, "fma", False), "compile": (False, None, True),
+            "eager": (False, None, False)}
 
 GSM8K_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
@@ -130,11 +140,15 @@ def gsm8k_accuracy(decoder: CachedDecoder, tokenizer, items: Sequence[dict], max
             raise ValueError(f"GSM8K item has no 'answer' (keys {sorted(item)})")
         gold = gold_answer(item["answer"])
         prompt = torch.tensor([item_prompt_ids(item, tokenizer)], dtype=torch.long)
-        budget = min(max_new_tokens, decoder.max_len - prompt.shape[1])
+        room = _room(decoder)
+        budget = min(max_new_tokens, room - prompt.shape[1])
         if budget < 1:
-            raise ValueError(f"GSM8K prompt of {prompt.shape[1]} tokens leaves no room in max_len={decoder.max_len}")
-        out = decoder.generate(prompt, budget, sampling, stops, generator)
-        text = tokenizer.decode(out.tokens[0], skip_special_tokens=True)
+            raise ValueError(f"GSM8K prompt of {prompt.shape[1]} tokens leaves no room in max_len={room}")
+        if isinstance(decoder, ARDecoder):  # its sampling rule and generator were set when it was built
+            tokens = decoder.generate(prompt, budget, stops).tokens
+        else:
+            tokens = decoder.generate(prompt, budget, sampling, stops, generator).tokens[0]
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
         pred = extract_answer(text)
         ok = pred is not None and math.isclose(pred, gold, rel_tol=0, abs_tol=1e-6)
         correct += ok
@@ -142,20 +156,85 @@ def gsm8k_accuracy(decoder: CachedDecoder, tokenizer, items: Sequence[dict], max
     return {"accuracy": correct / len(items), "correct": correct, "total": len(items), "records": records}
 
 
-def decode_speed(decoder: CachedDecoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+def _room(decoder) -> int:
+    """Positions a generation may fill (the AR decoder's target keeps one position of lookahead)."""
+    return decoder.target.max_len - 1 if isinstance(decoder, ARDecoder) else decoder.max_len
+
+
+def _timed(decoder, prompt: torch.Tensor, max_new_tokens: int) -> tuple[int, float, float]:
+    """Greedy decode without stop tokens -> (decoded tokens after the prefill's first, decode s, prefill s)."""
+    if isinstance(decoder, ARDecoder):
+        out = decoder.generate(prompt, max_new_tokens)
+        return len(out.tokens) - 1, out.decode_s, out.prefill_s
+    out = decoder.generate(prompt, max_new_tokens)
+    return out.num_new_tokens - 1, out.decode_s, out.prefill_s
+
+
+def decode_speed(decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  warmup: bool = True) -> dict[str, float]:
-    """Greedy decode of each prompt for exactly ``max_new_tokens`` (no stop tokens): tokens/s over all."""
+    """Greedy decode of each prompt for exactly ``max_new_tokens`` (no stop tokens) by a ``DMTDDecoder`` or an
+    ``ARDecoder``: tokens/s = tokens decoded after the prefill's first one / decode seconds (both count the same
+    steps: one forward per token after the first)."""
     if not prompts:
         raise ValueError("decode_speed: no prompts given")
+    if max_new_tokens < 2:
+        raise ValueError(f"decode_speed needs max_new_tokens >= 2 (the first token comes from the prefill); "
+                         f"got {max_new_tokens}")
     if warmup:
-        decoder.generate(torch.tensor([list(prompts[0])]), min(8, max_new_tokens))
+        _timed(decoder, torch.tensor([list(prompts[0])]), min(8, max_new_tokens))
     tokens, seconds, prefill = 0, 0.0, 0.0
     for p in prompts:
-        out = decoder.generate(torch.tensor([list(p)]), max_new_tokens)
-        tokens += out.num_new_tokens
-        seconds += out.decode_s
-        prefill += out.prefill_s
-    return {"tokens_per_s": tokens / seconds, "new_tokens": tokens, "decode_s": seconds, "prefill_s": prefill}
+        n, dt, pt = _timed(decoder, torch.tensor([list(p)]), max_new_tokens)
+        tokens, seconds, prefill = tokens + n, seconds + dt, prefill + pt
+    return {"tokens_per_s": tokens / seconds, "new_tokens": tokens + len(prompts), "decode_s": seconds,
+            "prefill_s": prefill}
+
+
+def ar_modes(lm: torch.nn.Module) -> list[str]:
+    """The ``AR_MODES`` that apply to ``lm`` on its device: on CUDA the kernel families where the kernels apply
+    (mma where bf16 tensor cores exist), compile and eager; elsewhere eager."""
+    from dspark_core.kernels.linear import small_gemm_problem
+
+    device = next(lm.parameters()).device
+    if device.type != "cuda":
+        return ["eager"]
+    modes = []
+    if kernels_problem(lm) is None:
+        modes += (["kernels_mma"] if small_gemm_problem(device) is None else []) + ["kernels_fma"]
+    return modes + ["compile", "eager"]
+
+
+def ar_decoder(lm: torch.nn.Module, max_len: int, mode: str = "eager", sampling: SamplingParams | None = None,
+               seed: int = 0) -> ARDecoder:
+    """The project's AR decoder over a ``TargetRunner`` of ``lm`` in ``mode`` (``AR_MODES``; CUDA graphs on a
+    GPU), with room for ``max_len`` positions. Kernel modes launch (and capture) in their small-GEMM family."""
+    if mode not in AR_MODES:
+        raise ValueError(f"AR mode must be one of {', '.join(AR_MODES)}; got {mode!r}")
+    kernels, _, compile_ = AR_MODES[mode]
+    cuda = next(lm.parameters()).device.type == "cuda"
+    runner = TargetRunner(lm, max_len=max_len + 1, kernels=kernels, compile=compile_, cuda_graph=cuda)
+    return ARDecoder(runner, sampling=sampling, seed=seed)
+
+
+def ar_speed(lm: torch.nn.Module, mode: str, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+             max_len: int) -> dict[str, float]:
+    """``decode_speed`` of the AR decoder in ``mode`` (built, timed, released)."""
+    from contextlib import nullcontext
+
+    from dspark_core.kernels.linear import small_gemm
+
+    gemm = AR_MODES[mode][1]
+    with small_gemm(gemm) if gemm else nullcontext():
+        return decode_speed(ar_decoder(lm, max_len, mode), prompts, max_new_tokens)
+
+
+def fastest_ar_speed(lm: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, max_len: int,
+                     modes: Sequence[str] | None = None) -> dict[str, Any]:
+    """Every AR mode (default: ``ar_modes(lm)``) timed in this process -> ``{"modes": {mode: speed}, "fastest":
+    mode, "tokens_per_s": its tokens/s}``."""
+    rows = {m: ar_speed(lm, m, prompts, max_new_tokens, max_len) for m in (modes or ar_modes(lm))}
+    best = max(rows, key=lambda m: rows[m]["tokens_per_s"])
+    return {"modes": rows, "fastest": best, "tokens_per_s": rows[best]["tokens_per_s"]}
 
 
 def evaluate_variant(cfg, variant: str, checkpoint_dir, gsm8k_items: Sequence[dict], device: str | torch.device = "cpu",
@@ -165,7 +244,7 @@ def evaluate_variant(cfg, variant: str, checkpoint_dir, gsm8k_items: Sequence[di
     ``cfg`` is the ``dmtd`` section (:class:`DMTDConfig`); ``checkpoint_dir`` is the trainer's ``out_dir`` (its
     latest checkpoint is used) or one checkpoint step folder; ``gsm8k_items`` are dicts with an ``answer`` and
     ``prompt_ids``, ``question`` or ``turns``."""
-    from dspark_core.dmtd.inference import ARDecoder, DMTDDecoder
+    from dspark_core.dmtd.inference import DMTDDecoder
     from dspark_core.dmtd.model import PlainModel, load_weights, DMTDModel
     from dspark_core.dmtd.task import DMTDTask
     from dspark_core.target import load_target
@@ -188,16 +267,18 @@ def evaluate_variant(cfg, variant: str, checkpoint_dir, gsm8k_items: Sequence[di
     out["perplexity"] = {"dmtd": perplexity(dmtd, rows, ev.batch_size, progress, f"ppl {variant}"),
                          "target": perplexity(plain, rows, ev.batch_size, progress, "ppl target")}
     dmtd_dec = DMTDDecoder(dmtd, max_len, graph=ev.graph)
-    target_dec = ARDecoder(plain, max_len, graph=ev.graph)
+    target_dec = ar_decoder(base_lm, max_len, ar_modes(base_lm)[0], sampling, ev.seed)
     out["gsm8k"] = {
         "dmtd": gsm8k_accuracy(dmtd_dec, tok, items, ev.max_new_tokens, sampling, generator=gen, progress=progress,
                                desc=f"gsm8k {variant}"),
-        "target": gsm8k_accuracy(target_dec, tok, items, ev.max_new_tokens, sampling, generator=gen,
-                                 progress=progress, desc="gsm8k target"),
+        "target": gsm8k_accuracy(target_dec, tok, items, ev.max_new_tokens, sampling, progress=progress,
+                                 desc="gsm8k target"),
     }
+    del target_dec
     prompts = [item_prompt_ids(i, tok) for i in items[: ev.speed_prompts]]
     dmtd_speed = decode_speed(dmtd_dec, prompts, ev.speed_new_tokens)
-    ar_speed = decode_speed(ARDecoder(dmtd, max_len, graph=ev.graph), prompts, ev.speed_new_tokens)
-    out["speed"] = {"dmtd": dmtd_speed, "ar": ar_speed,
-                    "speedup": dmtd_speed["tokens_per_s"] / ar_speed["tokens_per_s"], "device": str(device)}
+    ar = fastest_ar_speed(dmtd.lm, prompts, ev.speed_new_tokens, max_len)  # the fastest AR of the same weights
+    speedup = dmtd_speed["tokens_per_s"] / ar["tokens_per_s"]
+    out["speed"] = {"dmtd": {**dmtd_speed, "kernels": dmtd_dec.kernels}, "ar": ar, "speedup": speedup,
+                    "speedup_vs_fastest_ar": speedup, "device": str(device)}
     return out

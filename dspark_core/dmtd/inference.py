@@ -37,13 +37,17 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from dspark_core.dmtd.layers import attend_dense, head_dims, layer_out, layer_qkv, rope
 from dspark_core.dmtd.masks import CAUSAL, Slots, dense_mask
-from dspark_core.dmtd.model import DMTDModel, StackModel, causal_hidden
+from dspark_core.dmtd.model import DMTDModel, StackModel
 from dspark_core.decoding.sampling import SamplingParams, select_tokens
+from dspark_core.decoding.target_runner import fuse_layer, kernel_head, kernel_layers, model_spec, rope_tables
+from dspark_core.decoding.target_runner import kernels_problem as target_kernels_problem
 
 GRAPH_MODES = ("none", "cuda_graph", "compile")
+S_STEP_GEMM = "fma"  # small-GEMM family of the kernel path's one-token S step and LM head (the faster at n = 1)
 
 
 class KVBuffers:
@@ -248,54 +252,28 @@ def _cut(row: list[int], stops: Sequence[int]) -> list[int]:
     return row
 
 
-class ARDecoder(CachedDecoder):
-    """Plain autoregressive decode of the model's LM (every layer, one real token a step) through the
-    same layer code and static cache as DMTD, so tokens/s compare on equal footing."""
-
-    def __init__(self, model: StackModel, max_len: int, batch_size: int = 1, graph: str = "auto"):
-        super().__init__(model, max_len, batch_size, round_to=1, graph=graph)
-        self.cache = KVBuffers(len(model.layers), batch_size, self.hkv, self.max_len, self.hd, self.device,
-                               self.dtype)
-        self._pos.fill_(self.max_len - 1)
-        self._run = StepRunner(self._token_step, self._capture)
-
-    @torch.no_grad()
-    def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
-        b, n = prompt.shape
-        pos = torch.arange(n, device=self.device).expand(b, n)
-        slots = self._slots[:n]
-        h = causal_hidden(self.model, self.model.layers, prompt, pos, torch.zeros_like(pos),
-                          kv_sink=lambda i, k, v: self.cache.write(i, slots, k, v), backend="dense")
-        self.tokens[:, :n] = prompt
-        return self.model.final_logits(h)
-
-    def _token_step(self) -> torch.Tensor:
-        x = self.model.embed(self._tok)  # [B, 1, H]
-        pos = self._pos.view(1, 1).expand(self.batch, 1)
-        x = self._decode_layers(self.model.layers, self.cache, x, pos, self._pos, self._token_mask(self.max_len))
-        return self.model.final_logits(x)[:, 0].float()  # [B, V]
-
-    def _step(self, p: int) -> torch.Tensor:
-        self._s_input(p)
-        return self._run()
-
-
 class DMTDDecoder(CachedDecoder):
     """Cycled DMTD decode: one P forward per cycle of tau tokens, one S step per token."""
 
-    def __init__(self, model: DMTDModel, max_len: int, batch_size: int = 1, graph: str = "auto"):
+    def __init__(self, model: DMTDModel, max_len: int, batch_size: int = 1, graph: str = "auto",
+                 kernels: bool | str = "auto", kernel_gemm: tuple[str, str] | None = None):
         tau = model.tau
         super().__init__(model, max(max_len, 2 * tau), batch_size, round_to=tau, graph=graph)
         self.tau, self.rule = tau, model.rule
+        self.kernels = resolve_kernels(kernels, model, batch_size)
+        align = 16 if self.kernels else 1  # the kernels' caches: a multiple of 16 slots
         scratch = tau if self.rule.refresh else 0
-        self.p_cache = KVBuffers(model.num_parallel_layers, batch_size, self.hkv, self.max_len + scratch, self.hd,
-                                 self.device, self.dtype)
-        self.s_cache = KVBuffers(len(model.sequential_layers), batch_size, self.hkv, self.max_len, self.hd,
-                                 self.device, self.dtype)
+        p_slots, s_slots = _round(self.max_len + scratch, align), _round(self.max_len, align)
+        self.p_cache = KVBuffers(model.num_parallel_layers, batch_size, self.hkv, p_slots, self.hd, self.device,
+                                 self.dtype)
+        self.s_cache = KVBuffers(len(model.sequential_layers), batch_size, self.hkv, s_slots, self.hd, self.device,
+                                 self.dtype)
         self.shadow = torch.zeros(batch_size, tau, model.config.hidden_size, device=self.device, dtype=self.dtype)
         width = 2 * tau if self.rule.refresh else tau
         self._block = torch.full((batch_size, width), model.mask_token_id, dtype=torch.long, device=self.device)
         self._arange = torch.arange(2 * tau, device=self.device)
+        self._stack = KernelStack(model, p_slots, kernel_gemm) if self.kernels else None
+        self._s_out = torch.zeros(batch_size, 1, model.config.hidden_size, device=self.device, dtype=self.dtype)
         # capture on head position tau: every slot it writes is rewritten before it is read
         self._pos.fill_(tau)
         self._cycle_run = StepRunner(self._cycle_step, self._capture)
@@ -363,18 +341,144 @@ class DMTDDecoder(CachedDecoder):
         k = Slots.make(k_pos[None], k_valid.long()[None] - 1, k_shadow[None], tau)
         return q_pos, write, dense_mask(q, k, self.rule)
 
+    def kernel_cycle_layout(self) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The cycle at ``self._pos`` in the decode kernels' terms (``target_runner.kernel_layers``): RoPE / write
+        positions ``[Nq]``, attention positions ``[Nq]`` (the last logical key a row sees) and the slot remap
+        ``(offset, back)`` ``[Nq]``. Refresh: real rows causal at their own slots; shadow rows written ``max_len - p``
+        slots further (the scratch slots) and reading their block there (logical keys ``>= p``), the real history
+        below ``p`` in place. Bidirectional shadow rows see up to the block's last position ``p + tau - 1``."""
+        tau, p = self.tau, self._pos
+        if self.rule.refresh:
+            rows = self._arange                                        # [2 tau]
+            q_pos = p - tau + rows                                     # real p-tau..p-1, shadow p..p+tau-1
+            shadow = rows >= tau
+            seen = p + tau - 1 + 0 * rows if self.rule.bidirectional else q_pos
+            attn_pos = torch.where(shadow, seen, q_pos)
+            offset = torch.where(shadow, self.max_len - p + 0 * rows, 0 * rows)
+            back = torch.where(shadow, attn_pos - p, 0 * rows)
+            return q_pos, attn_pos, (offset, back)
+        q_pos = p + self._arange[:tau]                                 # shadow p..p+tau-1, appended and kept
+        attn_pos = p + tau - 1 + 0 * q_pos if self.rule.bidirectional else q_pos
+        return q_pos, attn_pos, None
+
     def _cycle_step(self) -> None:
         """One P forward for the cycle whose head is at ``self._pos``; leaves ``self.shadow``."""
+        if self._stack is not None:
+            q_pos, attn_pos, tree = self.kernel_cycle_layout()
+            x = self._stack.parallel(self._block[0], self.p_cache, q_pos, attn_pos, tree)  # [Nq, H]
+            self.shadow[0].copy_(x[-self.tau:])
+            return
         q_pos, write, mask = self.cycle_layout()
         x = self.model.embed(self._block)  # [B, Nq, H]
         x = self._decode_layers(self.model.parallel_layers, self.p_cache, x, q_pos[None].expand(self.batch, -1),
                                 write, mask)
         self.shadow.copy_(x[:, -self.tau:])
 
-    def _token_step(self) -> torch.Tensor:
-        """S layers on ``embed(x_p) + s_{p mod tau}``; logits ``[B, V]`` for position p+1."""
+    def _s_hidden(self) -> torch.Tensor:
+        """S layers on ``embed(x_p) + s_{p mod tau}`` -> pre-norm hidden ``[B, 1, H]``."""
         p = self._pos
-        x = self.model.embed(self._tok) + self.shadow.index_select(1, p % self.tau)  # [B, 1, H]
+        shadow = self.shadow.index_select(1, p % self.tau)  # [B, 1, H]
+        if self._stack is not None:
+            return self._stack.sequential(self._tok[0], shadow[0], self.s_cache, p)[None]
+        x = self.model.embed(self._tok) + shadow  # [B, 1, H]
         pos = p.view(1, 1).expand(self.batch, 1)
-        x = self._decode_layers(self.model.sequential_layers, self.s_cache, x, pos, p, self._token_mask(self.max_len))
+        return self._decode_layers(self.model.sequential_layers, self.s_cache, x, pos, p,
+                                   self._token_mask(self.max_len))
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head of ``x [B, 1, H]`` -> logits ``[B, V]`` float32."""
+        if self._stack is not None:
+            return self._stack.head(x[0]).float()
         return self.model.final_logits(x)[:, 0].float()
+
+    def _token_step(self) -> torch.Tensor:
+        """The S step of the token at ``self._pos``: logits ``[B, V]`` for position p+1."""
+        return self._head(self._s_hidden())
+
+    def pieces(self) -> dict[str, StepRunner]:
+        """The decode's pieces as separate steps (CUDA graphs where the decoder captures), for timing each:
+        ``p_step`` (one cycle's P forward), ``s_step`` (the S layers of one token) and ``lm_head``. They run on
+        whatever the decoder's state holds (head position ``tau`` until a prefill)."""
+        return {"p_step": StepRunner(self._cycle_step, self._capture),
+                "s_step": StepRunner(lambda: self._s_out.copy_(self._s_hidden()), self._capture),
+                "lm_head": StepRunner(lambda: self._head(self._s_out), self._capture)}
+
+
+def _round(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def resolve_kernels(kernels: bool | str, model: DMTDModel, batch_size: int) -> bool:
+    """``auto`` -> the Triton decode kernels on CUDA where they apply; ``True`` -> them (ValueError naming why
+    not where they do not apply); ``False`` -> the torch layer path."""
+    if kernels not in ("auto", True, False):
+        raise ValueError(f"kernels must be auto, True or False; got {kernels!r}")
+    device = next(model.parameters()).device
+    if kernels is False or (kernels == "auto" and device.type != "cuda"):
+        return False
+    problem = kernels_problem(model, batch_size)
+    if problem and kernels is True:
+        raise ValueError(f"DMTD kernels=True does not apply: {problem}")
+    return problem is None
+
+
+def kernels_problem(model: DMTDModel, batch_size: int = 1) -> str | None:
+    """Why the decode kernels do not run this DMTD model (None when they do): the target runner's conditions,
+    and a cycle step of at most ``kernels.linear.MAX_TOKENS`` rows."""
+    from dspark_core.kernels.linear import MAX_TOKENS
+
+    problems = [target_kernels_problem(model.lm, batch_size)]
+    rows = 2 * model.tau if model.rule.refresh else model.tau
+    if rows > MAX_TOKENS:
+        problems.append(f"the cycle step has {rows} rows (tau {model.tau}); the kernels take at most {MAX_TOKENS}")
+    return "; ".join(p for p in problems if p) or None
+
+
+class KernelStack:
+    """The P and S layer groups and the LM head of a DMTD model on the Triton decode kernels (batch 1), through
+    the target runner's shared stack (``target_runner.kernel_layers``): fused weights (shared with any target
+    runner of the same model), RoPE tables of ``slots`` positions, and the small-GEMM family of each step
+    (``gemm = (S step, P step)``; default ``fma`` for the one-token S step and LM head, ``mma`` for the P step
+    where tensor cores apply: each the faster of the two at its row count)."""
+
+    def __init__(self, model: DMTDModel, slots: int, gemm: tuple[str, str] | None = None):
+        from dspark_core.kernels.linear import SMALL_GEMM_MODES, small_gemm_problem
+
+        lm = model.lm
+        device = next(model.parameters()).device
+        self.s_gemm, self.p_gemm = gemm or (S_STEP_GEMM, "fma" if small_gemm_problem(device) else "mma")
+        for mode in (self.s_gemm, self.p_gemm):
+            if mode not in SMALL_GEMM_MODES:
+                raise ValueError(f"kernel_gemm modes must be in {SMALL_GEMM_MODES}; got {gemm!r}")
+        self.spec = model_spec(lm)
+        self.p_layers = [fuse_layer(layer) for layer in model.parallel_layers]
+        self.s_layers = [fuse_layer(layer) for layer in model.sequential_layers]
+        self.cos, self.sin = rope_tables(lm, slots)  # [M, D]
+        self.embed_w, self.norm_w = lm.model.embed_tokens.weight, lm.model.norm.weight
+        self.head_w, self.head_b = lm.lm_head.weight, lm.lm_head.bias
+
+    def parallel(self, ids: torch.Tensor, cache: KVBuffers, pos: torch.Tensor, attn_pos: torch.Tensor,
+                 tree: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """P layers on the cycle's rows ``ids [Nq]`` -> ``[Nq, H]`` (see ``DMTDDecoder.kernel_cycle_layout``)."""
+        from dspark_core.kernels.linear import small_gemm
+
+        with small_gemm(self.p_gemm):
+            x = F.embedding(ids, self.embed_w)  # [Nq, H]
+            return kernel_layers(x, self.p_layers, cache.k, cache.v, self.cos, self.sin, pos, self.spec,
+                                 attn_pos=attn_pos, tree=tree)
+
+    def sequential(self, tok: torch.Tensor, shadow: torch.Tensor, cache: KVBuffers, pos: torch.Tensor
+                   ) -> torch.Tensor:
+        """S layers on ``embed(tok [1]) + shadow [1, H]`` at position ``pos [1]``, causal -> ``[1, H]``."""
+        from dspark_core.kernels.linear import small_gemm
+
+        with small_gemm(self.s_gemm):
+            x = F.embedding(tok, self.embed_w) + shadow  # [1, H]
+            return kernel_layers(x, self.s_layers, cache.k, cache.v, self.cos, self.sin, pos, self.spec)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head: ``x [1, H]`` -> logits ``[1, V]``."""
+        from dspark_core.kernels.linear import small_gemm
+
+        with small_gemm(self.s_gemm):
+            return kernel_head(x, self.norm_w, self.head_w, self.head_b, self.spec)

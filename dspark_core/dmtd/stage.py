@@ -99,5 +99,6 @@ def flatten_dmtd_metrics(res: dict[str, Any]) -> dict[str, Any]:
         "gsm8k_accuracy": gsm["dmtd"]["accuracy"], "target_gsm8k_accuracy": gsm["target"]["accuracy"],
         "gsm8k_items": gsm["dmtd"]["total"],
         "tokens_per_s": speed["dmtd"]["tokens_per_s"], "ar_tokens_per_s": speed["ar"]["tokens_per_s"],
-        "speedup": speed["speedup"], "device": speed["device"],
+        "ar_mode": speed["ar"]["fastest"], "speedup": speed["speedup"],
+        "speedup_vs_fastest_ar": speed["speedup_vs_fastest_ar"], "device": speed["device"],
     }

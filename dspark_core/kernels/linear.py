@@ -7,6 +7,8 @@ Shape legend: n tokens of the step, K input features, N output features.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 
@@ -48,6 +50,17 @@ def set_small_gemm(mode: str) -> None:
     if mode not in SMALL_GEMM_MODES:
         raise ValueError(f"small_gemm must be one of {SMALL_GEMM_MODES}; got {mode!r}")
     SMALL_GEMM = mode
+
+
+@contextlib.contextmanager
+def small_gemm(mode: str):
+    """``set_small_gemm(mode)`` for the kernels launched (or captured) inside the block, then the previous mode."""
+    before = SMALL_GEMM
+    set_small_gemm(mode)
+    try:
+        yield
+    finally:
+        set_small_gemm(before)
 
 
 def small_gemm_problem(device: torch.device | str) -> str | None:
