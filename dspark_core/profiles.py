@@ -6,8 +6,9 @@
 
 A profile is a nested mapping with the same sections as params.yaml; its leaves replace params.yaml's.
 Every key must already exist in params.yaml (a typo is an error, not a silent new key). A parameter whose
-value is a mapping of names (:data:`WHOLE_VALUES`: ``prepare.train_mix``, keyed by source) is one leaf,
-replaced whole: its keys are data (a source absent from the profile's mix is not kept from params.yaml's).
+value is a mapping of names (:data:`WHOLE_VALUES`: ``prepare.train_mix``, keyed by source; ``variants``, keyed by
+variant) is one leaf, replaced whole: its keys are data (a source absent from the profile's mix is not kept from
+params.yaml's, a variant absent from its ``variants`` is not run).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import yaml
 from dspark_core.errors import UserError
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
-WHOLE_VALUES = frozenset({"prepare.train_mix", "prepare.eval_sources"})  # mappings of names, set whole
+# mappings of names, set whole
+WHOLE_VALUES = frozenset({"prepare.train_mix", "prepare.eval_sources", "variants", "variant_dag.warm"})
 
 
 def available(profiles_dir: Path = PROFILES_DIR) -> list[str]:
