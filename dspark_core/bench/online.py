@@ -433,7 +433,7 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
     spec = make_engine(engine, runner, draft, cfg)
     ar = ARDecoder(runner, sampling=cfg.sampling, seed=cfg.seed)
     stops = stop_ids_of(model, tokenizer)
-    _warm_up(prompt_sets, tokenizer, spec, ar, stops, cfg)
+    _warm_up(prompt_sets, tokenizer, spec, ar, stops, cfg, new_tokens=(8, 16) if device.type == "cuda" else (2, 2))
     runs, timers = {}, {}
     for name, convs in prompt_sets.items():
         draft.set_variant_timing(True)  # a variant's own online work (e.g. the Engram lookup), timed per dataset
@@ -614,13 +614,14 @@ def compare_online_modes(draft: Any, spec: Any, runs: dict[str, DatasetRun], met
 
 
 def _warm_up(prompt_sets, tokenizer, spec: SpeculativeDecoder, ar: ARDecoder, stops,
-             cfg: BenchOnlineConfig) -> None:
-    """One short generation of each kind first, so CUDA graphs / lazy inits are not timed."""
+             cfg: BenchOnlineConfig, new_tokens: tuple[int, int] = (8, 16)) -> None:
+    """One short generation of each kind first (``new_tokens``: AR, speculative), so CUDA graphs / lazy inits are
+    not timed. On CPU there are no graphs to capture: a prefill and one step of each is enough."""
     name, convs = next(iter(prompt_sets.items()))
     prompt = chat_ids(tokenizer, [{"role": "user", "content": convs[0][0]}])
     with max_len_named(cfg, f"the warm-up on prompt 0 of dataset {name!r}"):
-        ar.generate(prompt, 8, stops)
-        spec.generate(prompt, 16, stops)
+        ar.generate(prompt, new_tokens[0], stops)
+        spec.generate(prompt, new_tokens[1], stops)
 
 
 def _merge(runs) -> DatasetRun:

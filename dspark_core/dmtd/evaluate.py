@@ -16,6 +16,7 @@ Shape legend: B rows, L tokens.
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from typing import Any, Sequence
@@ -171,17 +172,18 @@ def _timed(decoder, prompt: torch.Tensor, max_new_tokens: int) -> tuple[int, flo
 
 
 def decode_speed(decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 warmup: bool = True) -> dict[str, float]:
+                 warmup: bool = True, warmup_tokens: int = 8) -> dict[str, float]:
     """Greedy decode of each prompt for exactly ``max_new_tokens`` (no stop tokens) by a ``DMTDDecoder`` or an
     ``ARDecoder``: tokens/s = tokens decoded after the prefill's first one / decode seconds (both count the same
-    steps: one forward per token after the first)."""
+    steps: one forward per token after the first), after an untimed generation of ``warmup_tokens`` on the first
+    prompt (CUDA graphs, lazy inits)."""
     if not prompts:
         raise ValueError("decode_speed: no prompts given")
     if max_new_tokens < 2:
         raise ValueError(f"decode_speed needs max_new_tokens >= 2 (the first token comes from the prefill); "
                          f"got {max_new_tokens}")
     if warmup:
-        _timed(decoder, torch.tensor([list(prompts[0])]), min(8, max_new_tokens))
+        _timed(decoder, torch.tensor([list(prompts[0])]), max(2, min(warmup_tokens, max_new_tokens)))
     tokens, seconds, prefill = 0, 0.0, 0.0
     for p in prompts:
         n, dt, pt = _timed(decoder, torch.tensor([list(p)]), max_new_tokens)
@@ -256,7 +258,7 @@ def evaluate_variant(cfg, variant: str, checkpoint_dir, gsm8k_items: Sequence[di
     items = list(gsm8k_items)[: ev.max_items] if ev.max_items else list(gsm8k_items)
     base_lm, tok = load_target(cfg.target_dir, dtype=dtype, device=device)
     plain = PlainModel(base_lm).eval()
-    tuned_lm, _ = load_target(cfg.target_dir, dtype=dtype, device=device)
+    tuned_lm = copy.deepcopy(base_lm)  # the same weights, its own copy (DMTDModel takes over its modules)
     dmtd = DMTDModel.from_config(tuned_lm, cfg, variant).eval()
     load_weights(dmtd, checkpoint_dir)
     sampling = SamplingParams(ev.temperature, ev.top_p, ev.top_k)
@@ -276,7 +278,8 @@ def evaluate_variant(cfg, variant: str, checkpoint_dir, gsm8k_items: Sequence[di
     }
     del target_dec
     prompts = [item_prompt_ids(i, tok) for i in items[: ev.speed_prompts]]
-    dmtd_speed = decode_speed(dmtd_dec, prompts, ev.speed_new_tokens)
+    warm = 8 if device.type == "cuda" else cfg.tau  # CPU: no graphs to capture, one cycle warms the caches
+    dmtd_speed = decode_speed(dmtd_dec, prompts, ev.speed_new_tokens, warmup_tokens=warm)
     ar = fastest_ar_speed(dmtd.lm, prompts, ev.speed_new_tokens, max_len)  # the fastest AR of the same weights
     speedup = dmtd_speed["tokens_per_s"] / ar["tokens_per_s"]
     out["speed"] = {"dmtd": {**dmtd_speed, "kernels": dmtd_dec.kernels}, "ar": ar, "speedup": speedup,
