@@ -248,9 +248,9 @@ def main(argv=None) -> dict:
     for shape in shapes:
         result["shapes"][shape] = bench_shape(shape, args, device, dtype)
         print_table(result, shape)
+        write_json(args.out, result)  # after each shape: a run stopped later keeps the shapes it finished
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    write_json(args.out, result)
     print(f"wrote {args.out}")
     return result
 

@@ -82,12 +82,14 @@ def test_kernel_cycle_layout_maps_the_block_mask(lm):
 
 def test_pieces_run_the_decode_steps(lm):
     dec = DMTDDecoder(dmtd(lm, "bidir_refresh"), 12, kernels=True)
+    # built first, at the decoder's capture position (head tau): on a GPU, capturing runs each piece, and the
+    # slots it writes there are rewritten by the prefill below before anything reads them
+    pieces = dec.pieces()
     x = seq(8)
     want = dec.score(x[:, :7], x[:, 7:])[:, 7]  # logits after position 7: the S step of token 7
     dec.prefill(x[:, :7])  # shadow of the cycle 4..7, S cache 0..6
     dec._start_cycle(4)  # the production P step on the same cycle (prompt tokens 4..6 in the block are MASK)
     shadow = dec.shadow.clone()
-    pieces = dec.pieces()
     dec.shadow.zero_()
     pieces["p_step"]()
     torch.testing.assert_close(dec.shadow, shadow, atol=0, rtol=0)
