@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,20 @@ GPU_FILES = {"test_kernels.py", "test_kernel_accept.py", "test_static_engine.py"
              "test_dmtd_kernels.py"}
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (the README's `-n 2`) each worker computes on one torch thread: two workers of two
+    threads each on a 2-core machine would fight over the cores."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+
+
+# The longest file (a whole `dvc repro` and `dvc exp run`) first: under `-n 2 --dist loadfile` one worker runs it
+# while the other takes the rest of the suite.
+FIRST_FILES = ("test_dvc_pipeline.py",)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in FIRST_FILES)  # stable: the rest keep their order
     for item in items:
         if item.path.name in GPU_FILES:
             item.add_marker(pytest.mark.gpu)

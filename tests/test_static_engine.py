@@ -39,9 +39,28 @@ FIT_STEPS = 50  # training steps of the drafts of the identity tests: partly rig
 needs_triton = pytest.mark.skipif(not triton_ok(DEVICE), reason="needs Triton on CUDA or TRITON_INTERPRET=1")
 
 
+_BUILT: dict[str, tuple] = {}
+
+
 def _setup(family: str, block: int = BLOCK, seed: int = 0, vocab: int = 16, layers: int = 6, aux=(0, 2, 4),
            fit=None, steps: int = FIT_STEPS, markov_head: str = "vanilla",
            draft_vocab: tuple[int, ...] | None = None):
+    """:func:`_build`'s target and draft, built (and fitted) once per module for each set of arguments; every
+    call gets its own deep copy (the draft's tied weights still the target's), so a test may cast or patch it,
+    and torch's global RNG as a fresh build leaves it (tests that draw from it see the same numbers either way)."""
+    import copy
+
+    key = repr((family, block, seed, vocab, layers, aux, fit, steps, markov_head, draft_vocab))
+    if key not in _BUILT:
+        built = _build(family, block, seed, vocab, layers, aux, fit, steps, markov_head, draft_vocab)
+        _BUILT[key] = (built, torch.get_rng_state())
+    built, rng = _BUILT[key]
+    torch.set_rng_state(rng)
+    return copy.deepcopy(built)
+
+
+def _build(family: str, block: int, seed: int, vocab: int, layers: int, aux, fit, steps: int, markov_head: str,
+           draft_vocab: tuple[int, ...] | None):
     """A target with a 16-token vocabulary and a 2-layer DSpark draft: random, or with ``fit=(prompts,
     max_new_tokens)`` trained ``steps`` steps on the target's own greedy continuations of those prompts, so it is
     right part of the time (a random draft almost never is: the identity tests would not exercise acceptance).
