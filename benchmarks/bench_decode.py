@@ -428,6 +428,7 @@ def main() -> None:
         rows[name] = against_fastest(per_mode)
         for mode, row in rows[name]["modes"].items():
             _print_ar(f"{name} {mode}", row)
+        _write_result(args, device, dtype, bandwidth, modes, names, rows, None)  # each shape kept as it finishes
     if modes[0] != "torch":
         set_small_gemm(modes[0])
     spec = None
@@ -450,6 +451,12 @@ def main() -> None:
             _print_spec(r)
     else:
         print("(b) speculative decoding skipped: pass --target DIR --draft DIR")
+    _write_result(args, device, dtype, bandwidth, modes, names, rows, spec)
+    print(f"wrote {args.out}")
+
+
+def _write_result(args, device, dtype, bandwidth, modes, names, rows, spec) -> None:
+    """The run's JSON at ``--out``: the AR rows of the shapes done so far and, once timed, the speculative run."""
     head_modes = (rows.get(HEADLINE_SHAPE) or next(iter(rows.values())))["modes"]
     head = head_modes[modes[0]]
     result = {
@@ -469,7 +476,6 @@ def main() -> None:
 
         result["kernel_configs"] = kernel_configs(device)
     write_json(args.out, result)
-    print(f"wrote {args.out}")
 
 
 def _sizes(text: str) -> tuple[int, ...]:

@@ -109,7 +109,9 @@ def make_batch(args, length: int, device: torch.device, seed: int) -> dict[str, 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     vocab = args.vocab_size or tc.vocab_size  # token ids drawn from the draft vocabulary when it is reduced
     if args.mixed:  # N samples of L/8 .. L tokens: one a row (padded to the longest), or packed into rows of L
-        lens = torch.randint(max(8, length // 8), length + 1, (args.mixed,), generator=g).tolist()
+        # the same sample lengths in every batch (contents differ by seed): one compiled shape, not one per batch
+        lens = torch.randint(max(8, length // 8), length + 1, (args.mixed,),
+                             generator=torch.Generator().manual_seed(length)).tolist()
         items = [random_item(n, vocab, len(AUX_LAYERS), tc.hidden_size, prompt_len=max(1, n // 16),
                              generator=g, dtype=dtype) for n in lens]
         batch = collate_packed(items, args.anchors, 7, length if args.packed else 1, g)
