@@ -116,30 +116,45 @@ def _naive_reduced(head_h, m, w2, lm_w, teacher_h, targets, weights, a_ce, a_l1,
     return (weights * (a_ce * ce + a_l1 * l1)).sum(), ce, l1
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 64])
-@pytest.mark.parametrize("with_markov", [True, False])
-def test_reduced_distill_matches_the_full_vocabulary_reference(chunk, with_markov):
-    from dspark_core.draft.loss import chunked_distill
-
+def _distill_case(chunk: int, outside: int):
+    """13 slots over a 50-token target vocabulary drafted over 20 of them; the last ``outside`` targets outside."""
     g = torch.Generator().manual_seed(chunk)
     n, v, vd, ht, r = 13, 50, 20, 16, 4
     d2t = _ids(v, vd, seed=chunk)
     vocab = DraftVocab(v, vd)
     vocab.set_ids(d2t)
     lm_w, teacher = torch.randn(v, ht, generator=g), torch.randn(n, ht, generator=g)
-    targets = torch.cat([d2t[torch.randint(0, vd, (n - 4,), generator=g)],
-                         torch.tensor([i for i in range(v) if i not in set(d2t.tolist())][:4])])  # 4 outside
+    targets = torch.cat([d2t[torch.randint(0, vd, (n - outside,), generator=g)],
+                         torch.tensor([i for i in range(v) if i not in set(d2t.tolist())][:outside])])
     weights = torch.rand(n, generator=g)
     leaves = [torch.randn(n, ht, generator=g), torch.randn(n, r, generator=g), torch.randn(vd, r, generator=g)]
+    return d2t, vocab, (lm_w, teacher, targets, weights), leaves
+
+
+def _distill_runs(fns, leaves, data, with_markov: bool) -> list[list[torch.Tensor]]:
+    """Each loss of ``fns`` on fresh copies of ``leaves``: [distill, ce, l1, grads of head_h, m, w2]."""
+    lm_w, teacher, targets, weights = data
     results = []
-    for fn in (lambda *a: _naive_reduced(*a, d2t),
-               lambda *a: chunked_distill(*a[:5], vocab.to_draft(a[5]), *a[6:], chunk_slots=chunk, d2t=d2t)):
+    for fn in fns:
         h, m, w2 = (t.clone().requires_grad_(True) for t in leaves)
         if not with_markov:
             m = w2 = None
         distill, ce, l1 = fn(h, m, w2, lm_w, teacher, targets, weights, 0.1, 0.9)
         (1.7 * distill).backward()
         results.append([distill.detach(), ce, l1] + [t.grad for t in (h, m, w2) if t is not None])
+    return results
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+@pytest.mark.parametrize("with_markov", [True, False])
+def test_reduced_distill_matches_the_full_vocabulary_reference(chunk, with_markov):
+    from dspark_core.draft.loss import chunked_distill
+
+    d2t, vocab, data, leaves = _distill_case(chunk, outside=4)
+    results = _distill_runs(
+        (lambda *a: _naive_reduced(*a, d2t),
+         lambda *a: chunked_distill(*a[:5], vocab.to_draft(a[5]), *a[6:], chunk_slots=chunk, d2t=d2t)),
+        leaves, data, with_markov)
     for got, ref in zip(*results):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert results[1][1][-4:].eq(0).all() and results[1][2][-4:].gt(0).all()  # outside: no CE, L1 kept
@@ -161,28 +176,13 @@ def _naive_draft_teacher(head_h, m, w2, lm_w, teacher_h, targets, weights, a_ce,
 def test_draft_teacher_matches_the_renormalised_brute_force(chunk, with_markov):
     from dspark_core.draft.loss import chunked_distill
 
-    g = torch.Generator().manual_seed(chunk)
-    n, v, vd, ht, r = 13, 50, 20, 16, 4
-    d2t = _ids(v, vd, seed=chunk)
-    vocab = DraftVocab(v, vd)
-    vocab.set_ids(d2t)
-    lm_w, teacher = torch.randn(v, ht, generator=g), torch.randn(n, ht, generator=g)
-    targets = torch.cat([d2t[torch.randint(0, vd, (n - 3,), generator=g)],
-                         torch.tensor([i for i in range(v) if i not in set(d2t.tolist())][:3])])  # 3 outside
-    weights = torch.rand(n, generator=g)
-    leaves = [torch.randn(n, ht, generator=g), torch.randn(n, r, generator=g), torch.randn(vd, r, generator=g)]
-    results = []
-    for fn in (lambda *a: _naive_draft_teacher(*a, d2t),
-               lambda *a: chunked_distill(*a[:5], vocab.to_draft(a[5]), *a[6:], chunk_slots=chunk, d2t=d2t,
-                                          teacher_vocab="draft"),
-               lambda *a: chunked_distill(*a[:5], vocab.to_draft(a[5]), *a[6:], chunk_slots=chunk, d2t=d2t)):
-        h, m, w2 = (t.clone().requires_grad_(True) for t in leaves)
-        if not with_markov:
-            m = w2 = None
-        distill, ce, l1 = fn(h, m, w2, lm_w, teacher, targets, weights, 0.1, 0.9)
-        (1.7 * distill).backward()
-        results.append([distill.detach(), ce, l1] + [t.grad for t in (h, m, w2) if t is not None])
-    ref, got, full = results
+    d2t, vocab, data, leaves = _distill_case(chunk, outside=3)
+    ref, got, full = _distill_runs(
+        (lambda *a: _naive_draft_teacher(*a, d2t),
+         lambda *a: chunked_distill(*a[:5], vocab.to_draft(a[5]), *a[6:], chunk_slots=chunk, d2t=d2t,
+                                    teacher_vocab="draft"),
+         lambda *a: chunked_distill(*a[:5], vocab.to_draft(a[5]), *a[6:], chunk_slots=chunk, d2t=d2t)),
+        leaves, data, with_markov)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert (full[2] - got[2]).abs().max() > 1e-3  # the full teacher's mass outside d2t moves L1: another loss

@@ -1,4 +1,4 @@
-"""The issue-6 benchmarks on CPU (torchrun, gloo): 2 processes give the 1-process loss trajectory at the same
+"""The multi-GPU benchmarks on CPU (torchrun, gloo): 2 processes give the 1-process loss trajectory at the same
 global batch for both trainer tasks, and the 2-process cache stage writes the 1-process store bit for bit."""
 
 from __future__ import annotations
