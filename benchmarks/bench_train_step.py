@@ -148,10 +148,14 @@ def run_length(args, precision: str, model, opt, params, length: int, device: to
                d: Dist = Dist()) -> dict:
     batches = [make_batch(args, length, device, seed + 1000 * d.rank) for seed in range(3)]  # [rank's samples]
     amp = precision == "amp" and device.type == "cuda"
+    say = (lambda msg: print(f"  L {length}: {msg}", file=sys.stderr, flush=True)) if d.is_main else (lambda msg: None)
+    say(f"{int(batches[0]['input_ids'].shape[0])} row(s) of {int(batches[0]['input_ids'].shape[1])} tokens, "
+        f"{int(batches[0]['anchors'].shape[1])} anchor slots a row; warm-up ({args.warmup} steps, compiles)")
     t0 = time.perf_counter()
     for i in range(args.warmup):
         train_step(model, opt, params, batches[i % len(batches)], amp, forward)
-    sync(device)
+        sync(device)
+        say(f"warm-up step {i + 1} done at {time.perf_counter() - t0:.1f} s")
     warm_s = time.perf_counter() - t0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
