@@ -22,6 +22,7 @@ import yaml
 from dspark_core.errors import UserError
 
 T = TypeVar("T", bound="Section")
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's parser: ~10x faster, same documents
 
 
 class ParamsError(UserError):
@@ -32,7 +33,7 @@ def read_yaml(path: str | Path) -> Any:
     """The YAML document of ``path`` ({} when empty); a syntax error is a ParamsError naming the line."""
     try:
         with Path(path).open(encoding="utf-8") as fh:
-            return yaml.safe_load(fh) or {}
+            return yaml.load(fh, Loader=_LOADER) or {}
     except UnicodeDecodeError as e:
         raise ParamsError(f"{path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     except yaml.YAMLError as e:

@@ -520,8 +520,8 @@ CASES = [
     Case("too_long/cache_on_too_long_error", regen_rows(LENGTHS, cache={"on_too_long": "error"}),
          r"data/regen/train.parquet: row 1 \(id 's001'\) has 100 tokens > cache.max_length=96 "
          r"\(cache.on_too_long=error\)", CACHE_OUT),
-    Case("too_long/bench_max_len_warm_up", bench_prompts([json.dumps({"turns": ["What is 2 + 3?"]})], max_len=32),
-         r"bench_online.max_len=32 is too small for the warm-up on prompt 0 of dataset 'jsonl:prompts.jsonl': "
+    Case("too_long/bench_max_len_warm_up", bench_prompts([json.dumps({"turns": ["What is 2 + 3?"]})], max_len=16),
+         r"bench_online.max_len=16 is too small for the warm-up on prompt 0 of dataset 'jsonl:prompts.jsonl': "
          r"\d+ prompt tokens need \d+ positions", BENCH_OUT),
     Case("too_long/bench_max_len_prompt", bench_prompts([json.dumps({"turns": ["Hi"]}),
                                                         json.dumps({"turns": ["y" * 200]})], max_len=128),

@@ -57,8 +57,6 @@ from dspark_core.decoding.sampling import SamplingParams
 from dspark_core.decoding.static_draft import static_draft_problem
 from dspark_core.decoding.target_runner import TargetRunner
 from dspark_core.decoding.types import GenerationResult
-from dspark_core.errors import UserError
-from dspark_core.io import write_json
 
 DOMAINS = ("math_word", "competition_math", "code", "chat")   # prepare's domains (dspark_core/data/sources.py)
 DATASET_ALIASES = {"gsm8k": "math_word"}
@@ -433,7 +431,10 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
     spec = make_engine(engine, runner, draft, cfg)
     ar = ARDecoder(runner, sampling=cfg.sampling, seed=cfg.seed)
     stops = stop_ids_of(model, tokenizer)
-    _warm_up(prompt_sets, tokenizer, spec, ar, stops, cfg, new_tokens=(8, 16) if device.type == "cuda" else (2, 2))
+    if device.type == "cuda":
+        _warm_up(prompt_sets, tokenizer, spec, ar, stops, cfg)
+    else:
+        _warm_up(prompt_sets, tokenizer, spec, ar, stops, cfg, new_tokens=(2, 2), prompt_tokens=16)
     runs, timers = {}, {}
     for name, convs in prompt_sets.items():
         draft.set_variant_timing(True)  # a variant's own online work (e.g. the Engram lookup), timed per dataset
@@ -614,11 +615,12 @@ def compare_online_modes(draft: Any, spec: Any, runs: dict[str, DatasetRun], met
 
 
 def _warm_up(prompt_sets, tokenizer, spec: SpeculativeDecoder, ar: ARDecoder, stops,
-             cfg: BenchOnlineConfig, new_tokens: tuple[int, int] = (8, 16)) -> None:
+             cfg: BenchOnlineConfig, new_tokens: tuple[int, int] = (8, 16), prompt_tokens: int | None = None) -> None:
     """One short generation of each kind first (``new_tokens``: AR, speculative), so CUDA graphs / lazy inits are
-    not timed. On CPU there are no graphs to capture: a prefill and one step of each is enough."""
+    not timed. On CPU there are no graphs to capture: one step of each on the prompt's first ``prompt_tokens``
+    tokens is enough (a full prefill would only add untimed work)."""
     name, convs = next(iter(prompt_sets.items()))
-    prompt = chat_ids(tokenizer, [{"role": "user", "content": convs[0][0]}])
+    prompt = chat_ids(tokenizer, [{"role": "user", "content": convs[0][0]}])[:prompt_tokens]
     with max_len_named(cfg, f"the warm-up on prompt 0 of dataset {name!r}"):
         ar.generate(prompt, new_tokens[0], stops)
         spec.generate(prompt, new_tokens[1], stops)
