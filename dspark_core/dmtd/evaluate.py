@@ -172,18 +172,20 @@ def _timed(decoder, prompt: torch.Tensor, max_new_tokens: int) -> tuple[int, flo
 
 
 def decode_speed(decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 warmup: bool = True, warmup_tokens: int = 8) -> dict[str, float]:
+                 warmup: bool = True, warmup_tokens: int = 8, warmup_prompt_tokens: int | None = None
+                 ) -> dict[str, float]:
     """Greedy decode of each prompt for exactly ``max_new_tokens`` (no stop tokens) by a ``DMTDDecoder`` or an
     ``ARDecoder``: tokens/s = tokens decoded after the prefill's first one / decode seconds (both count the same
     steps: one forward per token after the first), after an untimed generation of ``warmup_tokens`` on the first
-    prompt (CUDA graphs, lazy inits)."""
+    prompt (CUDA graphs, lazy inits; on its first ``warmup_prompt_tokens`` tokens where given)."""
     if not prompts:
         raise ValueError("decode_speed: no prompts given")
     if max_new_tokens < 2:
         raise ValueError(f"decode_speed needs max_new_tokens >= 2 (the first token comes from the prefill); "
                          f"got {max_new_tokens}")
     if warmup:
-        _timed(decoder, torch.tensor([list(prompts[0])]), max(2, min(warmup_tokens, max_new_tokens)))
+        _timed(decoder, torch.tensor([list(prompts[0])[:warmup_prompt_tokens]]),
+               max(2, min(warmup_tokens, max_new_tokens)))
     tokens, seconds, prefill = 0, 0.0, 0.0
     for p in prompts:
         n, dt, pt = _timed(decoder, torch.tensor([list(p)]), max_new_tokens)
@@ -219,7 +221,7 @@ def ar_decoder(lm: torch.nn.Module, max_len: int, mode: str = "eager", sampling:
 
 
 def ar_speed(lm: torch.nn.Module, mode: str, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-             max_len: int) -> dict[str, float]:
+             max_len: int, warmup_prompt_tokens: int | None = None) -> dict[str, float]:
     """``decode_speed`` of the AR decoder in ``mode`` (built, timed, released)."""
     from contextlib import nullcontext
 
@@ -227,14 +229,16 @@ def ar_speed(lm: torch.nn.Module, mode: str, prompts: Sequence[Sequence[int]], m
 
     gemm = AR_MODES[mode][1]
     with small_gemm(gemm) if gemm else nullcontext():
-        return decode_speed(ar_decoder(lm, max_len, mode), prompts, max_new_tokens)
+        return decode_speed(ar_decoder(lm, max_len, mode), prompts, max_new_tokens,
+                            warmup_prompt_tokens=warmup_prompt_tokens)
 
 
 def fastest_ar_speed(lm: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, max_len: int,
-                     modes: Sequence[str] | None = None) -> dict[str, Any]:
+                     modes: Sequence[str] | None = None, warmup_prompt_tokens: int | None = None) -> dict[str, Any]:
     """Every AR mode (default: ``ar_modes(lm)``) timed in this process -> ``{"modes": {mode: speed}, "fastest":
     mode, "tokens_per_s": its tokens/s}``."""
-    rows = {m: ar_speed(lm, m, prompts, max_new_tokens, max_len) for m in (modes or ar_modes(lm))}
+    rows = {m: ar_speed(lm, m, prompts, max_new_tokens, max_len, warmup_prompt_tokens)
+            for m in (modes or ar_modes(lm))}
     best = max(rows, key=lambda m: rows[m]["tokens_per_s"])
     return {"modes": rows, "fastest": best, "tokens_per_s": rows[best]["tokens_per_s"]}
 
@@ -278,9 +282,12 @@ def evaluate_variant(cfg, variant: str, checkpoint_dir, gsm8k_items: Sequence[di
     }
     del target_dec
     prompts = [item_prompt_ids(i, tok) for i in items[: ev.speed_prompts]]
-    warm = 8 if device.type == "cuda" else cfg.tau  # CPU: no graphs to capture, one cycle warms the caches
-    dmtd_speed = decode_speed(dmtd_dec, prompts, ev.speed_new_tokens, warmup_tokens=warm)
-    ar = fastest_ar_speed(dmtd.lm, prompts, ev.speed_new_tokens, max_len)  # the fastest AR of the same weights
+    # CPU: no graphs to capture, one cycle on the prompt's first 16 tokens warms the caches
+    warm, warm_prompt = (8, None) if device.type == "cuda" else (cfg.tau, 16)
+    dmtd_speed = decode_speed(dmtd_dec, prompts, ev.speed_new_tokens, warmup_tokens=warm,
+                              warmup_prompt_tokens=warm_prompt)
+    ar = fastest_ar_speed(dmtd.lm, prompts, ev.speed_new_tokens, max_len,  # the fastest AR of the same weights
+                          warmup_prompt_tokens=warm_prompt)
     speedup = dmtd_speed["tokens_per_s"] / ar["tokens_per_s"]
     out["speed"] = {"dmtd": {**dmtd_speed, "kernels": dmtd_dec.kernels}, "ar": ar, "speedup": speedup,
                     "speedup_vs_fastest_ar": speedup, "device": str(device)}
