@@ -244,8 +244,11 @@ def _gguf_parsed_once() -> Iterator[None]:
     parsed once and each name map built once (both are only read)."""
     import functools
 
-    import gguf
-
+    try:
+        import gguf
+    except ImportError:  # transformers names the missing package itself
+        yield
+        return
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     gguf.GGUFReader = functools.lru_cache(maxsize=2)(reader)
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=8)(name_map)

@@ -185,3 +185,18 @@ def test_packaged_gguf_conversion(packaged_target):
     gen = dict(max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_token_id)
     with torch.no_grad():
         assert torch.equal(model.generate(x, **gen), ref.generate(x, **gen))
+
+
+def test_gguf_parsed_once_memoises_inside_the_block_and_restores_after():
+    """The GGUF reader and gguf's tensor-name map are shared by the config, weight and tokenizer loads of one
+    conversion, and only there."""
+    gguf = pytest.importorskip("gguf")
+    from dspark_core.target import _gguf_parsed_once
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    arch = next(iter(gguf.MODEL_ARCH_NAMES))
+    with _gguf_parsed_once():
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        assert gguf.GGUFReader is not reader
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+    assert gguf.get_tensor_name_map(arch, 2) is not gguf.get_tensor_name_map(arch, 2)
