@@ -104,7 +104,7 @@ def _read_model_config(path: Path) -> dict:
     return read_json(path / "config.json")
 
 
-def _check_dir(path: Path) -> dict:
+def check_target_dir(path: Path) -> dict:
     """Validate a HF dir's config.json (exists, supported model_type); return it."""
     cfg = _read_model_config(path)
     mt = cfg.get("model_type")
@@ -118,7 +118,7 @@ def _check_dir(path: Path) -> dict:
 
 def compute_fingerprint(path: str | Path) -> dict[str, str]:
     path = Path(path)
-    cfg = _check_dir(path)
+    cfg = check_target_dir(path)
     cfg = {k: v for k, v in cfg.items() if k not in _VOLATILE_CONFIG_KEYS}
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
@@ -156,7 +156,7 @@ def load_target(path: str | Path, dtype: str | torch.dtype = "float32", device: 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
-    _check_dir(path)
+    check_target_dir(path)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=resolve_dtype(dtype), local_files_only=True, attn_implementation=attn_implementation
     ).to(device)
@@ -313,7 +313,7 @@ def validate_hf_dir(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"target.path: {path} is not a directory")
-    cfg = _check_dir(path)
+    cfg = check_target_dir(path)
     if not list(path.glob("*.safetensors")):
         raise UserError(f"{path}: no *.safetensors weights (convert .bin checkpoints to safetensors first)")
     if not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):

@@ -124,7 +124,9 @@ def test_family_details_mirror_the_target():
     assert att(q3).q_norm is not None and att(q3).k_norm is not None and att(q3).q_proj.bias is None
     assert att(q2).q_norm is None and att(q2).q_proj.bias is not None and att(q2).o_proj.bias is None
     assert att(ll).q_norm is None and att(ll).q_proj.bias is None
-    assert type(q3.layers[0].mlp).__name__ == "Qwen3MLP" and type(ll.norm).__name__ == "LlamaRMSNorm"
+    assert ll.layers[0].mlp.gate_proj.bias is None  # Llama's mlp_bias: False
+    ll_bias = _draft(tiny_model("llama", mlp_bias=True))
+    assert ll_bias.layers[0].mlp.gate_proj.bias is not None and ll_bias.layers[0].mlp.down_proj.bias is not None
     frozen = {n for n, p in q3.named_parameters() if not p.requires_grad}
     assert frozen == {"lm_head_weight", "embed_tokens_weight"}
 

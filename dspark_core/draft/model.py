@@ -12,7 +12,8 @@ Architecture (built from the target's HF config, Qwen3 / Qwen2 / Llama):
   the target's frozen embedding (MASK = a token row, or a learned vector when the vocabulary has no
   spare token); projected Ht -> H only when the draft is narrower/wider than the target;
 - ``num_draft_layers`` decoder layers mirroring the target's (Qwen3 q/k RMSNorm, Qwen2 qkv bias, Llama
-  attention/mlp bias flags, the family's MLP, RMSNorm and RoPE), or with ``layer_style: qwen3`` Qwen3 layers
+  attention/mlp bias flags, the family's gated MLP, RMSNorm and RoPE as
+  ``dspark_core.ops`` builds them, bit-identical to transformers' modules), or with ``layer_style: qwen3`` Qwen3 layers
   (q/k RMSNorm, the ``attention_bias`` flag on all four projections) on any target, which is what the serving
   engines' DSpark layout holds (``dspark_core/export``): queries from the block states, keys and
   values from ``[c_0..c_{p-1} ; block states]`` through the layer's own k_proj / v_proj in one attention;
@@ -45,7 +46,6 @@ imports a variant.
 from __future__ import annotations
 
 import copy
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
@@ -61,19 +61,18 @@ from dspark_core.draft.attention import AttentionMask, attend, build_attention_m
 from dspark_core.draft.config import DraftConfig
 from dspark_core.draft.heads import ConfidenceHead, build_markov_head
 from dspark_core.draft.vocab import DraftVocab
+from dspark_core.ops import GatedMLP, RMSNorm, rotary_embedding
 
 FAMILIES = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}
 FROZEN_KEYS = ("lm_head_weight", "embed_tokens_weight")
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [B, T, d]
 
 
-def family_classes(model_type: str) -> tuple[type, type, type]:
-    """(RMSNorm, MLP, RotaryEmbedding) classes of a supported HF family."""
+def check_family(model_type: Any) -> str:
+    """``model_type`` if the draft supports that HF family (its layers are built from :mod:`dspark_core.ops`)."""
     if model_type not in FAMILIES:
         raise ValueError(f"target model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
-    mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    prefix = FAMILIES[model_type]
-    return getattr(mod, f"{prefix}RMSNorm"), getattr(mod, f"{prefix}MLP"), getattr(mod, f"{prefix}RotaryEmbedding")
+    return model_type
 
 
 def target_head_dim(config: Any) -> int:
@@ -122,7 +121,7 @@ class ExtraKV:
 class DraftAttention(nn.Module):
     """Queries from the block; keys/values from [context ; extra ; block] through this layer's projections."""
 
-    def __init__(self, hf_cfg: Any, model_type: str, norm_cls: type) -> None:
+    def __init__(self, hf_cfg: Any, model_type: str) -> None:
         super().__init__()
         h, d = hf_cfg.hidden_size, hf_cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = hf_cfg.num_attention_heads, hf_cfg.num_key_value_heads, d
@@ -133,8 +132,8 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=o_bias)
         qk_norm = model_type == "qwen3"
-        self.q_norm = norm_cls(d, eps=hf_cfg.rms_norm_eps) if qk_norm else None
-        self.k_norm = norm_cls(d, eps=hf_cfg.rms_norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(d, eps=hf_cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(d, eps=hf_cfg.rms_norm_eps) if qk_norm else None
         self.scale = d ** -0.5
 
     def _heads(self, x: torch.Tensor, proj: nn.Linear, heads: int, norm: nn.Module | None) -> torch.Tensor:
@@ -165,11 +164,12 @@ class DraftLayer(nn.Module):
 
     def __init__(self, hf_cfg: Any, model_type: str) -> None:
         super().__init__()
-        norm_cls, mlp_cls, _ = family_classes(model_type)
-        self.input_layernorm = norm_cls(hf_cfg.hidden_size, eps=hf_cfg.rms_norm_eps)
-        self.self_attn = DraftAttention(hf_cfg, model_type, norm_cls)
-        self.post_attention_layernorm = norm_cls(hf_cfg.hidden_size, eps=hf_cfg.rms_norm_eps)
-        self.mlp = mlp_cls(hf_cfg)
+        h, eps = hf_cfg.hidden_size, hf_cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps=eps)
+        self.self_attn = DraftAttention(hf_cfg, model_type)
+        self.post_attention_layernorm = RMSNorm(h, eps=eps)
+        mlp_bias = model_type == "llama" and bool(getattr(hf_cfg, "mlp_bias", False))  # Llama's flag; Qwen: none
+        self.mlp = GatedMLP(h, hf_cfg.intermediate_size, hf_cfg.hidden_act, bias=mlp_bias)
 
     def forward(self, x: torch.Tensor, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]], rope: Rope,
                 mask: AttentionMask) -> torch.Tensor:
@@ -216,7 +216,7 @@ class DSparkDraft(nn.Module):
                  lm_head_weight: torch.Tensor, *, aux_layer_ids: Any, target_fingerprint: str | None = None) -> None:
         super().__init__()
         self.model_type = getattr(target_config, "model_type", None)
-        family_classes(self.model_type)  # validates the family
+        check_family(self.model_type)
         vocab, t_hidden = lm_head_weight.shape
         if tuple(embed_weight.shape) != (vocab, t_hidden) or t_hidden != target_config.hidden_size:
             raise ValueError(f"embedding {tuple(embed_weight.shape)} / LM head {tuple(lm_head_weight.shape)} do not "
@@ -235,17 +235,16 @@ class DSparkDraft(nn.Module):
         self.context_bucket = 1  # uncompiled path: pad the context to a multiple of this (tests; GPU: CONTEXT_BUCKET)
         self._build_frozen(embed_weight, lm_head_weight)
         self._build_mask(cfg, vocab, t_hidden)
-        norm_cls, _, rotary_cls = family_classes(self.model_type)
         eps = self.hf_config.rms_norm_eps
         self.embed_proj = nn.Linear(t_hidden, hid, bias=False) if hid != t_hidden else None
         self.fc = nn.Linear(len(self.aux_layer_ids) * t_hidden, hid, bias=False)  # W_aux
-        self.hidden_norm = norm_cls(hid, eps=eps)
+        self.hidden_norm = RMSNorm(hid, eps=eps)
         self.layer_family = "qwen3" if cfg.layer_style == "qwen3" else self.model_type
         self.layers = nn.ModuleList(DraftLayer(self.hf_config, self.layer_family)
                                     for _ in range(cfg.num_draft_layers))
-        self.norm = norm_cls(hid, eps=eps)
+        self.norm = RMSNorm(hid, eps=eps)
         self.head_proj = nn.Linear(hid, t_hidden, bias=False) if hid != t_hidden else None
-        self.rotary_emb = rotary_cls(config=self.hf_config)
+        self.rotary_emb = rotary_embedding(self.hf_config)
         # draft.vocab_size: the LM head's rows and W2 over the draft vocabulary only (maps in draft_vocab)
         self.draft_vocab = DraftVocab(vocab, cfg.vocab_size) if cfg.vocab_size is not None else None
         self.markov = build_markov_head(cfg.markov_head, vocab, cfg.markov_rank, hid, cfg.vocab_size)

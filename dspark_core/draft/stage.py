@@ -120,13 +120,14 @@ def run_eval_offline_stage(params: Path, variant: str) -> dict:
     from dspark_core.cache.dataset import CacheDataset
     from dspark_core.checkpoint import load_draft
     from dspark_core.draft.eval_offline import EvalOfflineConfig, evaluate_offline
-    from dspark_core.target import load_target, read_fingerprint
+    from dspark_core.frozen_target import load_frozen_target
+    from dspark_core.target import read_fingerprint
 
     cfg = EvalOfflineConfig.load(params, "eval_offline")
     check_variant(params, variant)
     draft_dir = _trained_draft_dir(variant)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    target, tok = load_target(TARGET_DIR, dtype="float32", device=device)
+    target, pad_id = load_frozen_target(TARGET_DIR, dtype="float32", device=device)  # embedding, LM head
     fp = read_fingerprint(TARGET_DIR)["fingerprint"]
     draft = load_draft(draft_dir, target, expected_fingerprint=fp).to(device)
     reference = None
@@ -136,7 +137,7 @@ def run_eval_offline_stage(params: Path, variant: str) -> dict:
     data = CacheDataset(CACHE_DIR / "eval.zarr", expected_fingerprint=fp, expected_layer_ids=draft.aux_layer_ids)
     out = Path("reports/eval_offline")
     return evaluate_offline(draft, data, cfg, metrics_path=out / f"{variant}.json", plots_dir=out / variant,
-                            pad_id=tok.pad_token_id or 0, device=device, reference=reference)
+                            pad_id=pad_id or 0, device=device, reference=reference)
 
 
 ENGRAM_DIR = Path("data/engram")
@@ -150,15 +151,16 @@ def run_engram_build_stage(params: Path) -> dict:
 
     from dspark_core.cache.store import open_store, read_manifest
     from dspark_core.draft.variants.engram import EngramTable, build_frozen_table, write_frozen_table
+    from dspark_core.frozen_target import load_frozen_target
     from dspark_core.io import write_json
-    from dspark_core.target import load_target, read_fingerprint
+    from dspark_core.target import read_fingerprint
 
     cfg = DraftConfig.load(params, "draft")
     eng = cfg.engram
     if Path(eng.table_path).parent != ENGRAM_DIR:
         raise ParamsError(f"{params}: draft.engram.table_path must lie in {ENGRAM_DIR}/ (the stage's output in "
                           f"dvc.yaml); got {eng.table_path}")
-    model, _ = load_target(TARGET_DIR)
+    model, _ = load_frozen_target(TARGET_DIR)
     fp = read_fingerprint(TARGET_DIR)["fingerprint"]
     store = CACHE_DIR / "train.zarr"
     manifest = read_manifest(store)

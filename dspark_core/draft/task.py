@@ -171,13 +171,14 @@ class DSparkTask:
                    cache_path: str | Path, max_length: int | None = None, **kwargs: Any) -> "DSparkTask":
         """The task on a target HF dir and a cache store (checked against the target's fingerprint)."""
         from dspark_core.cache.dataset import CacheDataset
-        from dspark_core.target import load_target, read_fingerprint
+        from dspark_core.frozen_target import load_frozen_target
+        from dspark_core.target import read_fingerprint
 
-        model, tok = load_target(target_dir)
+        model, pad_id = load_frozen_target(target_dir)  # config, embedding, LM head: no target layers
         fingerprint = read_fingerprint(target_dir)["fingerprint"]
         data = CacheDataset(cache_path, expected_fingerprint=fingerprint, max_length=max_length,
                             dtype=torch.bfloat16)
-        pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        pad_id = pad_id if pad_id is not None else 0
         return cls(draft_cfg, loss_cfg, target_config=model.config,
                    embed_weight=model.get_input_embeddings().weight.detach(),
                    lm_head_weight=model.get_output_embeddings().weight.detach(), aux_layer_ids=data.layer_ids,

@@ -18,9 +18,10 @@ SKIPPED = "SKIPPED.txt"  # in data/export/<variant>/<layout>/ when the layout ca
 
 
 def _target(target_dir: Path):
-    from dspark_core.target import load_target, read_fingerprint
+    from dspark_core.frozen_target import load_frozen_target
+    from dspark_core.target import read_fingerprint
 
-    model, _ = load_target(target_dir, dtype="float32")
+    model, _ = load_frozen_target(target_dir, dtype="float32")  # config, embedding, LM head
     fingerprint = read_fingerprint(target_dir)["fingerprint"] if (target_dir / "fingerprint.json").is_file() else None
     return model, fingerprint
 

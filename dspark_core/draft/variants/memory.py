@@ -50,7 +50,8 @@ from torch import nn
 from dspark_core.draft import inference
 from dspark_core.draft.anchors import anchor_candidates, block_targets
 from dspark_core.draft.config import MEMORY_ONLINE, DraftConfig
-from dspark_core.draft.model import DSparkDraft, ExtraKV, family_classes
+from dspark_core.draft.model import DSparkDraft, ExtraKV
+from dspark_core.ops import RMSNorm
 
 PREDICT_CHUNK = 512  # stage 1: slots whose full-vocabulary logits exist at once
 MEMORY_KEYS = ("memory_hidden", "memory_positions", "memory_valid")
@@ -123,9 +124,8 @@ class DraftMemory(DSparkDraft, kind="draft_memory"):
     def __init__(self, cfg: DraftConfig, target_config: Any, embed_weight: torch.Tensor,
                  lm_head_weight: torch.Tensor, **kwargs: Any) -> None:
         super().__init__(cfg, target_config, embed_weight, lm_head_weight, **kwargs)
-        norm_cls = family_classes(self.model_type)[0]
         self.memory_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=False)  # P [H, H]
-        self.memory_norm = norm_cls(self.hidden_size, eps=self.hf_config.rms_norm_eps)  # gamma [H], ones
+        self.memory_norm = RMSNorm(self.hidden_size, eps=self.hf_config.rms_norm_eps)  # gamma [H], ones
         nn.init.normal_(self.memory_proj.weight, 0.0, float(getattr(target_config, "initializer_range", 0.02)))
         self.online_mode = cfg.memory.online
 
