@@ -21,7 +21,8 @@ frozen LM head kept in bf16) and ``bf16`` (bf16 weights and AdamW state, no auto
     python benchmarks/bench_train_step.py --precision amp --recompute --profile   # one mode, layer recompute, kernels
     python benchmarks/bench_train_step.py --tiny --out /tmp/x.json   # CPU smoke run on tiny shapes
     python benchmarks/bench_train_step.py --precision bf16 --markov-head rnn --out reports/bench/train_step_rnn.json
-    python benchmarks/bench_train_step.py --precision bf16 --mixed 4 [--packed] --out reports/bench/train_step_mix.json
+    python benchmarks/bench_train_step.py --precision bf16 --mixed 4 [--packed [--packed-length 16384]] \
+        --out reports/bench/train_step_mix.json   # 4 samples of L/8..L: padded rows, or packed (one row of 16384)
     python benchmarks/bench_train_step.py --vocab-size 32000 --out reports/bench/train_step_v32k.json
         # a reduced draft vocabulary (draft.vocab_size): the draft's head and W2 over 32,000 tokens, the teacher
         # over all 151,936; the batch's tokens are drawn from those 32,000 (the ranking's full coverage)
@@ -114,7 +115,7 @@ def make_batch(args, length: int, device: torch.device, seed: int) -> dict[str, 
                              generator=torch.Generator().manual_seed(length)).tolist()
         items = [random_item(n, vocab, len(AUX_LAYERS), tc.hidden_size, prompt_len=max(1, n // 16),
                              generator=g, dtype=dtype) for n in lens]
-        batch = collate_packed(items, args.anchors, 7, length if args.packed else 1, g)
+        batch = collate_packed(items, args.anchors, 7, (args.packed_length or length) if args.packed else 1, g)
         return {k: v.to(device) for k, v in batch.items()}
     item = random_item(length, vocab, len(AUX_LAYERS), tc.hidden_size, prompt_len=max(1, length // 16),
                        generator=g, dtype=dtype)
@@ -173,7 +174,8 @@ def run_length(args, precision: str, model, opt, params, length: int, device: to
     row = {"precision": precision, "chunk": model.loss_cfg.vocab_chunk_slots, "L": length,
            "draft_vocab_size": args.vocab_size, "teacher_vocab": args.teacher_vocab, "step_s": step_s,
            "tokens_per_s": d.world_size * tokens / step_s, "peak_gib": peak, "loss": loss,
-           "mixed": args.mixed, "packed": args.packed, "rows": int(batches[0]["input_ids"].shape[0]),
+           "mixed": args.mixed, "packed": args.packed,
+           "packed_length": (args.packed_length or length) if args.packed else None, "rows": int(batches[0]["input_ids"].shape[0]),
            "warmup_s": warm_s, "valid_slots": int(batches[0]["slot_valid"].sum()), "world_size": d.world_size}
     row["model_tflop"] = step_tflop(target_config(args.tiny), model.draft, length, args.anchors, args.teacher_vocab)
     if device.type == "cuda" and args.peak_tflops:
@@ -333,6 +335,9 @@ def main() -> None:
     ap.add_argument("--mixed", type=int, default=0,
                     help="a step is N samples of L/8..L tokens, one a row padded to the longest (default 0: one of L)")
     ap.add_argument("--packed", action="store_true", help="with --mixed: pack the samples into rows of L tokens")
+    ap.add_argument("--packed-length", type=int, default=None,
+                    help="with --packed: rows of this many tokens (draft.packed_length; default L); one row holding "
+                         "every sample (e.g. N * L) has no anchor padding")
     ap.add_argument("--recompute", action="store_true", help="activation checkpointing of each draft layer")
     ap.add_argument("--no-fused", dest="fused", action="store_false", help="foreach AdamW instead of fused")
     ap.add_argument("--compile", action="store_true", help="torch.compile the whole training forward")

@@ -21,7 +21,8 @@ What packing saves is the padding's share of the context work (features, K/V pro
 it); the block tokens are the same either way. A packed row holds more anchors, and the dense (CPU) attention
 path's block-to-block grid grows with the square of a row's anchors, so there it is slower (measured on one CPU
 thread, 8 samples of 32-431 tokens, 32 anchors each: 1.76 s/step padded, 2.96 s packed); flex (GPU) skips the
-masked tiles.
+masked tiles, and there a packed step runs as fast as the padded one with a little less memory (docs/DESIGN.md).
+``packed_length`` at least a micro-batch's tokens gives one row: no invalid anchor slots.
 """
 
 from __future__ import annotations
