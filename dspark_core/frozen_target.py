@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from dspark_core.errors import UserError
+from dspark_core.target import SUPPORTED_MODEL_TYPES, check_target_dir, load_target, resolve_dtype
 
 # config.json fields the draft reads; a config without one of them goes through transformers' defaults
 REQUIRED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -41,7 +42,7 @@ def read_model_config(path: str | Path) -> ModelConfig | None:
     """config.json of the HF dir ``path`` with transformers' defaults for the optional fields the draft reads."""
     path = Path(path)
     d = json.loads((path / "config.json").read_text())
-    if any(d.get(k) is None for k in REQUIRED) or d.get("model_type") not in ("qwen3", "qwen2", "llama"):
+    if any(d.get(k) is None for k in REQUIRED) or d.get("model_type") not in SUPPORTED_MODEL_TYPES:
         return None
     if "rope_parameters" not in d:  # a transformers 4 config.json: rope_theta + rope_scaling
         if d.get("rope_theta") is None:
@@ -133,15 +134,11 @@ def load_frozen_target(path: str | Path, dtype: str | torch.dtype = "float32",
                        device: str | torch.device = "cpu") -> tuple[nn.Module, int | None]:
     """``(FrozenTarget, pad_id)`` of the HF dir ``path``; a config.json this reader cannot complete goes through
     transformers (its config class and the full model), with the same result."""
-    from dspark_core.target import check_target_dir, resolve_dtype
-
     path = Path(path)
     check_target_dir(path)
     config = read_model_config(path)
     files = _weight_files(path)
     if config is None or EMBED not in files:
-        from dspark_core.target import load_target
-
         model, tok = load_target(path, dtype=dtype, device=device)
         return model, tok.pad_token_id
     dt = resolve_dtype(dtype)

@@ -51,11 +51,18 @@ def test_ops_modules_match_transformers_bit_for_bit(family, dtype):
         assert got.dtype == want.dtype == dtype and torch.equal(got, want)
 
 
-def test_scaled_rope_goes_to_transformers():
-    cfg = tiny_config("llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
-    rope = ops.rotary_embedding(cfg)
-    assert not isinstance(rope, ops.RotaryEmbedding) and rope.rope_type == "llama3"
+def test_scaled_rope_goes_to_transformers(tmp_path):
+    """A scaled rope type (llama3) is transformers' own table, from an HF config and from config.json alike."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 256}
+    cfg = tiny_config("llama", rope_scaling=scaling)
+    save_tiny_target(tmp_path, "llama", rope_scaling=scaling)
+    x, pos = torch.zeros(1), torch.arange(0, 600, 7).unsqueeze(0)  # [1, T]
+    want = _hf_module("llama", "RotaryEmbedding")(config=cfg)(x, pos)
+    for config in (cfg, read_model_config(tmp_path)):
+        rope = ops.rotary_embedding(config)
+        assert not isinstance(rope, ops.RotaryEmbedding) and rope.rope_type == "llama3"
+        assert all(torch.equal(a, b) for a, b in zip(rope(x, pos), want))
 
 
 @pytest.fixture(scope="module", params=[("llama", True), ("qwen3", False)], ids=["llama-tied", "qwen3-untied"])
