@@ -106,3 +106,22 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
 
 def sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=_json_default).encode()).hexdigest()
+
+
+def save_safetensors(tensors: dict[str, Any], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file`` with the same bytes for the same input: the library writes the header's
+    metadata map in a random order (so DVC would see a changed output and rerun what depends on it); the header is
+    rewritten in place with the metadata keys sorted (same length, same format)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    if metadata and len(metadata) > 1:
+        with open(path, "r+b") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size))
+            header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+            raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+            if len(raw) > size:  # cannot happen for the same content; keep the library's bytes then
+                return
+            fh.seek(8)
+            fh.write(raw.ljust(size))

@@ -100,3 +100,22 @@ def test_training_checkpoint_roundtrip_and_truncation(tmp_path):
     with pytest.raises(UserError, match=r"step_00000003/state.pt: \d+ bytes, manifest.json records \d+ .*delete "):
         load_checkpoint(tmp_path, other, oopt, osched)
     assert torch.equal(other.weight, before)  # nothing restored from a damaged checkpoint
+
+
+def test_save_safetensors_writes_the_same_bytes_for_the_same_input(tmp_path):
+    """safetensors writes its metadata map in a random order; save_safetensors' files are byte-identical (a DVC
+    output that does not change when its stage reruns), and read back the same."""
+    from safetensors import safe_open
+
+    from dspark_core.io import save_safetensors
+
+    meta = {"format": "x", "layout": json.dumps({"rows": [3]}), "target_fingerprint": "abc", "stats": "{}"}
+    tensors = {"table_0": torch.arange(6.0).view(2, 3), "table_1": torch.ones(4, dtype=torch.bfloat16)}
+    blobs = set()
+    for i in range(6):
+        save_safetensors(tensors, tmp_path / f"t{i}.safetensors", metadata=meta)
+        blobs.add((tmp_path / f"t{i}.safetensors").read_bytes())
+    assert len(blobs) == 1
+    with safe_open(str(tmp_path / "t0.safetensors"), framework="pt") as f:
+        assert f.metadata() == meta
+        assert all(torch.equal(f.get_tensor(k), v) for k, v in tensors.items())

@@ -63,16 +63,14 @@ def coverage(counts: np.ndarray, order: np.ndarray, n: int) -> float:
 
 def write_ranking(path: str | Path, order: np.ndarray, counts: np.ndarray, fingerprint: str | None) -> None:
     """``order`` [V] and ``counts`` [V] (int64) + the target's fingerprint, atomically."""
-    from safetensors.torch import save_file
-
-    from dspark_core.io import atomic_path
+    from dspark_core.io import atomic_path, save_safetensors
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {"order": torch.from_numpy(np.ascontiguousarray(order)),
                "counts": torch.from_numpy(np.ascontiguousarray(counts))}
     with atomic_path(path, ".safetensors") as tmp:
-        save_file(tensors, str(tmp), metadata={"format": RANKING_FORMAT, "fingerprint": fingerprint or ""})
+        save_safetensors(tensors, tmp, metadata={"format": RANKING_FORMAT, "fingerprint": fingerprint or ""})
 
 
 def read_ranking(path: str | Path, vocab_size: int, fingerprint: str | None = None

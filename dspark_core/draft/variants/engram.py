@@ -313,15 +313,13 @@ def write_frozen_table(path: str, weights: list[torch.Tensor], layout: dict[str,
     import json
     from pathlib import Path
 
-    from safetensors.torch import save_file
-
-    from dspark_core.io import atomic_path
+    from dspark_core.io import atomic_path, save_safetensors
 
     meta = {"format": TABLE_FORMAT, "layout": json.dumps(layout), "target_fingerprint": fingerprint or "",
             "stats": json.dumps(stats)}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(Path(path), ".safetensors") as tmp:
-        save_file({f"table_{k}": w.contiguous() for k, w in enumerate(weights)}, str(tmp), metadata=meta)
+        save_safetensors({f"table_{k}": w.contiguous() for k, w in enumerate(weights)}, tmp, metadata=meta)
 
 
 def read_frozen_table(path: str, layout: dict[str, Any], fingerprint: str | None) -> list[torch.Tensor]:
