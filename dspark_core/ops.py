@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+HF_CLASS_PREFIX = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}  # model_type -> transformers' class prefix
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm: normalise in float32, cast back, scale."""
@@ -106,6 +108,5 @@ def rotary_embedding(config: Any) -> nn.Module:
     from transformers import AutoConfig
 
     hf = config if hasattr(config, "to_json_string") else AutoConfig.for_model(**config.to_dict())
-    family = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}[hf.model_type]
     mod = importlib.import_module(f"transformers.models.{hf.model_type}.modeling_{hf.model_type}")
-    return getattr(mod, f"{family}RotaryEmbedding")(config=hf)
+    return getattr(mod, f"{HF_CLASS_PREFIX[hf.model_type]}RotaryEmbedding")(config=hf)

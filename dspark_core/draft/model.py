@@ -61,9 +61,9 @@ from dspark_core.draft.attention import AttentionMask, attend, build_attention_m
 from dspark_core.draft.config import DraftConfig
 from dspark_core.draft.heads import ConfidenceHead, build_markov_head
 from dspark_core.draft.vocab import DraftVocab
-from dspark_core.ops import GatedMLP, RMSNorm, rotary_embedding
+from dspark_core.ops import HF_CLASS_PREFIX, GatedMLP, RMSNorm, rotary_embedding
 
-FAMILIES = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}
+FAMILIES = tuple(HF_CLASS_PREFIX)  # the target families the draft mirrors
 FROZEN_KEYS = ("lm_head_weight", "embed_tokens_weight")
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [B, T, d]
 
