@@ -228,12 +228,15 @@ def test_chunk_math_ce_rows_matches_reference_and_autograd():
     torch.testing.assert_close(ref[0], ce.detach(), atol=1e-5, rtol=1e-5)  # CE reported for every row
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("vocab_mode", ["full", "reduced", "reduced_draft_teacher"])
 @pytest.mark.parametrize("with_markov", [True, False])
-def test_chunked_distill_triton_matches_torch(monkeypatch, with_markov, vocab_mode):
+def test_chunked_distill_triton_matches_torch(monkeypatch, with_markov, vocab_mode, shared):
     """The whole chunked loss (values and gradients) with the Triton chunk math == with the torch one; also with a
-    reduced draft vocabulary (some tokens outside it: no CE term) and its teacher full or over the draft's only."""
+    reduced draft vocabulary (some tokens outside it: no CE term) and its teacher full or over the draft's only,
+    and with teacher rows shared by several slots (``teacher_index``)."""
     from dspark_core.draft import loss as loss_mod
+    from dspark_core.draft.anchors import TeacherPlan
     from dspark_core.draft.loss import chunked_distill
 
     g = torch.Generator().manual_seed(5)
@@ -241,6 +244,11 @@ def test_chunked_distill_triton_matches_torch(monkeypatch, with_markov, vocab_mo
     d2t = torch.randperm(vocab, generator=g)[:120].sort().values.to(DEVICE) if vocab_mode != "full" else None
     lm = torch.randn(vocab, ht, generator=g).to(DEVICE)
     teacher = torch.randn(n, ht, generator=g).to(DEVICE)
+    extra = {}
+    if shared:  # 6 unique teacher rows read by the 11 slots
+        index = torch.tensor([0, 0, 1, 2, 2, 2, 3, 3, 4, 5, 5])
+        extra = dict(teacher_index=index.to(DEVICE), plan=TeacherPlan(index))
+        teacher = teacher[:6]
     targets = torch.randint(0, vocab if d2t is None else 120, (n,), generator=g).to(DEVICE)
     if d2t is not None:
         targets[:3] = -1  # outside the draft vocabulary
@@ -256,7 +264,7 @@ def test_chunked_distill_triton_matches_torch(monkeypatch, with_markov, vocab_mo
         m = m0.clone().requires_grad_() if with_markov else None
         w2 = w20.clone().requires_grad_() if with_markov else None
         distill, ce, l1 = chunked_distill(h, m, w2, lm, teacher, targets, weights, 0.1, 0.9, chunk_slots=4, d2t=d2t,
-                                          teacher_vocab=teacher_vocab)
+                                          teacher_vocab=teacher_vocab, **extra)
         distill.backward()
         grads = [t.grad for t in (h, m, w2) if t is not None]
         results.append([distill.detach(), ce, l1, *grads])

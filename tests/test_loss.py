@@ -139,3 +139,61 @@ def test_no_grad_path_gives_the_same_statistics():
         d0, ce0, l10 = chunked_distill(*args)
     d1, ce1, l11 = chunked_distill(args[0].requires_grad_(True), *args[1:])
     torch.testing.assert_close((d1.detach(), ce1, l11), (d0, ce0, l10), rtol=0, atol=0)
+
+
+def _brute_teacher_positions(batch):
+    b, a, j = batch["slot_valid"].nonzero(as_tuple=True)
+    return torch.stack([b, batch["anchors"][b, a] + j])  # [2, N] (row, position) of every valid slot
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_teacher_fields_list_each_position_once_and_plan_covers_every_chunk(packed):
+    from dspark_core.draft.packing import collate_packed
+
+    target = tiny_model("qwen3")
+    items = items_from_target(target, [0, 3], 4, 6, 24, seed=5)
+    gen = torch.Generator().manual_seed(2)
+    batch = (collate_packed(items, 9, 4, 64, gen) if packed
+             else add_anchor_fields(CacheCollator(0)(items), 9, 4, gen))
+    rows, index, plan = batch["teacher_rows"], batch["teacher_index"], batch["teacher_plan"]
+    want = _brute_teacher_positions(batch)
+    assert torch.equal(rows[:, index], want)  # every slot reads its own position
+    assert rows.shape[1] == len({tuple(c) for c in want.t().tolist()}) < want.shape[1]  # once each, fewer rows
+    n = index.shape[0]
+    for chunk in (1, 3, 7, n):
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            lo, hi = plan.rows(s, e)
+            assert lo <= int(index[s:e].min()) and int(index[s:e].max()) < hi
+            assert hi - lo <= e - s + 2 * 4  # a chunk's teacher rows: at most its slots plus a block each side
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+@pytest.mark.parametrize("vocab_mode", ["full", "reduced", "reduced_draft_teacher"])
+def test_chunked_distill_shared_teacher_rows_match_per_slot_rows(chunk, vocab_mode):
+    """Teacher rows read through teacher_index (each unique position once) == one teacher row per slot."""
+    from dspark_core.draft.anchors import TeacherPlan
+
+    g = torch.Generator().manual_seed(chunk)
+    n, u, v, ht, r = 17, 9, 60, 16, 4
+    d2t = torch.randperm(v, generator=g)[:25].sort().values if vocab_mode != "full" else None
+    index = torch.cat([torch.arange(u), torch.randint(0, u, (n - u,), generator=g)]).sort().values  # [N]
+    lm_w = torch.randn(v, ht, generator=g)
+    teacher_u = torch.randn(u, ht, generator=g)
+    targets = torch.randint(0, v if d2t is None else 25, (n,), generator=g)
+    weights = torch.rand(n, generator=g)
+    leaves = [torch.randn(n, ht, generator=g), torch.randn(n, r, generator=g),
+              torch.randn(v if d2t is None else 25, r, generator=g) * 0.5]
+    kw = dict(chunk_slots=chunk, d2t=d2t, teacher_vocab="draft" if vocab_mode == "reduced_draft_teacher" else "full")
+    results = []
+    for shared in (False, True):
+        h, m, w2 = (t.clone().requires_grad_(True) for t in leaves)
+        extra = dict(teacher_index=index, plan=TeacherPlan(index)) if shared else {}
+        teacher = teacher_u if shared else teacher_u[index]
+        distill, ce, l1 = chunked_distill(h, m, w2, lm_w, teacher, targets, weights, 0.1, 0.9, **kw, **extra)
+        distill.backward()
+        results.append([distill.detach(), ce, l1, h.grad, m.grad, w2.grad])
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="teacher_index and plan"):
+        chunked_distill(*leaves[:3], lm_w, teacher_u, targets, weights, 0.1, 0.9, chunk_slots=4, teacher_index=index)

@@ -11,6 +11,9 @@ Shape legend: B batch, L tokens (padded), A anchors per sample, S slots of a blo
   distribution is the target's at position ``p + j``. The slot is valid while ``p + j + 1 < L``, that
   token is a response token, and every earlier slot of the block is valid: a contiguous valid prefix
   (seed 000: the overlap a_i of an invalid slot counts as 0).
+- Overlapping blocks share teacher positions (anchors p and p + 2 both need the target at p + 2 .. p + 6):
+  :func:`teacher_fields` lists each position once (``teacher_rows``), so the loss runs the frozen LM head's
+  teacher GEMM over U unique positions instead of N slots (U ~ N / 2 when anchors are dense).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+
+TEACHER_KEYS = ("teacher_rows", "teacher_index", "teacher_plan")  # dropped by whatever moves anchors
 
 
 def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -90,4 +95,42 @@ def add_anchor_fields(batch: dict[str, torch.Tensor], num_anchors: int, block_si
     out.update(anchors=anchors, anchor_valid=anchor_valid)
     out.update(block_targets(batch["input_ids"], batch["loss_mask"], anchors, anchor_valid, block_size))
     out["slot_index"] = out["slot_valid"].nonzero().t().contiguous()  # [3, N]
+    out.update(teacher_fields(out["slot_index"], anchors, batch["input_ids"].shape[1]))
     return out
+
+
+class TeacherPlan:
+    """Which teacher rows a run of valid slots reads, on the host (the loss's chunk loop needs no device read).
+
+    ``low`` / ``high`` [N] (CPU): over slots ``i..`` the smallest, over slots ``..i`` the largest
+    ``teacher_index``; slots [s, e) therefore read rows within ``rows(s, e)``. A plain object, not a tensor
+    or dataclass: batch movers, pinning and DDP's input scatter leave it on the host as it is.
+    """
+
+    __slots__ = ("low", "high")
+
+    def __init__(self, index: torch.Tensor) -> None:
+        index = index.cpu()
+        self.low = index.flip(0).cummin(0).values.flip(0) if index.numel() else index  # [N] suffix minimum
+        self.high = index.cummax(0).values if index.numel() else index  # [N] prefix maximum
+
+    def __len__(self) -> int:
+        return int(self.low.shape[0])
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, TeacherPlan) and torch.equal(self.low, other.low)
+                and torch.equal(self.high, other.high))
+
+    def rows(self, start: int, stop: int) -> tuple[int, int]:
+        """[lo, hi): the teacher rows slots ``start .. stop - 1`` read."""
+        return int(self.low[start]), int(self.high[stop - 1]) + 1
+
+
+def teacher_fields(slot_index: torch.Tensor, anchors: torch.Tensor, length: int) -> dict:
+    """The valid slots' teacher positions, each once: ``teacher_rows`` [2, U] (batch row, position; sorted),
+    ``teacher_index`` [N] (a slot's row there) and their :class:`TeacherPlan`. slot_index [3, N] (b, a, j)."""
+    b, a, j = slot_index.cpu()
+    key = b * length + anchors.cpu()[b, a] + j  # [N] a slot's teacher position p + j, as one id per batch row
+    uniq, index = torch.unique(key, sorted=True, return_inverse=True)  # [U], [N]
+    rows = torch.stack([uniq // length, uniq % length])  # [2, U]
+    return {"teacher_rows": rows, "teacher_index": index, "teacher_plan": TeacherPlan(index)}

@@ -23,7 +23,9 @@ LM-head GEMM (``[h ; m] @ [W_lm ; W2]^T``, the weights concatenated once per ste
 are written once, not re-read and re-written by a second GEMM's epilogue. Only [N, Ht], [N, r] and
 [V, r] gradients are kept for backward, so peak memory is a few [n, V] float32 buffers and the LM-head
 matmuls run 3 times (2 forward, 1 backward) instead of 5 with per-chunk recomputation. The frozen
-LM head gets no gradient.
+LM head gets no gradient. Overlapping blocks share teacher positions: with the collate's ``teacher_rows``
+(``anchors.teacher_fields``) a chunk's teacher GEMM covers only the unique positions its slots read (about half
+the rows when anchors are dense) and the chunk math reads each slot's teacher row through ``teacher_index``.
 
 A reduced draft vocabulary (``draft.vocab_size``, ``draft/vocab.py``): the draft's logits are over its Vd tokens
 only (LM-head rows ``d2t``, W2 [Vd, r]), the teacher's over V; the chunk math sees the teacher's Vd columns of the
@@ -98,7 +100,8 @@ def _out_dtype_ok(a: torch.Tensor) -> bool:
 
 def chunk_math(logits: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
                ce_alpha: float, l1_alpha: float, grad_dtype: torch.dtype | None,
-               ce_rows: torch.Tensor | None = None, teacher_lse: torch.Tensor | None = None):
+               ce_rows: torch.Tensor | None = None, teacher_lse: torch.Tensor | None = None,
+               teacher_index: torch.Tensor | None = None):
     """Draft and teacher logits [n, V] float32 -> CE [n], L1 [n] and
     G = d(sum w (ce_alpha c CE + l1_alpha L1)) / d logits [n, V] in ``grad_dtype`` (None: no gradient), with
     c = ``ce_rows`` [n] (1: the row has a CE term, 0: none; None: every row has one). CE is returned for every row.
@@ -107,8 +110,14 @@ def chunk_math(logits: torch.Tensor, teacher: torch.Tensor, targets: torch.Tenso
     teacher over more tokens, whose logsumexp this is; p = exp(t - teacher_lse) and L1 adds the teacher's mass
     outside the columns, ``1 - sum p`` (q is 0 there; the gradient has no term from it).
 
+    ``teacher_index`` [n]: row i's teacher is ``teacher[teacher_index[i]]`` (teacher [u, V], teacher_lse [u]:
+    positions shared by overlapping blocks, each computed once); None: row i's.
+
     dCE/dl = q - onehot(t); dL1/dl = q * (s - <q, s>) with s = sign(q - p).
     """
+    if teacher_index is not None:
+        teacher = teacher.index_select(0, teacher_index)  # [n, V]
+        teacher_lse = None if teacher_lse is None else teacher_lse.index_select(0, teacher_index)  # [n]
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [n, 1]
     q = torch.exp(logits - lse)  # [n, V]
     if teacher_lse is None:
@@ -182,7 +191,7 @@ class _ChunkedDistill(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, head_h, markov, w2, lm_w, teacher_h, targets, weights, ce_alpha, l1_alpha, chunk,
-                cdtype, with_grad, d2t, ce_rows, teacher_draft):
+                cdtype, with_grad, d2t, ce_rows, teacher_draft, teacher_index, plan):
         n_slots = head_h.shape[0]
         dev = head_h.device
         with torch.autocast(dev.type, enabled=False):
@@ -204,13 +213,15 @@ class _ChunkedDistill(torch.autograd.Function):
             for s in range(0, n_slots, chunk):
                 e = min(n_slots, s + chunk)
                 logits = mm_f32(x_in[s:e].to(cdtype), w_in.t())  # [n, Vd]
-                teacher = mm_f32(teacher_h[s:e].to(cdtype), w_teach.t())  # [n, V] | [n, Vd]
+                t_lo, t_hi = (s, e) if plan is None else plan.rows(s, e)  # the teacher rows these slots read
+                t_idx = None if plan is None else teacher_index[s:e] - t_lo  # [n] a slot's row among them
+                teacher = mm_f32(teacher_h[t_lo:t_hi].to(cdtype), w_teach.t())  # [u, V] | [u, Vd]
                 t_lse = None
-                if outside:  # the full teacher's lse [n] and its draft-vocabulary columns [n, Vd]
+                if outside:  # the full teacher's lse [u] and its draft-vocabulary columns [u, Vd]
                     t_lse, teacher = torch.logsumexp(teacher, dim=-1), teacher.index_select(1, d2t)
                 rows = None if ce_rows is None else ce_rows[s:e]  # [n] 0: a token outside the draft vocabulary
                 ce_c, l1[s:e], g = math(logits, teacher, targets[s:e], weights[s:e], ce_alpha, l1_alpha,
-                                        cdtype if with_grad else None, rows, t_lse)
+                                        cdtype if with_grad else None, rows, t_lse, t_idx)
                 ce[s:e] = ce_c if rows is None else torch.where(rows > 0, ce_c, 0.0)  # no CE term: reported 0
                 del logits, teacher
                 if with_grad:
@@ -234,15 +245,18 @@ class _ChunkedDistill(torch.autograd.Function):
         grad_h = (g_distill * d_head).to(h_dt)
         grad_m = (g_distill * d_mk).to(m_dt) if d_mk is not None and ctx.needs_input_grad[1] else None
         grad_w2 = (g_distill * d_w2).to(w2_dt) if d_w2 is not None and ctx.needs_input_grad[2] else None
-        return (grad_h, grad_m, grad_w2) + (None,) * 12
+        return (grad_h, grad_m, grad_w2) + (None,) * 14
 
 
 def chunked_distill(head_h: torch.Tensor, markov: torch.Tensor | None, w2: torch.Tensor | None,
                     lm_w: torch.Tensor, teacher_h: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
                     ce_alpha: float, l1_alpha: float, chunk_slots: int, d2t: torch.Tensor | None = None,
-                    teacher_vocab: str = "full"):
+                    teacher_vocab: str = "full", teacher_index: torch.Tensor | None = None, plan: Any = None):
     """(distill [], ce [N], l1 [N]) for head_h [N, Ht] (draft states the LM head reads), markov [N, r] with
     w2 [Vd, r] (or None, None), lm_w [V, Ht] frozen, teacher_h [N, Ht], targets [N], weights [N].
+
+    ``teacher_index`` [N] with its ``plan`` (``anchors.teacher_fields``): teacher_h holds U unique positions
+    [U, Ht] and slot i reads row ``teacher_index[i]``; a chunk's teacher GEMM covers only the rows its slots read.
 
     ``d2t`` [Vd] (a reduced draft vocabulary, ``draft/vocab.py``): the draft's logits are over the LM head's rows
     ``d2t`` and ``targets`` are draft ids (-1: outside the draft vocabulary); the teacher stays the full
@@ -259,6 +273,8 @@ def chunked_distill(head_h: torch.Tensor, markov: torch.Tensor | None, w2: torch
         raise ValueError("chunked_distill: give both markov and w2, or neither")
     if lm_w.requires_grad:
         raise ValueError("chunked_distill: the LM head must be frozen (requires_grad=False)")
+    if (teacher_index is None) != (plan is None) or (plan is not None and len(plan) != head_h.shape[0]):
+        raise ValueError("chunked_distill: teacher_index and plan go together, one entry per slot")
     if teacher_vocab not in ("full", "draft"):
         raise ValueError(f"chunked_distill: teacher_vocab must be full or draft; got {teacher_vocab!r}")
     dev = head_h.device
@@ -272,7 +288,7 @@ def chunked_distill(head_h: torch.Tensor, markov: torch.Tensor | None, w2: torch
     with torch.profiler.record_function(PROFILE_RANGE):  # names the loss's kernels in a profile (bench_train_step)
         return _ChunkedDistill.apply(head_h, markov, w2, lm_w, teacher_h, targets, weights.float(), float(ce_alpha),
                                      float(l1_alpha), int(chunk_slots), cdtype, with_grad, d2t, ce_rows,
-                                     teacher_vocab == "draft" and d2t is not None)
+                                     teacher_vocab == "draft" and d2t is not None, teacher_index, plan)
 
 
 def _valid_slot_index(batch: Mapping[str, torch.Tensor]):
@@ -295,14 +311,20 @@ def slot_outputs(draft, hidden: torch.Tensor, batch: Mapping[str, torch.Tensor],
     m_all = draft.markov_features(batch["prev_tokens"], hidden, extras)  # [B, A, S, r] | None
     m = m_all[b, a, j] if m_all is not None else None  # [N, r]
     u = draft.markov_block(m_all, hidden)[b, a, j] if m_all is not None else None  # [N, r] W2's input
-    teacher = batch["last_hidden"][b, batch["anchors"][b, a] + j]  # [N, Ht]
+    plan = batch.get("teacher_plan")  # the collate's unique teacher positions (anchors.teacher_fields)
+    if plan is not None and len(plan) == b.shape[0]:
+        rows, t_index = batch["teacher_rows"], batch["teacher_index"]  # [2, U], [N]
+        teacher = batch["last_hidden"][rows[0], rows[1]]  # [U, Ht]
+    else:
+        plan = t_index = None
+        teacher = batch["last_hidden"][b, batch["anchors"][b, a] + j]  # [N, Ht]
     w2 = draft.markov.w2.weight if m is not None else None
     vocab = getattr(draft, "draft_vocab", None)  # a reduced draft vocabulary (draft/vocab.py) or None
     targets = batch["targets"][b, a, j]  # [N] target ids
     distill, ce, l1 = chunked_distill(draft.head_states(h), u, w2, draft.lm_head_weight, teacher,
                                       targets if vocab is None else vocab.to_draft(targets), weights, cfg.ce_alpha,
                                       cfg.l1_alpha, cfg.vocab_chunk_slots, None if vocab is None else vocab.d2t,
-                                      cfg.teacher_vocab)
+                                      cfg.teacher_vocab, t_index, plan)
     return {"weights": weights, "distill": distill, "ce": ce, "l1": l1, "overlap": overlap_from_l1(l1),
             "conf_logits": draft.confidence_logits(h, m), "index": torch.stack([b, a, j])}
 

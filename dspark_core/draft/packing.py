@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dspark_core.draft.anchors import _generators, block_targets, sample_anchors
+from dspark_core.draft.anchors import _generators, block_targets, sample_anchors, teacher_fields
 
 ITEM_KEYS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")  # a cache item's per-token tensors
 SLOT_KEYS = ("targets", "prev_tokens", "slot_valid")
@@ -95,6 +95,7 @@ def collate_packed(items: Sequence[dict[str, Any]], num_anchors: int, block_size
         out["lengths"][r] = start
     out["attention_mask"] = out["doc_ids"] >= 0
     out["slot_index"] = out["slot_valid"].nonzero().t().contiguous()  # [3, N]
+    out.update(teacher_fields(out["slot_index"], out["anchors"], width))
     return out
 
 

@@ -1,9 +1,10 @@
 """Fused per-row math of the DSpark distillation loss (Triton), the GPU fast path of
 ``dspark_core.draft.loss.chunk_math``.
 
-Shape legend: n rows (slots of one vocabulary chunk), V vocab.
+Shape legend: n rows (slots of one vocabulary chunk), u teacher rows, V vocab.
 
-Given draft logits ``l`` and teacher logits ``t`` [n, V] (float32), per row:
+Given draft logits ``l`` [n, V] and teacher logits ``t`` [n, V] (or [u, V] with a row index [n]: blocks sharing
+a teacher position read one row) (float32), per row:
 ``q = softmax(l)``, ``p = softmax(t)``, ``CE = lse(l) - l[target]``, ``L1 = sum |q - p|`` and the gradient
 ``G = d(w (ce_alpha CE + l1_alpha L1)) / dl = q * w (l1_alpha (s - <q, s>) + ce_alpha) - ce_alpha w onehot``
 with ``s = sign(q - p)``. Three passes over the two [n, V] inputs, one program per row:
@@ -30,11 +31,20 @@ _NUM_WARPS = 8
 
 
 @triton.jit
-def _stats(L, T, LSE_L, LSE_T, V, stride, TEACHER_LSE: tl.constexpr, BLOCK: tl.constexpr):
+def _teacher_row(TIDX, row, HAS_TIDX: tl.constexpr):
+    """The teacher row of draft row ``row``: TIDX[row], or the row itself."""
+    if HAS_TIDX:
+        return tl.load(TIDX + row).to(tl.int64)
+    return row
+
+
+@triton.jit
+def _stats(L, T, TIDX, LSE_L, LSE_T, V, stride, t_stride, TEACHER_LSE: tl.constexpr, HAS_TIDX: tl.constexpr,
+           BLOCK: tl.constexpr):
     """lse of the row's draft logits, and of its teacher logits unless ``TEACHER_LSE`` (given in LSE_T)."""
     row = tl.program_id(0).to(tl.int64)
     base_l = L + row * stride
-    base_t = T + row * stride
+    base_t = T + _teacher_row(TIDX, row, HAS_TIDX) * t_stride
     m_l = tl.full([BLOCK], -1.0e30, tl.float32)
     s_l = tl.zeros([BLOCK], tl.float32)
     m_t = tl.full([BLOCK], -1.0e30, tl.float32)
@@ -53,7 +63,7 @@ def _stats(L, T, LSE_L, LSE_T, V, stride, TEACHER_LSE: tl.constexpr, BLOCK: tl.c
             m_t = new_t
     ml = tl.max(m_l, 0)
     tl.store(LSE_L + row, ml + tl.log(tl.sum(s_l * tl.exp(m_l - ml), 0)))
-    if not TEACHER_LSE:
+    if not TEACHER_LSE:  # per draft row (a shared teacher row's lse is computed once per reader)
         mt = tl.max(m_t, 0)
         tl.store(LSE_T + row, mt + tl.log(tl.sum(s_t * tl.exp(m_t - mt), 0)))
 
@@ -68,11 +78,12 @@ def _q_diff_sign(base_l, base_t, lse_l, lse_t, cols, mask):
 
 
 @triton.jit
-def _reduce(L, T, LSE_L, LSE_T, L1, QS, V, stride, TEACHER_LSE: tl.constexpr, BLOCK: tl.constexpr):
+def _reduce(L, T, TIDX, LSE_L, LSE_T, L1, QS, V, stride, t_stride, TEACHER_LSE: tl.constexpr,
+            HAS_TIDX: tl.constexpr, BLOCK: tl.constexpr):
     """L1 and <q, s> of the row; with ``TEACHER_LSE`` the teacher's mass outside the columns, 1 - sum p, joins L1."""
     row = tl.program_id(0).to(tl.int64)
     base_l = L + row * stride
-    base_t = T + row * stride
+    base_t = T + _teacher_row(TIDX, row, HAS_TIDX) * t_stride
     lse_l = tl.load(LSE_L + row)
     lse_t = tl.load(LSE_T + row)
     acc_l1 = tl.zeros([BLOCK], tl.float32)
@@ -92,11 +103,11 @@ def _reduce(L, T, LSE_L, LSE_T, L1, QS, V, stride, TEACHER_LSE: tl.constexpr, BL
 
 
 @triton.jit
-def _grad(L, T, LSE_L, LSE_T, QS, W, TGT, CE_ROWS, G, V, stride, g_stride, ce_alpha, l1_alpha,
-          HAS_CE_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _grad(L, T, TIDX, LSE_L, LSE_T, QS, W, TGT, CE_ROWS, G, V, stride, t_stride, g_stride, ce_alpha, l1_alpha,
+          HAS_CE_ROWS: tl.constexpr, HAS_TIDX: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base_l = L + row * stride
-    base_t = T + row * stride
+    base_t = T + _teacher_row(TIDX, row, HAS_TIDX) * t_stride
     lse_l = tl.load(LSE_L + row)
     lse_t = tl.load(LSE_T + row)
     qs = tl.load(QS + row)
@@ -116,32 +127,37 @@ def _grad(L, T, LSE_L, LSE_T, QS, W, TGT, CE_ROWS, G, V, stride, g_stride, ce_al
 
 def chunk_math_triton(logits: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
                       ce_alpha: float, l1_alpha: float, grad_dtype: torch.dtype | None,
-                      ce_rows: torch.Tensor | None = None, teacher_lse: torch.Tensor | None = None):
-    """Same contract as ``dspark_core.draft.loss.chunk_math``: logits / teacher [n, V] float32 ->
+                      ce_rows: torch.Tensor | None = None, teacher_lse: torch.Tensor | None = None,
+                      teacher_index: torch.Tensor | None = None):
+    """Same contract as ``dspark_core.draft.loss.chunk_math``: logits [n, V] / teacher [n, V] float32 ->
     CE [n], L1 [n], G [n, V] in ``grad_dtype`` (None: no gradient, two passes only); ``ce_rows`` [n]: each
-    row's CE weight factor (None: 1); ``teacher_lse`` [n]: the teacher's lse over a larger vocabulary (None:
-    over these columns)."""
+    row's CE weight factor (None: 1); ``teacher_lse``: the teacher's lse over a larger vocabulary (None:
+    over these columns), per teacher row; ``teacher_index`` [n]: row i's teacher row (teacher [u, V])."""
     if logits.dtype != torch.float32 or teacher.dtype != torch.float32:
         raise ValueError(f"chunk_math_triton wants float32 logits; got {logits.dtype}, {teacher.dtype}")
     logits, teacher = logits.contiguous(), teacher.contiguous()
     n, vocab = logits.shape
     lse_l = torch.empty(n, device=logits.device, dtype=torch.float32)
     given = teacher_lse is not None
+    has_tidx = teacher_index is not None
+    if given and has_tidx:  # a teacher row's lse -> each draft row's
+        teacher_lse = teacher_lse.index_select(0, teacher_index)
+    tidx = teacher_index.contiguous() if has_tidx else lse_l  # read only with HAS_TIDX
     lse_t = teacher_lse.float().contiguous() if given else torch.empty_like(lse_l)
     l1 = torch.empty_like(lse_l)
     qs = torch.empty_like(lse_l)
     grid = (n,)
-    _stats[grid](logits, teacher, lse_l, lse_t, vocab, logits.stride(0), TEACHER_LSE=given, BLOCK=_BLOCK_V,
-                 num_warps=_NUM_WARPS)
-    _reduce[grid](logits, teacher, lse_l, lse_t, l1, qs, vocab, logits.stride(0), TEACHER_LSE=given,
-                  BLOCK=_BLOCK_V, num_warps=_NUM_WARPS)
+    _stats[grid](logits, teacher, tidx, lse_l, lse_t, vocab, logits.stride(0), teacher.stride(0), TEACHER_LSE=given,
+                 HAS_TIDX=has_tidx, BLOCK=_BLOCK_V, num_warps=_NUM_WARPS)
+    _reduce[grid](logits, teacher, tidx, lse_l, lse_t, l1, qs, vocab, logits.stride(0), teacher.stride(0),
+                  TEACHER_LSE=given, HAS_TIDX=has_tidx, BLOCK=_BLOCK_V, num_warps=_NUM_WARPS)
     ce = lse_l - logits.gather(1, targets.view(n, 1)).squeeze(1)  # [n]
     if grad_dtype is None:
         return ce, l1, None
     grad = torch.empty(n, vocab, device=logits.device, dtype=grad_dtype)
     weights = weights.float().contiguous()
     rows = weights if ce_rows is None else ce_rows.float().contiguous()  # read only with HAS_CE_ROWS
-    _grad[grid](logits, teacher, lse_l, lse_t, qs, weights, targets.contiguous(), rows, grad, vocab,
-                logits.stride(0), grad.stride(0), float(ce_alpha), float(l1_alpha), HAS_CE_ROWS=ce_rows is not None,
-                BLOCK=_BLOCK_V, num_warps=_NUM_WARPS)
+    _grad[grid](logits, teacher, tidx, lse_l, lse_t, qs, weights, targets.contiguous(), rows, grad, vocab,
+                logits.stride(0), teacher.stride(0), grad.stride(0), float(ce_alpha), float(l1_alpha),
+                HAS_CE_ROWS=ce_rows is not None, HAS_TIDX=has_tidx, BLOCK=_BLOCK_V, num_warps=_NUM_WARPS)
     return ce, l1, grad

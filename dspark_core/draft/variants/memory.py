@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from dspark_core.draft import inference
-from dspark_core.draft.anchors import anchor_candidates, block_targets
+from dspark_core.draft.anchors import TEACHER_KEYS, anchor_candidates, block_targets
 from dspark_core.draft.config import MEMORY_ONLINE, DraftConfig
 from dspark_core.draft.model import DSparkDraft, ExtraKV
 from dspark_core.ops import RMSNorm
@@ -192,6 +192,8 @@ class DraftMemory(DSparkDraft, kind="draft_memory"):
         out.update(block_targets(batch["input_ids"], batch["loss_mask"], out["anchors"], out["anchor_valid"],
                                  self.block_size))
         out["slot_index"] = out["slot_valid"].nonzero().t().contiguous()  # [3, N]
+        for key in TEACHER_KEYS:  # the collate's teacher rows were for the stage-1 anchors
+            out.pop(key, None)
         return out
 
     offline_anchor_set_names = ("", POST_ERROR)
