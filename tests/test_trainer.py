@@ -439,3 +439,32 @@ def test_time_schedule_is_the_same_on_every_rank(tmp_path, monkeypatch):
     assert len(one.history) == 10  # 3 s a step, 30 s
     for (k, va), vb in zip(_params(one.model).items(), ranks[0]["params"].values()):
         torch.testing.assert_close(va, vb, rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("scale", [0.01, 100.0])  # the gradients' norm below and above the clip
+def test_clip_and_step_with_a_fused_adamw_matches_clip_grad_norm_then_step(scale):
+    """The clip factor passed as the fused AdamW's grad_scale == clip_grad_norm_ then step (float rounding)."""
+    from dspark_core.train.trainer import clip_and_step
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(40, 30), (30,), (7, 5)]
+    init = [torch.randn(s, generator=g) for s in shapes]
+    grads = [torch.randn(s, generator=g) * scale for s in shapes]
+    runs = []
+    for ours in (False, True):
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+        for step in range(3):
+            for p, gr in zip(params, grads):
+                p.grad = gr * (step + 1)
+            if ours:
+                norm = clip_and_step(opt, params, 1.0)
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+        assert "grad_scale" not in vars(opt)
+        runs.append(([p.detach() for p in params], float(norm)))
+    (ref, n_ref), (got, n_got) = runs
+    assert n_got == pytest.approx(n_ref, rel=1e-6)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

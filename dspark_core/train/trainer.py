@@ -174,8 +174,8 @@ def step_batch_stream(task: TrainTask, cfg: TrainConfig, d: Dist, start: int, pi
     ``cfg.data_workers`` > 0 a DataLoader's worker processes prepare the next steps meanwhile (the dataset
     must be safe to use after a fork, as ``CacheDataset`` is)."""
     steps = StepBatches(task, cfg, d, start, cfg.stop_step)
-    if cfg.data_workers == 0:
-        return (steps[i] for i in range(len(steps)))
+    if cfg.data_workers == 0:  # pinned too: a copy from pageable memory would wait for the device's queue
+        return ([_pinned(b) for b in steps[i]] if pin_memory else steps[i] for i in range(len(steps)))
     loader = torch.utils.data.DataLoader(steps, batch_size=None, shuffle=False, num_workers=cfg.data_workers,
                                          prefetch_factor=2, pin_memory=pin_memory)
     return iter(loader)
@@ -269,8 +269,24 @@ def pick_device_dtype(cfg: TrainConfig, d: Dist) -> tuple[torch.device, torch.dt
     return device, amp
 
 
-def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+def _pinned(batch: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.pin_memory() if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+def _to(batch: dict[str, Any], device: torch.device, stream: Any = None) -> dict[str, Any]:
+    """The batch's tensors on ``device``. On CUDA with a copy ``stream``, the copies run there, so they overlap the
+    step still running on the compute stream (pinned host tensors only: a copy from pageable memory would wait for
+    the device); the compute stream waits for them before its first use."""
+    if stream is None or device.type != "cuda":
+        return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+    compute = torch.cuda.current_stream(device)
+    with torch.cuda.stream(stream):
+        out = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+    compute.wait_stream(stream)
+    for v in out.values():
+        if torch.is_tensor(v) and v.device.type == "cuda":
+            v.record_stream(compute)  # the allocator keeps the memory until the compute stream is done with it
+    return out
 
 
 def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
@@ -320,30 +336,18 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
     if progress and d.is_main:
         from tqdm.auto import tqdm
         bar = tqdm(total=cfg.stop_step, initial=start, desc=f"train {task.name}", unit="step")
+    copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # host -> device batch copies
     t_loop = _now()
-    last = start
-    for step in range(start, stop_step):
-        t0 = _now()
-        batches = [_to(b, device) for b in next(stream)]
-        if hasattr(task, "prepare_step"):  # model-dependent supervision, decided before the denominators
-            with torch.no_grad(), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
-                batches = task.prepare_step(model, batches)
-        dens = _global_denominators(task, batches, d, device)
-        sums_acc: dict[str, torch.Tensor] = {}
-        for m, batch in enumerate(batches):
-            sync = m == accum - 1 or d.world_size == 1
-            ctx = wrapped.no_sync() if (not sync and d.world_size > 1) else _null()
-            with ctx, torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
-                sums = task.forward_sums(wrapped, batch)
-                loss = _combine(task, sums, dens) * d.world_size  # DDP averages over ranks
-            loss.backward()
-            for k, v in sums.items():
-                sums_acc[k] = sums_acc.get(k, 0) + v.detach().float()
-        grad_norm = _clip(params, cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        lr = sched.get_last_lr()[0]
-        row = _step_metrics(task, sums_acc, dens, d, device)  # reads the step's sums: the device has finished it
+    last, prev_now = start, t_loop
+    # A step's numbers (loss sums, grad norm) are read when the next step has been queued, so the device never
+    # waits for the host between steps; a step that checkpoints, ends the run or is under a time budget (whose
+    # clock and lr need its end) is read at once, before anything else is queued.
+    pending: _Enqueued | None = None
+
+    def finish(rec: _Enqueued) -> bool:
+        """Read step ``rec``'s numbers (waits for the device to finish it), log, checkpoint; True: stop here."""
+        nonlocal last, prev_now, origin
+        row = _step_metrics(task, rec.sums, rec.dens, d, device)  # reads the step's sums: the device has finished it
         now = _now()
         out_of_time, spent = False, 0.0
         if time_budget_s is not None:
@@ -352,10 +356,11 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
             if by_time:
                 origin = spent if origin is None else origin  # the schedule's clock starts after the first step
                 clock["progress"] = (spent - origin) / max(time_budget_s - origin, 1e-9)
-        sched.step()
-        row.update(lr=lr, grad_norm=grad_norm, step_s=now - t0)
+                sched.step()
+        row.update(lr=rec.lr, grad_norm=float(rec.grad_norm), step_s=now - max(rec.t0, prev_now))
+        prev_now = now
         history.append(row)
-        done = last = step + 1
+        done = last = rec.step
         final = done == cfg.stop_step or out_of_time
         if d.is_main:
             if live is not None and (done % cfg.log_every == 0 or final):
@@ -379,11 +384,60 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
             if d.is_main:
                 print(f"train: time budget of {time_budget_s:g} s reached after step {done} of {cfg.stop_step}; "
                       f"stopping there")
+            return True
+        return False
+
+    for step in range(start, stop_step):
+        t0 = _now()
+        batches = [_to(b, device, copy_stream) for b in next(stream)]
+        if hasattr(task, "prepare_step"):  # model-dependent supervision, decided before the denominators
+            with torch.no_grad(), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
+                batches = task.prepare_step(model, batches)
+        dens = _global_denominators(task, batches, d, device)
+        sums_acc: dict[str, torch.Tensor] = {}
+        for m, batch in enumerate(batches):
+            sync = m == accum - 1 or d.world_size == 1
+            ctx = wrapped.no_sync() if (not sync and d.world_size > 1) else _null()
+            with ctx, torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
+                sums = task.forward_sums(wrapped, batch)
+                loss = _combine(task, sums, dens) * d.world_size  # DDP averages over ranks
+            loss.backward()
+            for k, v in sums.items():
+                sums_acc[k] = sums_acc.get(k, 0) + v.detach().float()
+        grad_norm = clip_and_step(opt, params, cfg.grad_clip)
+        opt.zero_grad(set_to_none=True)
+        rec = _Enqueued(step + 1, t0, sums_acc, dens, grad_norm, sched.get_last_lr()[0])
+        if not by_time:  # a steps schedule needs nothing from the device
+            sched.step()
+        if pending is not None and finish(pending):
             break
+        pending = None
+        now_needed = (time_budget_s is not None or rec.step == stop_step
+                      or (checkpoints and rec.step % cfg.checkpoint_every == 0))
+        if now_needed:
+            if finish(rec):
+                break
+        else:
+            pending = rec
+    if pending is not None:
+        finish(pending)
     if bar is not None:
         bar.close()
     del stream  # stops DataLoader workers (a time budget can leave steps unread)
     return TrainResult(model=model, steps=last, history=history)
+
+
+@dataclass
+class _Enqueued:
+    """A step queued on the device whose numbers are not read yet: its number (1-based), start time, loss and
+    metric sums, denominators, gradient norm (tensors on the device) and lr."""
+
+    step: int
+    t0: float
+    sums: dict[str, torch.Tensor]
+    dens: dict[str, torch.Tensor]
+    grad_norm: Any
+    lr: float
 
 
 def _now() -> float:  # the trainer's clock (time budgets, step_s); tests replace it
@@ -427,6 +481,28 @@ def _combine(task: TrainTask, sums: dict[str, torch.Tensor], dens: dict[str, tor
     if total is None:
         raise UserError(f"task {task.name!r}: every loss weight is zero")
     return total
+
+
+def clip_and_step(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_norm: float) -> Any:
+    """Clip the gradients to the global norm ``max_norm`` (0: no clipping), then ``opt.step()``; returns the norm
+    before clipping (a device tensor, not read here, or a float).
+
+    A fused AdamW over dense gradients takes the clip factor as its ``grad_scale`` (it divides each gradient by
+    it inside its own kernel): the same update as ``clip_grad_norm_`` then ``step`` up to float rounding, without
+    a separate pass that rescales every gradient in memory."""
+    grads = [p.grad for p in params if p.grad is not None]
+    fused = isinstance(opt, torch.optim.AdamW) and bool(opt.defaults.get("fused")) and "grad_scale" not in vars(opt)
+    if not (fused and max_norm > 0 and grads and not any(g.is_sparse for g in grads)):
+        norm = _clip(params, max_norm)
+        opt.step()
+        return norm
+    norm = torch.nn.utils.get_total_norm(grads)  # [] float32 on the device
+    opt.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)  # 1 / clip_grad_norm_'s factor (fp32)
+    try:
+        opt.step()
+    finally:
+        del opt.grad_scale
+    return norm
 
 
 def _clip(params: list[torch.nn.Parameter], max_norm: float) -> float:
