@@ -240,15 +240,28 @@ def part_loss(dev) -> list[dict]:
     return rows
 
 
-def part_flex(dev, lengths=(2048, 4096)) -> list[dict]:
+# (name, dynamic shapes, compile mode, kernel_options) of the flex part; static shapes only at the longest L
+FLEX_VARIANTS = [("default", True, None, None), ("max_autotune", True, "max-autotune-no-cudagraphs", None),
+                 ("static", False, None, None), ("m64n64", True, None, {"BLOCK_M": 64, "BLOCK_N": 64})]
+# --flex-set sweep: the training path's static shapes under backward / forward kernel options
+FLEX_SWEEP = [("static", False, None, None),
+              ("static_autotune", False, "max-autotune-no-cudagraphs", None),
+              ("bwd_m64n128_m128n64", False, None, {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128,
+                                                    "bwd_BLOCK_N2": 64}),
+              ("bwd_m32n128_m128n32", False, None, {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128,
+                                                    "bwd_BLOCK_N2": 32}),
+              ("bwd_w8_s2", False, None, {"bwd_num_warps": 8, "bwd_num_stages": 2}),
+              ("fwd_tma", False, None, {"fwd_USE_TMA": True})]
+
+
+def part_flex(dev, lengths=(2048, 4096), variants=None) -> list[dict]:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from dspark_core.draft.attention import make_mask_mod
 
     anchors_n, block = 512, 7
-    # (name, dynamic shapes, compile mode, kernel_options); static shapes only at the longest L
-    variants = [("default", True, None, None), ("max_autotune", True, "max-autotune-no-cudagraphs", None),
-                ("static", False, None, None), ("m64n64", True, None, {"BLOCK_M": 64, "BLOCK_N": 64})]
+    variants = FLEX_VARIANTS if variants is None else variants
+    static_everywhere = variants is not FLEX_VARIANTS
     rows = []
     for length in lengths:
         g = torch.Generator().manual_seed(0)
@@ -267,7 +280,7 @@ def part_flex(dev, lengths=(2048, 4096)) -> list[dict]:
         flops_fwd = 4 * pairs * HQ * D
         print(f"flex L={length}: {bm}".split("\n")[0], flush=True)
         for name, dyn, mode, opts in variants:
-            if not dyn and length != max(lengths):
+            if not dyn and length != max(lengths) and not static_everywhere:
                 continue
             fn = torch.compile(flex_attention, dynamic=dyn, mode=mode)
             t0 = time.perf_counter()
@@ -340,6 +353,9 @@ def main() -> None:
     ap.add_argument("--tile-pins", default=None,
                     help="tiles part: also write the best mma-mode candidate per matrix (least time summed over "
                          "--tile-tokens) as a kernel configs table to this file (bench_online.kernel_configs)")
+    ap.add_argument("--flex-set", choices=("default", "sweep"), default="default",
+                    help="flex part: the default variants, or the static-shape kernel-option sweep (FLEX_SWEEP)")
+    ap.add_argument("--flex-lengths", default="2048,4096", help="flex part: comma list of context lengths")
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench" / "kernels.json"))
     args = ap.parse_args()
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
@@ -348,7 +364,9 @@ def main() -> None:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     report = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)",
               "torch": torch.__version__}
-    parts = {"gemv": part_gemv, "loss": part_loss, "flex": part_flex, "decode_profile": part_decode_profile,
+    flex_lengths = tuple(int(n) for n in args.flex_lengths.split(","))
+    parts = {"gemv": part_gemv, "loss": part_loss, "decode_profile": part_decode_profile,
+             "flex": lambda d: part_flex(d, flex_lengths, FLEX_SWEEP if args.flex_set == "sweep" else None),
              "tiles": lambda d: part_tiles(d, args.tile_shape, tokens=tuple(int(t) for t in args.tile_tokens.split(",")),
                                            candidates=args.tile_candidates)}
     for name in args.parts:

@@ -69,6 +69,7 @@ from dspark_core.draft.packing import collate_packed  # noqa: E402
 from dspark_core.draft.synthetic import random_item  # noqa: E402
 from dspark_core.draft.task import DSparkTrainModel, draft_denominators  # noqa: E402
 from dspark_core.testing import QWEN3_4B_SHAPES  # noqa: E402
+from dspark_core.train.trainer import clip_and_step  # noqa: E402
 
 DEFAULT_REFERENCE = ROOT.parent / "shared" / "anchors" / "train_step_peers_h200.json"
 AUX_LAYERS = (1, 9, 17, 25, 33)
@@ -85,9 +86,7 @@ def target_config(tiny: bool) -> Qwen3Config:
 def build(args, precision: str,
           device: torch.device) -> tuple[DSparkTrainModel, torch.optim.Optimizer, list[torch.nn.Parameter]]:
     tc = target_config(args.tiny)
-    cfg = DraftConfig(num_draft_layers=5, block_size=7, mask_token_id=tc.vocab_size - 1, num_anchors=args.anchors,
-                      markov_rank=16 if args.tiny else 256, markov_head=args.markov_head,
-                      confidence_with_markov=args.markov_head != "none", vocab_size=args.vocab_size)
+    cfg = draft_config(args, tc)
     frozen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     lm = torch.randn(tc.vocab_size, tc.hidden_size, device=device, dtype=frozen_dtype) * 0.02  # tied embed/LM head
     with torch.device(device):  # build the weights where they will live
@@ -116,13 +115,64 @@ def make_batch(args, length: int, device: torch.device, seed: int) -> dict[str, 
         items = [random_item(n, vocab, len(AUX_LAYERS), tc.hidden_size, prompt_len=max(1, n // 16),
                              generator=g, dtype=dtype) for n in lens]
         batch = collate_packed(items, args.anchors, 7, (args.packed_length or length) if args.packed else 1, g)
-        return {k: v.to(device) for k, v in batch.items()}
+        return to_device(batch, device)
     item = random_item(length, vocab, len(AUX_LAYERS), tc.hidden_size, prompt_len=max(1, length // 16),
                        generator=g, dtype=dtype)
     batch = {k: v.unsqueeze(0) for k, v in item.items()}
     batch["lengths"] = torch.tensor([length])
     batch = add_anchor_fields(batch, args.anchors, 7, g)
-    return {k: v.to(device) for k, v in batch.items()}
+    return to_device(batch, device)
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """The batch's tensors on ``device``; other values (the teacher plan, a host-side object) as they are."""
+    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+def draft_config(args, tc) -> DraftConfig:
+    return DraftConfig(num_draft_layers=5, block_size=7, mask_token_id=tc.vocab_size - 1, num_anchors=args.anchors,
+                       markov_rank=16 if args.tiny else 256, markov_head=args.markov_head,
+                       confidence_with_markov=args.markov_head != "none", vocab_size=args.vocab_size)
+
+
+def run_trainer(args, length: int, device: torch.device) -> dict:
+    """The shared trainer's own loop (``train.trainer.train``: batches collated in the loop or by
+    ``--trainer-workers`` processes, moved to the device, clip + AdamW, its per-step logging) on 3 random samples of
+    ``length`` tokens, at its precision (fp32 weights, bf16 autocast on GPU): time per step between the step
+    callbacks of the timed steps, and peak memory."""
+    import tempfile
+
+    from dspark_core.draft.task import DSparkTask
+    from dspark_core.train.trainer import TrainConfig, train
+
+    tc = target_config(args.tiny)
+    g = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    lm = torch.randn(tc.vocab_size, tc.hidden_size, generator=g).mul_(0.02)  # tied embedding / LM head
+    items = [random_item(length, args.vocab_size or tc.vocab_size, len(AUX_LAYERS), tc.hidden_size,
+                         prompt_len=max(1, length // 16), generator=g, dtype=dtype) for _ in range(3)]
+    task = DSparkTask(draft_config(args, target_config(args.tiny)), loss_config(args, args.chunk[0]), target_config=tc,
+                      embed_weight=lm, lm_head_weight=lm, aux_layer_ids=AUX_LAYERS, train_data=items)
+    stamps: list[float] = []
+    total = args.warmup + args.steps
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = TrainConfig(lr=1e-4, warmup_ratio=0.0, total_steps=total, micro_batch_size=1, global_batch_size=1,
+                          checkpoint_every=10 ** 9, log_every=10 ** 9, data_workers=args.trainer_workers, out_dir=tmp)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        result = train(task, cfg, progress=False, checkpoints=False,
+                       on_step=lambda step, row: stamps.append(time.perf_counter()))
+    step_s = (stamps[-1] - stamps[args.warmup - 1]) / args.steps
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    row = {"precision": "amp", "loop": "trainer", "trainer_workers": args.trainer_workers,
+           "trainable_params": sum(p.numel() for p in result.model.parameters() if p.requires_grad),
+           "chunk": args.chunk[0], "L": length, "draft_vocab_size": args.vocab_size, "teacher_vocab": args.teacher_vocab,
+           "step_s": step_s, "tokens_per_s": length / step_s, "peak_gib": peak, "loss": result.history[-1]["loss"],
+           "warmup_s": stamps[args.warmup - 1] - stamps[0], "world_size": 1}
+    row["model_tflop"] = step_tflop(tc, result.model.draft, length, args.anchors, args.teacher_vocab)
+    if device.type == "cuda" and args.peak_tflops:
+        row["mfu"] = row["model_tflop"] / step_s / args.peak_tflops
+    return row
 
 
 def train_step(model: DSparkTrainModel, opt, params, batch: dict[str, torch.Tensor], amp: bool,
@@ -134,8 +184,7 @@ def train_step(model: DSparkTrainModel, opt, params, batch: dict[str, torch.Tens
         sums = forward(batch)
         loss = (sums["distill"] + model.loss_cfg.conf_alpha * sums["confidence"]) / weight
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    opt.step()
+    clip_and_step(opt, params, 1.0)  # the trainer's clip + AdamW step
     opt.zero_grad(set_to_none=True)
     return loss.detach()
 
@@ -180,7 +229,16 @@ def run_length(args, precision: str, model, opt, params, length: int, device: to
     row["model_tflop"] = step_tflop(target_config(args.tiny), model.draft, length, args.anchors, args.teacher_vocab)
     if device.type == "cuda" and args.peak_tflops:
         row["mfu"] = row["model_tflop"] / step_s / args.peak_tflops
-    refs = reference_runs(args.reference, length, args.vocab_size) if not args.tiny else {}
+    if not args.tiny:
+        add_reference(row, args.reference)
+    return row
+
+
+def add_reference(row: dict, reference: Path | None) -> None:
+    """The row's ratios to the peers' runs at its L and draft vocabulary (``speedup_vs_<peer>``,
+    ``peak_ratio_vs_<peer>``) and whether it meets the goals; nothing when ``reference`` is missing."""
+    refs = reference_runs(reference, row["L"], row.get("draft_vocab_size"))
+    step_s, peak = row["step_s"], row["peak_gib"]
     for peer, ref in refs.items():
         sfx = "" if peer == "ref" else f"_{peer}"
         row[f"speedup_vs{sfx or '_ref'}"] = ref["step_s"] / step_s
@@ -192,7 +250,22 @@ def run_length(args, precision: str, model, opt, params, length: int, device: to
     if "speculators" in refs:  # the goal against speculators at the same draft vocabulary
         row["meets_speculators_target"] = bool(row["speedup_vs_speculators"] >= 1.35 and peak is not None
                                                and row["peak_ratio_vs_speculators"] <= 0.7)
-    return row
+
+
+def rescore(path: Path, reference: Path) -> None:
+    """Recompute the peer ratios of a report written where the reference file was absent (e.g. another machine),
+    in place, and print its table."""
+    report = json.loads(path.read_text())
+    for row in report["results"]:
+        add_reference(row, reference)
+    report["reference"] = {"source": str(reference), "runs": {r["L"]: reference_runs(reference, r["L"],
+                                                                                       r.get("draft_vocab_size"))
+                                                                for r in report["results"]},
+                           "target": report.get("reference", {}).get("target")}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, path)
+    print_table(report)
 
 
 def slowest(seconds: float, d: Dist) -> float:
@@ -360,7 +433,20 @@ def main() -> None:
                     help="the GPU's dense bf16 peak for the MFU column (default 989: an H200 SXM)")
     ap.add_argument("--baseline", type=Path, default=None,
                     help="one-process JSON of the same settings: adds scaling_efficiency (torchrun runs)")
+    ap.add_argument("--flex-options", type=json.loads, default=None,
+                    help='flex_attention kernel_options as JSON (attention.FLEX_KERNEL_OPTIONS), e.g. '
+                         '\'{"bwd_num_warps": 8}\'')
+    ap.add_argument("--trainer", action="store_true",
+                    help="run the shared trainer's own loop instead of this script's (its precision: fp32 weights, "
+                         "bf16 autocast); rows say loop: trainer")
+    ap.add_argument("--trainer-workers", type=int, default=2, help="with --trainer: train.data_workers (default 2)")
+    ap.add_argument("--rescore", type=Path, default=None,
+                    help="recompute the peer ratios of this report JSON with --reference (no run)")
     args = ap.parse_args()
+    if args.rescore is not None:
+        if not args.reference or not Path(args.reference).is_file():
+            raise SystemExit(f"--rescore needs the reference file; {args.reference} not found")
+        return rescore(args.rescore, args.reference)
     if args.packed and not args.mixed:
         raise SystemExit("--packed needs --mixed N (the samples to pack)")
     if args.baseline is not None and not args.baseline.is_file():
@@ -369,6 +455,10 @@ def main() -> None:
     args.anchors = args.anchors or (16 if args.tiny else 512)
     args.steps = args.steps or (2 if args.tiny else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
+    if args.flex_options is not None:
+        from dspark_core.draft import attention
+
+        attention.FLEX_KERNEL_OPTIONS = args.flex_options
     d = init_distributed()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     if device.type == "cuda" and d.world_size > 1:
@@ -376,6 +466,14 @@ def main() -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     rows, n_params = [], 0
+    if args.trainer:
+        for length in args.lengths:
+            rows.append(run_trainer(args, length, device))
+            n_params = rows[-1]["trainable_params"]
+            print(json.dumps(rows[-1]), flush=True)
+        print_table(write_report(args, device, n_params, rows))
+        print(f"wrote {args.out}")
+        return
     for precision in args.precision:
         torch.manual_seed(0)
         model, opt, params = build(args, precision, device)

@@ -33,6 +33,9 @@ import torch.nn.functional as F
 
 BACKENDS = ("auto", "flex", "dense")
 _compiled_flex: Callable[..., torch.Tensor] | None = None
+# flex_attention's kernel_options on GPU (tile sizes, warps, stages; None: torch's defaults). A speed setting:
+# every choice computes the same attention. benchmarks/bench_kernels.py --parts flex --flex-set sweep times them.
+FLEX_KERNEL_OPTIONS: dict[str, Any] | None = None
 
 
 def make_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, ctx_len: int, block_size: int,
@@ -130,11 +133,13 @@ def _flex(q, k, v, block_mask, scale: float, enable_gqa: bool) -> torch.Tensor:
     from torch.nn.attention.flex_attention import flex_attention
 
     if torch.compiler.is_compiling():  # inside a compiled layer: traced and fused there
-        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                              kernel_options=FLEX_KERNEL_OPTIONS)
     if q.device.type == "cuda":
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=True)
-        return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+        return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                              kernel_options=FLEX_KERNEL_OPTIONS)
     with warnings.catch_warnings():  # CPU: the unfused path is what we want (tests only)
         warnings.simplefilter("ignore", UserWarning)
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
