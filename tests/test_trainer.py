@@ -468,3 +468,28 @@ def test_clip_and_step_with_a_fused_adamw_matches_clip_grad_norm_then_step(scale
     assert n_got == pytest.approx(n_ref, rel=1e-6)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_reading_each_step_one_step_late_changes_nothing_but_the_timing(tmp_path, monkeypatch):
+    """The GPU loop (a step's numbers read after the next step is queued; checkpoint and final steps at once), run
+    here on the CPU: the same weights, checkpoints, logged rows in step order and callbacks as reading each step
+    at once."""
+    from dspark_core.train import trainer
+
+    def run(out, deferred):
+        monkeypatch.setattr(trainer, "DEFERRED_READS", ("cpu", "cuda") if deferred else ())
+        seen = []
+        res = train(ToyTask(), _cfg(out, total_steps=10, checkpoint_every=4), progress=False,
+                    on_step=lambda step, row: seen.append((step, row["loss"])))
+        rows = [{k: v for k, v in r.items() if k != "step_s"} for r in res.history]
+        ckpt = sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir())
+        return _params(res.model), rows, seen, ckpt, res.steps
+
+    ref, got = run(tmp_path / "sync", False), run(tmp_path / "late", True)
+    for (k, a), b in zip(ref[0].items(), got[0].values()):
+        assert torch.equal(a, b), k
+    assert got[1:] == ref[1:] and [s for s, _ in got[2]] == list(range(1, 11))
+    for step in (8, 10):  # the checkpoints hold the weights of their own step
+        fa = (tmp_path / "sync" / "checkpoints" / f"step_{step:08d}" / "model.safetensors").read_bytes()
+        fb = (tmp_path / "late" / "checkpoints" / f"step_{step:08d}" / "model.safetensors").read_bytes()
+        assert fa == fb, step

@@ -339,9 +339,10 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # host -> device batch copies
     t_loop = _now()
     last, prev_now = start, t_loop
-    # A step's numbers (loss sums, grad norm) are read when the next step has been queued, so the device never
-    # waits for the host between steps; a step that checkpoints, ends the run or is under a time budget (whose
-    # clock and lr need its end) is read at once, before anything else is queued.
+    # On a GPU a step's numbers (loss sums, grad norm) are read when the next step has been queued, so the device
+    # never waits for the host between steps; a step that checkpoints, ends the run or is under a time budget (whose
+    # clock and lr need its end) is read at once, before anything else is queued. On a CPU every step is read at
+    # once (its work is done when it is queued).
     pending: _Enqueued | None = None
 
     def finish(rec: _Enqueued) -> bool:
@@ -412,7 +413,7 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
         if pending is not None and finish(pending):
             break
         pending = None
-        now_needed = (time_budget_s is not None or rec.step == stop_step
+        now_needed = (device.type not in DEFERRED_READS or time_budget_s is not None or rec.step == stop_step
                       or (checkpoints and rec.step % cfg.checkpoint_every == 0))
         if now_needed:
             if finish(rec):
@@ -425,6 +426,9 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
         bar.close()
     del stream  # stops DataLoader workers (a time budget can leave steps unread)
     return TrainResult(model=model, steps=last, history=history)
+
+
+DEFERRED_READS = ("cuda",)  # device types whose steps' numbers are read one step late (see the training loop)
 
 
 @dataclass
