@@ -197,3 +197,19 @@ def test_chunked_distill_shared_teacher_rows_match_per_slot_rows(chunk, vocab_mo
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="teacher_index and plan"):
         chunked_distill(*leaves[:3], lm_w, teacher_u, targets, weights, 0.1, 0.9, chunk_slots=4, teacher_index=index)
+
+
+def test_teacher_rows_made_for_other_anchors_are_refused():
+    """A hook that moves anchors after the collate but keeps its teacher rows: an error, not a wrong teacher."""
+    target = tiny_model("qwen3")
+    torch.manual_seed(0)
+    cfg_d = DraftConfig(num_draft_layers=1, block_size=4, mask_token_id=259, num_anchors=6, markov_rank=8)
+    draft = DSparkDraft(cfg_d, target.config, target.get_input_embeddings().weight,
+                        target.get_output_embeddings().weight, aux_layer_ids=[0, 3])
+    items = items_from_target(target, [0, 3], 3, 5, 15, seed=3)
+    batch = add_anchor_fields(CacheCollator(0)(items), 6, 4, torch.Generator().manual_seed(1))
+    h = draft.forward_train(batch["input_ids"], batch["aux_hidden"], batch["anchors"], batch["anchor_valid"])
+    dspark_sums(draft, h, batch, LossConfig(vocab_chunk_slots=5))  # as collated: fine
+    moved = dict(batch, anchors=batch["anchors"] - batch["anchor_valid"].long())  # every valid anchor one back
+    with pytest.raises(RuntimeError, match="TEACHER_KEYS"):
+        dspark_sums(draft, h, moved, LossConfig(vocab_chunk_slots=5))

@@ -48,6 +48,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
+from dspark_core.draft.anchors import TeacherPlan
 from dspark_core.draft.config import LossConfig
 from dspark_core.errors import UserError
 from dspark_core.metrics import block_metric_sums, overlap_from_l1
@@ -251,7 +252,8 @@ class _ChunkedDistill(torch.autograd.Function):
 def chunked_distill(head_h: torch.Tensor, markov: torch.Tensor | None, w2: torch.Tensor | None,
                     lm_w: torch.Tensor, teacher_h: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
                     ce_alpha: float, l1_alpha: float, chunk_slots: int, d2t: torch.Tensor | None = None,
-                    teacher_vocab: str = "full", teacher_index: torch.Tensor | None = None, plan: Any = None):
+                    teacher_vocab: str = "full", teacher_index: torch.Tensor | None = None,
+                    plan: TeacherPlan | None = None):
     """(distill [], ce [N], l1 [N]) for head_h [N, Ht] (draft states the LM head reads), markov [N, r] with
     w2 [Vd, r] (or None, None), lm_w [V, Ht] frozen, teacher_h [N, Ht], targets [N], weights [N].
 
@@ -314,6 +316,10 @@ def slot_outputs(draft, hidden: torch.Tensor, batch: Mapping[str, torch.Tensor],
     plan = batch.get("teacher_plan")  # the collate's unique teacher positions (anchors.teacher_fields)
     if plan is not None and len(plan) == b.shape[0]:
         rows, t_index = batch["teacher_rows"], batch["teacher_index"]  # [2, U], [N]
+        mine = rows.index_select(1, t_index)  # [2, N] each slot's (row, position) as the collate saw it
+        torch._assert_async(((mine[0] == b) & (mine[1] == batch["anchors"][b, a] + j)).all(),  # no host read
+                            "the batch's teacher_rows were made for other anchors: a hook that moves anchors must "
+                            "drop anchors.TEACHER_KEYS")
         teacher = batch["last_hidden"][rows[0], rows[1]]  # [U, Ht]
     else:
         plan = t_index = None

@@ -274,9 +274,9 @@ def _pinned(batch: dict[str, Any]) -> dict[str, Any]:
 
 
 def _to(batch: dict[str, Any], device: torch.device, stream: Any = None) -> dict[str, Any]:
-    """The batch's tensors on ``device``. On CUDA with a copy ``stream``, the copies run there, so they overlap the
-    step still running on the compute stream (pinned host tensors only: a copy from pageable memory would wait for
-    the device); the compute stream waits for them before its first use."""
+    """The batch's tensors on ``device``. On CUDA with a copy ``stream`` the copies run there, so they overlap the
+    step still running on the compute stream (from pinned host memory; a pageable tensor's copy holds the host
+    until it is done), and the compute stream waits for them before its first use."""
     if stream is None or device.type != "cuda":
         return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
     compute = torch.cuda.current_stream(device)
