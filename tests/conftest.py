@@ -36,6 +36,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
 
 
+@pytest.fixture(autouse=True)
+def _cpu_unless_gpu_test(request, monkeypatch):
+    """A test outside GPU_FILES runs on the CPU even where a GPU is (as CI runs it): CUDA is hidden from it and from
+    the processes it starts (stages, torchrun workers). The GPU paths are the `gpu` tests' (scripts/gpu_tests.sh)."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 # The tuner's candidates on a GPU during the tests: one of each kind it chooses among (a plain tensor-core tile,
 # split-K, swap-AB, stream-K; two FMA GEMV tiles), so every tiny shape of the suite is still tuned by timing, but
 # over 4 + 2 candidates, not ~55 + 11 (each a Triton compile per fused variant). The full lists serve real runs.
