@@ -138,8 +138,9 @@ def draft_config(args, tc) -> DraftConfig:
 def run_trainer(args, length: int, device: torch.device) -> dict:
     """The shared trainer's own loop (``train.trainer.train``: batches collated in the loop or by
     ``--trainer-workers`` processes, moved to the device, clip + AdamW, its per-step logging) on 3 random samples of
-    ``length`` tokens, at its precision (fp32 weights, bf16 autocast on GPU): time per step between the step
-    callbacks of the timed steps, and peak memory."""
+    ``length`` tokens: fp32 weights with bf16 autocast (``train.param_dtype: float32``), or with ``--precision bf16``
+    bf16 weights and AdamW state (``bfloat16``); time per step between the step callbacks of the timed steps, and
+    peak memory."""
     import tempfile
 
     from dspark_core.draft.task import DSparkTask
@@ -155,16 +156,18 @@ def run_trainer(args, length: int, device: torch.device) -> dict:
                       embed_weight=lm, lm_head_weight=lm, aux_layer_ids=AUX_LAYERS, train_data=items)
     stamps: list[float] = []
     total = args.warmup + args.steps
+    bf16 = args.precision == ["bf16"]
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig(lr=1e-4, warmup_ratio=0.0, total_steps=total, micro_batch_size=1, global_batch_size=1,
-                          checkpoint_every=10 ** 9, log_every=10 ** 9, data_workers=args.trainer_workers, out_dir=tmp)
+                          checkpoint_every=10 ** 9, log_every=10 ** 9, data_workers=args.trainer_workers, out_dir=tmp,
+                          param_dtype="bfloat16" if bf16 else "float32")
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         result = train(task, cfg, progress=False, checkpoints=False,
                        on_step=lambda step, row: stamps.append(time.perf_counter()))
     step_s = (stamps[-1] - stamps[args.warmup - 1]) / args.steps
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    row = {"precision": "amp", "loop": "trainer", "trainer_workers": args.trainer_workers,
+    row = {"precision": "bf16" if bf16 else "amp", "loop": "trainer", "trainer_workers": args.trainer_workers,
            "trainable_params": sum(p.numel() for p in result.model.parameters() if p.requires_grad),
            "chunk": args.chunk[0], "L": length, "draft_vocab_size": args.vocab_size, "teacher_vocab": args.teacher_vocab,
            "step_s": step_s, "tokens_per_s": length / step_s, "peak_gib": peak, "loss": result.history[-1]["loss"],
@@ -437,8 +440,8 @@ def main() -> None:
                     help='flex_attention kernel_options as JSON (attention.FLEX_KERNEL_OPTIONS), e.g. '
                          '\'{"bwd_num_warps": 8}\'')
     ap.add_argument("--trainer", action="store_true",
-                    help="run the shared trainer's own loop instead of this script's (its precision: fp32 weights, "
-                         "bf16 autocast); rows say loop: trainer")
+                    help="run the shared trainer's own loop instead of this script's (fp32 weights + bf16 autocast; "
+                         "with --precision bf16 alone, train.param_dtype bfloat16); rows say loop: trainer")
     ap.add_argument("--trainer-workers", type=int, default=2, help="with --trainer: train.data_workers (default 2)")
     ap.add_argument("--rescore", type=Path, default=None,
                     help="recompute the peer ratios of this report JSON with --reference (no run)")

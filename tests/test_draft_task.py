@@ -101,13 +101,15 @@ def test_denominators_and_metric_keys(setup):
     assert set(task.metric_denominators.values()) | {"weight"} <= set(dens)
 
 
-def test_shared_trainer_runs_the_task_and_export_loads(setup, tmp_path):
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_shared_trainer_runs_the_task_and_export_loads(setup, tmp_path, param_dtype):
     from dspark_core.train.trainer import TrainConfig, train
 
     target, items, _ = setup
     task = _task(target, items[:8])
     cfg = TrainConfig.from_dict(dict(lr=1e-3, total_steps=3, micro_batch_size=2, global_batch_size=4,
-                                     checkpoint_every=3, log_every=1, out_dir=str(tmp_path / "run"), seed=3))
+                                     checkpoint_every=3, log_every=1, out_dir=str(tmp_path / "run"), seed=3,
+                                     param_dtype=param_dtype))
     res = train(task, cfg, progress=False)
     row = res.history[-1]
     for key in ("loss", "distill", "confidence", "ce", "l1", "conf", "tau_prob", "accept_rate@0", "accept_rate@3"):
@@ -115,7 +117,8 @@ def test_shared_trainer_runs_the_task_and_export_loads(setup, tmp_path):
     assert 1.0 <= row["tau_prob"] <= 5.0
     out = task.export(res.model, tmp_path / "draft")
     loaded = load_draft(out, target, expected_fingerprint="fp-test")
-    torch.testing.assert_close(loaded.fc.weight, res.model.draft.fc.weight)
+    assert res.model.draft.fc.weight.dtype == {"float32": torch.float32, "bfloat16": torch.bfloat16}[param_dtype]
+    torch.testing.assert_close(loaded.fc.weight, res.model.draft.fc.weight.float())
 
 
 def test_dflash_trains_with_the_distillation_term_alone(setup, tmp_path):

@@ -493,3 +493,17 @@ def test_reading_each_step_one_step_late_changes_nothing_but_the_timing(tmp_path
         fa = (tmp_path / "sync" / "checkpoints" / f"step_{step:08d}" / "model.safetensors").read_bytes()
         fb = (tmp_path / "late" / "checkpoints" / f"step_{step:08d}" / "model.safetensors").read_bytes()
         assert fa == fb, step
+
+
+def test_bfloat16_weights_train_and_resume_bit_identically(tmp_path):
+    """train.param_dtype bfloat16: the weights, their gradients and AdamW's moments in bf16; it learns, and a run
+    resumed from a checkpoint ends with the same weights as one that never stopped."""
+    full = train(ToyTask(), _cfg(tmp_path / "full", param_dtype="bfloat16", lr=3e-2), progress=False)
+    assert all(p.dtype == torch.bfloat16 for p in full.model.parameters())
+    assert full.history[-1]["loss"] < full.history[0]["loss"]
+    train(ToyTask(), _cfg(tmp_path / "part", param_dtype="bfloat16", lr=3e-2, max_steps=5), progress=False)
+    resumed = train(ToyTask(), _cfg(tmp_path / "part", param_dtype="bfloat16", lr=3e-2), progress=False)
+    for (k, a), b in zip(_params(full.model).items(), _params(resumed.model).values()):
+        assert torch.equal(a, b), k
+    with pytest.raises(ParamsError, match="param_dtype"):
+        _cfg(tmp_path / "x", param_dtype="fp16").validate()

@@ -31,6 +31,9 @@ from dspark_core.errors import UserError
 from dspark_core.train.task import TrainTask
 
 
+PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # train.param_dtype
+
+
 @dataclass(frozen=True)
 class TrainConfig(Section):
     lr: float = 6e-4
@@ -52,7 +55,8 @@ class TrainConfig(Section):
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     log_every: int = 10
-    precision: str = "auto"          # auto | fp32 | bf16
+    precision: str = "auto"          # auto | fp32 | bf16: the autocast dtype of the forward
+    param_dtype: str = "float32"     # float32 | bfloat16: the trainable weights, their gradients and AdamW state
     data_workers: int = 0            # processes preparing the next steps' batches (0: in the training loop)
     out_dir: str = "data/train"
     # How the run executes, not what it learns (left out of the resume identity, see identity_dict):
@@ -82,6 +86,7 @@ class TrainConfig(Section):
         positive("keep_checkpoints", self.keep_checkpoints)
         positive("log_every", self.log_every)
         one_of("precision", self.precision, ("auto", "fp32", "bf16"))
+        one_of("param_dtype", self.param_dtype, tuple(PARAM_DTYPES))
         non_negative("data_workers", self.data_workers)
         if self.time_budget_s is not None:
             positive("time_budget_s", self.time_budget_s)
@@ -265,7 +270,8 @@ def pick_device_dtype(cfg: TrainConfig, d: Dist) -> tuple[torch.device, torch.dt
         amp = torch.float32 if cfg.precision == "fp32" else torch.bfloat16
     else:
         device = torch.device("cpu")
-        amp = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cfg.param_dtype == "bfloat16")
+        amp = torch.bfloat16 if bf16 else torch.float32
     return device, amp
 
 
@@ -310,7 +316,7 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
     accum = cfg.grad_accum(d.world_size)
     device, amp_dtype = pick_device_dtype(cfg, d)
     torch.manual_seed(cfg.seed)
-    model = task.build_model(device, torch.float32)
+    model = task.build_model(device, PARAM_DTYPES[cfg.param_dtype])
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise UserError(f"task {task.name!r}: the model has no trainable parameters")
