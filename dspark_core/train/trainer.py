@@ -515,13 +515,15 @@ def clip_and_step(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], 
     return norm
 
 
-def _clip(params: list[torch.nn.Parameter], max_norm: float) -> float:
+def _clip(params: list[torch.nn.Parameter], max_norm: float) -> Any:
+    """The global gradient norm before clipping: a device tensor (read by the caller when it needs it), or a float
+    when some gradients are sparse (their clipping decides on the host)."""
     if any(p.grad is not None and p.grad.is_sparse for p in params):
         return _clip_with_sparse(params, max_norm)
     if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
     grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
-    return float(torch.stack(grads).norm()) if grads else 0.0
+    return torch.stack(grads).norm() if grads else 0.0
 
 
 def _clip_with_sparse(params: list[torch.nn.Parameter], max_norm: float) -> float:
