@@ -1,4 +1,4 @@
-"""Kernel-level timings behind issues 3 and 4, on one GPU (H200), at Qwen3-4B shapes.
+"""Kernel-level timings of the decode and training kernels, on one GPU (H200), at Qwen3-4B shapes.
 
 - ``gemv``: each decode matrix of Qwen3-4B (fused Q/K/V, O, fused gate/up, down, LM head) at n = 1 and
   n = 8 tokens: cuBLAS (``F.linear``, no fusion) vs ``dspark_core.kernels.linear.fused_linear`` (with its
@@ -8,7 +8,9 @@
 - ``loss``: the per-chunk distillation math (512 slots x vocab 151,936, float32 logits, bf16 gradient):
   torch.compile of ``chunk_math`` vs the Triton kernels.
 - ``flex``: the DSpark training attention (512 anchors x block 7 queries, 32 / 8 heads, head dim 128,
-  context L) forward + backward through flex_attention under several kernel options.
+  context L) forward + backward through flex_attention under several kernel options, each row with its
+  largest difference from the first variant's output and gradients (``--flex-set flash``: torch's Triton
+  kernels beside the FlashAttention-4 backend, ``BACKEND: FLASH``, which needs the ``flash-attn-4`` package).
 - ``decode_profile``: the top CUDA kernels of Triton decode steps (no CUDA graph, so names are visible).
 - ``tiles``: every small-GEMM candidate (``tuning.MMA_CONFIGS``, ``tuning.GEMV_CONFIGS``) on each decode
   matrix at n = 1 (``--tile-tokens 1,8``: also n = 8; ``--tile-candidates``: some families only), 20 launches
@@ -252,6 +254,9 @@ FLEX_SWEEP = [("static", False, None, None),
                                                     "bwd_BLOCK_N2": 32}),
               ("bwd_w8_s2", False, None, {"bwd_num_warps": 8, "bwd_num_stages": 2}),
               ("fwd_tma", False, None, {"fwd_USE_TMA": True})]
+# --flex-set flash: the training path's static shapes, Triton kernels vs FlashAttention-4 (CuTe DSL)
+FLEX_FLASH = [("static", False, None, None), ("static_flash", False, None, {"BACKEND": "FLASH"})]
+FLEX_SETS = {"default": None, "sweep": FLEX_SWEEP, "flash": FLEX_FLASH}
 
 
 def part_flex(dev, lengths=(2048, 4096), variants=None) -> list[dict]:
@@ -279,6 +284,7 @@ def part_flex(dev, lengths=(2048, 4096), variants=None) -> list[dict]:
         pairs = _visible_pairs(anchors[0].cpu(), length, block)
         flops_fwd = 4 * pairs * HQ * D
         print(f"flex L={length}: {bm}".split("\n")[0], flush=True)
+        ref = None  # the first variant's (out, dq, dk, dv): every other row is compared with it
         for name, dyn, mode, opts in variants:
             if not dyn and length != max(lengths) and not static_everywhere:
                 continue
@@ -295,16 +301,30 @@ def part_flex(dev, lengths=(2048, 4096), variants=None) -> list[dict]:
 
                 t_fwd = bench(fwd, iters=20)
                 t_all = bench(step, iters=20)
+                got = _flex_result(fn, q, k, v, do, bm, opts)
             except Exception as e:  # noqa: BLE001 - options a kernel cannot take are recorded and skipped
                 rows.append({"L": length, "variant": name, "error": str(e).split("\n")[0][:200]})
                 print(f"  {name:12s}: failed ({rows[-1]['error'][:80]})", flush=True)
                 continue
+            ref = got if ref is None else ref
+            diff = {f"max_abs_diff_{key}": float((a.float() - b.float()).abs().max())
+                    for key, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
             rows.append({"L": length, "variant": name, "dynamic": dyn, "mode": mode, "kernel_options": opts,
                          "fwd_ms": t_fwd, "fwd_bwd_ms": t_all, "bwd_ms": t_all - t_fwd, "visible_pairs": pairs,
-                         "fwd_tflops": flops_fwd / t_fwd / 1e9, "bwd_tflops": 2.5 * flops_fwd / (t_all - t_fwd) / 1e9})
+                         "fwd_tflops": flops_fwd / t_fwd / 1e9, "bwd_tflops": 2.5 * flops_fwd / (t_all - t_fwd) / 1e9,
+                         **diff})
             print(f"  {name:12s}: fwd {t_fwd:.3f} ms, fwd+bwd {t_all:.3f} ms ({flops_fwd / t_fwd / 1e9:.0f} TFLOP/s "
-                  f"fwd; {time.perf_counter() - t0:.0f} s incl. compile)", flush=True)
+                  f"fwd; {time.perf_counter() - t0:.0f} s incl. compile); max |diff| vs {variants[0][0]}: "
+                  + ", ".join(f"{k[13:]} {v:.2g}" for k, v in diff.items()), flush=True)
     return rows
+
+
+def _flex_result(fn, q, k, v, do, bm, opts) -> tuple[torch.Tensor, ...]:
+    """One forward + backward: (out, dq, dk, dv), detached copies."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v, block_mask=bm, scale=D ** -0.5, enable_gqa=True, kernel_options=opts)
+    out.backward(do)
+    return out.detach(), q.grad, k.grad, v.grad
 
 
 def _visible_pairs(anchors: torch.Tensor, length: int, block: int) -> int:
@@ -353,8 +373,9 @@ def main() -> None:
     ap.add_argument("--tile-pins", default=None,
                     help="tiles part: also write the best mma-mode candidate per matrix (least time summed over "
                          "--tile-tokens) as a kernel configs table to this file (bench_online.kernel_configs)")
-    ap.add_argument("--flex-set", choices=("default", "sweep"), default="default",
-                    help="flex part: the default variants, or the static-shape kernel-option sweep (FLEX_SWEEP)")
+    ap.add_argument("--flex-set", choices=tuple(FLEX_SETS), default="default",
+                    help="flex part: the default variants, the static-shape kernel-option sweep (FLEX_SWEEP), or "
+                         "Triton vs the FlashAttention-4 backend (FLEX_FLASH)")
     ap.add_argument("--flex-lengths", default="2048,4096", help="flex part: comma list of context lengths")
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench" / "kernels.json"))
     args = ap.parse_args()
@@ -366,7 +387,7 @@ def main() -> None:
               "torch": torch.__version__}
     flex_lengths = tuple(int(n) for n in args.flex_lengths.split(","))
     parts = {"gemv": part_gemv, "loss": part_loss, "decode_profile": part_decode_profile,
-             "flex": lambda d: part_flex(d, flex_lengths, FLEX_SWEEP if args.flex_set == "sweep" else None),
+             "flex": lambda d: part_flex(d, flex_lengths, FLEX_SETS[args.flex_set]),
              "tiles": lambda d: part_tiles(d, args.tile_shape, tokens=tuple(int(t) for t in args.tile_tokens.split(",")),
                                            candidates=args.tile_candidates)}
     for name in args.parts:

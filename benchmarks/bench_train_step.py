@@ -61,12 +61,14 @@ import torch  # noqa: E402
 from transformers import Qwen3Config  # noqa: E402
 
 from dspark_core.dist import Dist, init_distributed  # noqa: E402
+from dspark_core.draft import attention  # noqa: E402
 from dspark_core.draft.anchors import add_anchor_fields  # noqa: E402
 from dspark_core.draft.config import DraftConfig, LossConfig  # noqa: E402
 from dspark_core.draft.loss import PROFILE_RANGE  # noqa: E402
 from dspark_core.draft.model import DSparkDraft  # noqa: E402
 from dspark_core.draft.packing import collate_packed  # noqa: E402
 from dspark_core.draft.synthetic import random_item  # noqa: E402
+from dspark_core.errors import UserError  # noqa: E402
 from dspark_core.draft.task import DSparkTrainModel, draft_denominators  # noqa: E402
 from dspark_core.testing import QWEN3_4B_SHAPES  # noqa: E402
 from dspark_core.train.trainer import clip_and_step  # noqa: E402
@@ -439,6 +441,9 @@ def main() -> None:
     ap.add_argument("--flex-options", type=json.loads, default=None,
                     help='flex_attention kernel_options as JSON (attention.FLEX_KERNEL_OPTIONS), e.g. '
                          '\'{"bwd_num_warps": 8}\'')
+    ap.add_argument("--attention-kernel", choices=("triton", "flash"), nargs="+", default=["triton"],
+                    help="train.attention_kernel: torch's Triton flex kernels and / or FlashAttention-4 (flash-attn-4 "
+                         "package); several: one pass each, same run (rows say attention)")
     ap.add_argument("--trainer", action="store_true",
                     help="run the shared trainer's own loop instead of this script's (fp32 weights + bf16 autocast; "
                          "with --precision bf16 alone, train.param_dtype bfloat16); rows say loop: trainer")
@@ -459,8 +464,6 @@ def main() -> None:
     args.steps = args.steps or (2 if args.tiny else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
     if args.flex_options is not None:
-        from dspark_core.draft import attention
-
         attention.FLEX_KERNEL_OPTIONS = args.flex_options
     d = init_distributed()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -469,14 +472,38 @@ def main() -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     rows, n_params = [], 0
-    if args.trainer:
-        for length in args.lengths:
-            rows.append(run_trainer(args, length, device))
-            n_params = rows[-1]["trainable_params"]
-            print(json.dumps(rows[-1]), flush=True)
+    for kernel in args.attention_kernel:
+        try:
+            attention.set_attention_kernel(kernel)
+        except UserError as e:
+            raise SystemExit(f"--attention-kernel {kernel}: {e}") from None
+        if args.trainer:
+            n_params = bench_trainer(args, device, rows)
+        else:
+            n_params = bench_script(args, device, d, rows)
+    if d.is_main:
         print_table(write_report(args, device, n_params, rows))
         print(f"wrote {args.out}")
-        return
+    if d.world_size > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def bench_trainer(args, device, rows: list[dict]) -> int:
+    """The trainer's own loop at each length (rows appended; returns the trainable parameter count)."""
+    n_params = 0
+    for length in args.lengths:
+        rows.append({**run_trainer(args, length, device), "attention": attention.ATTENTION_KERNEL})
+        n_params = rows[-1]["trainable_params"]
+        print(json.dumps(rows[-1]), flush=True)
+    write_report(args, device, n_params, rows)
+    return n_params
+
+
+def bench_script(args, device, d, rows: list[dict]) -> int:
+    """This script's loop: each precision x chunk x length (rows appended; returns the trainable parameter count)."""
+    n_params = 0
     for precision in args.precision:
         torch.manual_seed(0)
         model, opt, params = build(args, precision, device)
@@ -490,7 +517,8 @@ def main() -> None:
         for chunk in args.chunk:
             model.loss_cfg = loss_config(args, chunk)
             for length in args.lengths:
-                rows.append(run_length(args, precision, model, opt, params, length, device, forward, d))
+                rows.append({**run_length(args, precision, model, opt, params, length, device, forward, d),
+                             "attention": attention.ATTENTION_KERNEL})
                 if args.baseline is not None:
                     add_scaling(rows[-1:], args.baseline)
                 if d.is_main:
@@ -502,13 +530,7 @@ def main() -> None:
         del model, opt, params, forward, core  # DDP torn down while its process group lives
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if d.is_main:
-        print_table(write_report(args, device, n_params, rows))
-        print(f"wrote {args.out}")
-    if d.world_size > 1:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+    return n_params
 
 
 def reference_runs(path: Path | None, length: int, vocab_size: int | None) -> dict[str, dict]:
@@ -584,7 +606,7 @@ def print_table(report: dict) -> None:
     cfg = report["config"]
     print(f"device {report['device']}, torch {report['torch']}, anchors {cfg['anchors']}, recompute "
           f"{cfg['recompute']}, trainable params {report['trainable_params'] / 1e6:.1f}M")
-    print(f"{'loop':>7} {'precision':>9} {'vocab':>7} {'teacher':>7} {'L':>6} {'step_s':>9} {'tokens/s':>9} {'peak GiB':>9} {'TFLOP':>6} {'MFU':>5} "
+    print(f"{'loop':>7} {'attn':>6} {'precision':>9} {'vocab':>7} {'teacher':>7} {'L':>6} {'step_s':>9} {'tokens/s':>9} {'peak GiB':>9} {'TFLOP':>6} {'MFU':>5} "
           f"{'vs DeepSpec':>11} {'vs specul.':>10} {'mem vs spec.':>12}")
 
     def fmt(v, spec):
@@ -592,7 +614,7 @@ def print_table(report: dict) -> None:
 
     for r in report["results"]:
         vs_ref = r.get("speedup_vs_ref", r.get("speedup_vs_deepspec"))
-        print(f"{r.get('loop', 'script'):>7} {r['precision']:>9} {fmt(r['draft_vocab_size'], 'd') if r['draft_vocab_size'] else 'full':>7} "
+        print(f"{r.get('loop', 'script'):>7} {r.get('attention', 'triton'):>6} {r['precision']:>9} {fmt(r['draft_vocab_size'], 'd') if r['draft_vocab_size'] else 'full':>7} "
               f"{r['teacher_vocab']:>7} {r['L']:>6} {r['step_s']:>9.4f} {r['tokens_per_s']:>9.0f} {fmt(r['peak_gib'], '.2f'):>9} {r['model_tflop']:>6.1f} "
               f"{fmt(r.get('mfu'), '.0%'):>5} {fmt(vs_ref, '.2f'):>11} {fmt(r.get('speedup_vs_speculators'), '.2f'):>10} "
               f"{fmt(r.get('peak_ratio_vs_speculators'), '.2f'):>12}")

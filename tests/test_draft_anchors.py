@@ -102,3 +102,22 @@ def test_flex_block_mask_equals_dense_mask():
     mod = make_mask_mod(anchors, valid, 16, 4)
     dense = dense_mask(mod, 1, 16, 32, "cpu")
     torch.testing.assert_close(create_mask(mod, 1, 1, 16, 32, device="cpu"), dense)
+
+
+def test_attention_kernel_choice_is_checked_before_any_compilation(monkeypatch):
+    from dspark_core.draft import attention
+    from dspark_core.errors import UserError
+    from dspark_core.train.trainer import TrainConfig
+
+    with pytest.raises(UserError, match=r"train.attention_kernel must be one of triton, flash; got 'fa4'"):
+        attention.set_attention_kernel("fa4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match=r"flash, but no CUDA device .*set train.attention_kernel: triton"):
+        attention.set_attention_kernel("flash")
+    assert attention.ATTENTION_KERNEL == "triton" and attention.flex_kernel_options() is None
+    with pytest.raises(UserError, match=r"attention_kernel must be one of triton, flash; got 'fa3'"):
+        TrainConfig.from_dict({"attention_kernel": "fa3"})
+    # under flash every flex call gets the FLASH backend on top of the tile options
+    monkeypatch.setattr(attention, "ATTENTION_KERNEL", "flash")
+    monkeypatch.setattr(attention, "FLEX_KERNEL_OPTIONS", {"BLOCK_M": 64})
+    assert attention.flex_kernel_options() == {"BLOCK_M": 64, "BACKEND": "FLASH"}

@@ -24,6 +24,7 @@ paths implement one definition (tests compare it with a brute-force loop and the
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -31,11 +32,54 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from dspark_core.errors import UserError
+
 BACKENDS = ("auto", "flex", "dense")
-_compiled_flex: Callable[..., torch.Tensor] | None = None
+_compiled_flex: dict[bool, Callable[..., torch.Tensor]] = {}  # dynamic shapes? -> compiled flex_attention
 # flex_attention's kernel_options on GPU (tile sizes, warps, stages; None: torch's defaults). A speed setting:
 # every choice computes the same attention. benchmarks/bench_kernels.py --parts flex --flex-set sweep times them.
 FLEX_KERNEL_OPTIONS: dict[str, Any] | None = None
+# train.attention_kernel: which kernels run flex_attention on GPU (set_attention_kernel). triton: torch's own;
+# flash: FlashAttention-4 (CuTe DSL) through flex's BACKEND "FLASH", block-sparse forward and backward with the
+# same mask_mod. The same attention either way (bf16 rounding aside; tests/test_attention_flash_gpu.py).
+ATTENTION_KERNELS = ("triton", "flash")
+ATTENTION_KERNEL = "triton"
+FLASH_INSTALL = "pip install -e '.[flash]'"
+
+
+def set_attention_kernel(choice: str) -> None:
+    """Choose the GPU attention kernels (``train.attention_kernel``). ``flash`` is checked here, before any
+    compilation: it needs the ``flash-attn-4`` package and an NVIDIA GPU of compute capability >= 9.0."""
+    global ATTENTION_KERNEL
+    if choice not in ATTENTION_KERNELS:
+        raise UserError(f"train.attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}; got {choice!r}")
+    if choice == "flash":
+        problem = flash_unavailable()
+        if problem:
+            raise UserError(f"train.attention_kernel: flash, but {problem}; set train.attention_kernel: triton")
+    ATTENTION_KERNEL = choice
+
+
+def flash_unavailable() -> str:
+    """Why FlashAttention-4 cannot run here ('' when it can)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible (FlashAttention-4 runs on NVIDIA Hopper and Blackwell GPUs)"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 9:
+        return f"this GPU has compute capability {major}.{minor}; FlashAttention-4 needs >= 9.0 (Hopper, Blackwell)"
+    try:
+        found = importlib.util.find_spec("flash_attn.cute") is not None
+    except ImportError:  # a flash_attn without the cute subpackage (FlashAttention-2)
+        found = False
+    return "" if found else f"the flash-attn-4 package is not installed ({FLASH_INSTALL})"
+
+
+def flex_kernel_options() -> dict[str, Any] | None:
+    """The kernel_options every flex_attention call of the draft gets: FLEX_KERNEL_OPTIONS, plus the FLASH
+    backend under ``train.attention_kernel: flash``."""
+    if ATTENTION_KERNEL != "flash":
+        return FLEX_KERNEL_OPTIONS
+    return {**(FLEX_KERNEL_OPTIONS or {}), "BACKEND": "FLASH"}
 
 
 def make_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, ctx_len: int, block_size: int,
@@ -45,23 +89,25 @@ def make_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, ctx_len: in
     ``anchor_start [B, A]`` (packed rows, ``draft/packing.py``): the context a block sees starts there, not at 0.
 
     Works on scalars (flex) and on broadcastable index tensors (the dense mask). The context length
-    is captured as a tensor so a compiled flex kernel does not specialise on it.
+    is captured as a tensor [B] (read at the batch index: FlashAttention-4's generated mask code loads
+    tensors at computed indices only) so a compiled flex kernel does not specialise on it.
     """
     # a fill kernel, not a host->device copy: no synchronisation at the start of every forward
-    c_len = torch.full((), ctx_len, device=anchors.device, dtype=torch.long)
+    c_len = torch.full((anchors.shape[0],), ctx_len, device=anchors.device, dtype=torch.long)  # [B]
     n_extra = 0 if extra_owner is None else extra_owner.shape[1]
-    own_start = c_len + n_extra
 
     def mask_mod(b, h, q_idx, kv_idx):
         blk = q_idx // block_size
         valid = anchor_valid[b, blk]
-        visible = (kv_idx < c_len) & (kv_idx < anchors[b, blk]) & valid
+        ctx = c_len[b]
+        own_start = ctx + n_extra
+        visible = (kv_idx < ctx) & (kv_idx < anchors[b, blk]) & valid
         if anchor_start is not None:
             visible = visible & (kv_idx >= anchor_start[b, blk])  # its own document only
         visible = visible | ((kv_idx >= own_start) & ((kv_idx - own_start) // block_size == blk))
         if extra_owner is not None and n_extra > 0:
-            e = (kv_idx - c_len).clamp(0, n_extra - 1)
-            in_extra = (kv_idx >= c_len) & (kv_idx < own_start)
+            e = (kv_idx - ctx).clamp(0, n_extra - 1)
+            in_extra = (kv_idx >= ctx) & (kv_idx < own_start)
             visible = visible | (in_extra & (extra_owner[b, e] == blk) & valid)
         return visible
 
@@ -128,18 +174,20 @@ def _block_mask(mask_mod, batch: int, q_len: int, kv_len: int, device: torch.dev
 
 
 def _flex(q, k, v, block_mask, scale: float, enable_gqa: bool) -> torch.Tensor:
-    """flex_attention, compiled on GPU (one dynamic-shape kernel); the unfused reference elsewhere."""
-    global _compiled_flex
+    """flex_attention, compiled on GPU (one dynamic-shape kernel; static shapes under FlashAttention-4, whose
+    generated mask code takes no symbolic sizes); the unfused reference elsewhere."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    options = flex_kernel_options()
     if torch.compiler.is_compiling():  # inside a compiled layer: traced and fused there
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
-                              kernel_options=FLEX_KERNEL_OPTIONS)
+                              kernel_options=options)
     if q.device.type == "cuda":
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=True)
-        return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
-                              kernel_options=FLEX_KERNEL_OPTIONS)
+        dynamic = ATTENTION_KERNEL != "flash"
+        if dynamic not in _compiled_flex:
+            _compiled_flex[dynamic] = torch.compile(flex_attention, dynamic=dynamic)
+        return _compiled_flex[dynamic](q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                                       kernel_options=options)
     with warnings.catch_warnings():  # CPU: the unfused path is what we want (tests only)
         warnings.simplefilter("ignore", UserWarning)
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)

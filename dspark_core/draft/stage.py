@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dspark_core.config import ParamsError
+from dspark_core.draft.attention import set_attention_kernel
 from dspark_core.draft.config import DraftConfig, LossConfig, WarmStartConfig
 from dspark_core.draft.loss import set_loss_kernel
 from dspark_core.errors import UserError
@@ -73,6 +74,7 @@ def run_train_stage(params: Path, variant: str, time_budget_s: float | None = No
     check_variant_dag(params)
     draft_cfg, loss_cfg, train_cfg = variant_configs(params, variant)
     set_loss_kernel(train_cfg.loss_kernel)
+    set_attention_kernel(train_cfg.attention_kernel)
     warm, ckpt, offset = warm_start_checkpoint(params, variant)
     task = task_class(draft_cfg.kind).from_paths(draft_cfg, loss_cfg, TARGET_DIR, CACHE_DIR / "train.zarr",
                                                  init_checkpoint=ckpt, freeze_base=warm.freeze_base)

@@ -63,8 +63,9 @@ class TrainConfig(Section):
     time_budget_s: float | None = None   # stop (checkpoint + export) after the step that passes this many seconds
     nproc_per_node: int = 1              # > 1: the stage re-launches itself under torchrun with this many processes
     loss_kernel: str = "auto"            # the draft loss's chunk math: auto | triton | compile | torch (same numbers)
+    attention_kernel: str = "triton"     # the draft's flex attention on GPU: triton | flash (FlashAttention-4)
 
-    EXECUTION_KEYS = ("time_budget_s", "nproc_per_node", "loss_kernel")
+    EXECUTION_KEYS = ("time_budget_s", "nproc_per_node", "loss_kernel", "attention_kernel")
 
     def validate(self) -> None:
         positive("lr", self.lr)
@@ -88,6 +89,7 @@ class TrainConfig(Section):
         one_of("precision", self.precision, ("auto", "fp32", "bf16"))
         one_of("param_dtype", self.param_dtype, tuple(PARAM_DTYPES))
         non_negative("data_workers", self.data_workers)
+        one_of("attention_kernel", self.attention_kernel, ("triton", "flash"))
         if self.time_budget_s is not None:
             positive("time_budget_s", self.time_budget_s)
         positive("nproc_per_node", self.nproc_per_node)
