@@ -68,8 +68,8 @@ from dspark_core.draft.loss import PROFILE_RANGE  # noqa: E402
 from dspark_core.draft.model import DSparkDraft  # noqa: E402
 from dspark_core.draft.packing import collate_packed  # noqa: E402
 from dspark_core.draft.synthetic import random_item  # noqa: E402
-from dspark_core.errors import UserError  # noqa: E402
 from dspark_core.draft.task import DSparkTrainModel, draft_denominators  # noqa: E402
+from dspark_core.errors import UserError  # noqa: E402
 from dspark_core.testing import QWEN3_4B_SHAPES  # noqa: E402
 from dspark_core.train.trainer import clip_and_step  # noqa: E402
 
@@ -162,7 +162,7 @@ def run_trainer(args, length: int, device: torch.device) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig(lr=1e-4, warmup_ratio=0.0, total_steps=total, micro_batch_size=1, global_batch_size=1,
                           checkpoint_every=10 ** 9, log_every=10 ** 9, data_workers=args.trainer_workers, out_dir=tmp,
-                          param_dtype="bfloat16" if bf16 else "float32")
+                          param_dtype="bfloat16" if bf16 else "float32", attention_kernel=attention.ATTENTION_KERNEL)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         result = train(task, cfg, progress=False, checkpoints=False,
