@@ -71,6 +71,7 @@ from dspark_core.draft.synthetic import random_item  # noqa: E402
 from dspark_core.draft.task import DSparkTrainModel, draft_denominators  # noqa: E402
 from dspark_core.errors import UserError  # noqa: E402
 from dspark_core.testing import QWEN3_4B_SHAPES  # noqa: E402
+from dspark_core.train.optim import MultiTensorAdamW, optimizer_kernel  # noqa: E402
 from dspark_core.train.trainer import clip_and_step  # noqa: E402
 
 DEFAULT_REFERENCE = ROOT.parent / "shared" / "anchors" / "train_step_peers_h200.json"
@@ -100,8 +101,11 @@ def build(args, precision: str,
     draft.set_frozen_dtype(frozen_dtype)
     model = DSparkTrainModel(draft, loss_config(args, args.chunk[0]))
     params = [p for p in model.parameters() if p.requires_grad]
-    fused = device.type == "cuda" and args.fused
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=fused)
+    hp = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
+    if optimizer_kernel(args.opt_kernel, device) == "triton":  # train.optimizer_kernel (train/optim.py)
+        opt = MultiTensorAdamW(params, **hp)
+    else:
+        opt = torch.optim.AdamW(params, fused=device.type == "cuda" and args.fused, **hp)
     return model, opt, params
 
 
@@ -162,7 +166,8 @@ def run_trainer(args, length: int, device: torch.device) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig(lr=1e-4, warmup_ratio=0.0, total_steps=total, micro_batch_size=1, global_batch_size=1,
                           checkpoint_every=10 ** 9, log_every=10 ** 9, data_workers=args.trainer_workers, out_dir=tmp,
-                          param_dtype="bfloat16" if bf16 else "float32", attention_kernel=attention.ATTENTION_KERNEL)
+                          param_dtype="bfloat16" if bf16 else "float32", attention_kernel=attention.ATTENTION_KERNEL,
+                          optimizer_kernel=args.opt_kernel)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         result = train(task, cfg, progress=False, checkpoints=False,
@@ -334,18 +339,35 @@ def profile_step(args, precision: str, model, opt, params, length: int, device: 
 
 
 def sync_sites(step) -> list[str]:
-    """The ``file:line`` of each call that synchronised host and device during ``step()``."""
+    """Every call that synchronised host and device during ``step()``: the innermost frames of its Python stack
+    (the op's own site, then its callers up to this file), each distinct stack once with its count."""
+    import traceback
     import warnings
 
-    with warnings.catch_warnings(record=True) as caught:
+    stacks: dict[tuple[str, ...], int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        frames = [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-1]
+                  if not f.filename.endswith(("warnings.py", "bench_train_step.py"))]
+        key = tuple(frames[-6:][::-1])  # innermost first
+        if key and key[0].endswith(" set_sync_debug_mode"):  # switching the debug mode itself, not the step
+            return
+        stacks[key] = stacks.get(key, 0) + 1
+
+    with warnings.catch_warnings():  # restores showwarning afterwards
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             step()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    sites = sorted({f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
-    return [f"synchronising calls in one step: {len(sites)}"] + [f"  {site}" for site in sites]
+    lines = [f"synchronising calls in one step: {sum(stacks.values())}"]
+    for key, count in stacks.items():
+        lines += [f"  {count} x {key[0] if key else '?'}"] + [f"      from {frame}" for frame in key[1:]]
+    return lines
 
 
 # kernel kinds by name (first match wins): what a profiled step's device time goes to
@@ -444,6 +466,9 @@ def main() -> None:
     ap.add_argument("--attention-kernel", choices=("triton", "flash"), nargs="+", default=["triton"],
                     help="train.attention_kernel: torch's Triton flex kernels and / or FlashAttention-4 (flash-attn-4 "
                          "package); several: one pass each, same run (rows say attention)")
+    ap.add_argument("--optimizer-kernel", choices=("torch", "triton"), nargs="+", default=["torch"],
+                    help="train.optimizer_kernel: torch's fused AdamW and / or the one-launch Triton AdamW "
+                         "(train/optim.py); several: one pass each, same run (rows say optimizer)")
     ap.add_argument("--trainer", action="store_true",
                     help="run the shared trainer's own loop instead of this script's (fp32 weights + bf16 autocast; "
                          "with --precision bf16 alone, train.param_dtype bfloat16); rows say loop: trainer")
@@ -472,11 +497,12 @@ def main() -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     rows, n_params = [], 0
-    for kernel in args.attention_kernel:
+    for kernel, args.opt_kernel in [(a, o) for a in args.attention_kernel for o in args.optimizer_kernel]:
         try:
             attention.set_attention_kernel(kernel)
+            optimizer_kernel(args.opt_kernel, device)
         except UserError as e:
-            raise SystemExit(f"--attention-kernel {kernel}: {e}") from None
+            raise SystemExit(f"--attention-kernel {kernel} --optimizer-kernel {args.opt_kernel}: {e}") from None
         if args.trainer:
             n_params = bench_trainer(args, device, rows)
         else:
@@ -494,7 +520,8 @@ def bench_trainer(args, device, rows: list[dict]) -> int:
     """The trainer's own loop at each length (rows appended; returns the trainable parameter count)."""
     n_params = 0
     for length in args.lengths:
-        rows.append({**run_trainer(args, length, device), "attention": attention.ATTENTION_KERNEL})
+        rows.append({**run_trainer(args, length, device), "attention": attention.ATTENTION_KERNEL,
+                     "optimizer": args.opt_kernel})
         n_params = rows[-1]["trainable_params"]
         print(json.dumps(rows[-1]), flush=True)
     write_report(args, device, n_params, rows)
@@ -518,7 +545,7 @@ def bench_script(args, device, d, rows: list[dict]) -> int:
             model.loss_cfg = loss_config(args, chunk)
             for length in args.lengths:
                 rows.append({**run_length(args, precision, model, opt, params, length, device, forward, d),
-                             "attention": attention.ATTENTION_KERNEL})
+                             "attention": attention.ATTENTION_KERNEL, "optimizer": args.opt_kernel})
                 if args.baseline is not None:
                     add_scaling(rows[-1:], args.baseline)
                 if d.is_main:
@@ -583,7 +610,7 @@ def step_tflop(tc, draft: DSparkDraft, length: int, anchors: int, teacher_vocab:
 
 def write_report(args, device: torch.device, n_params: int, rows: list[dict]) -> dict:
     report = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "opt_kernel"},
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "world_size": rows[0]["world_size"] if rows else 1,
         "torch": torch.__version__,
@@ -606,7 +633,7 @@ def print_table(report: dict) -> None:
     cfg = report["config"]
     print(f"device {report['device']}, torch {report['torch']}, anchors {cfg['anchors']}, recompute "
           f"{cfg['recompute']}, trainable params {report['trainable_params'] / 1e6:.1f}M")
-    print(f"{'loop':>7} {'attn':>6} {'precision':>9} {'vocab':>7} {'teacher':>7} {'L':>6} {'step_s':>9} {'tokens/s':>9} {'peak GiB':>9} {'TFLOP':>6} {'MFU':>5} "
+    print(f"{'loop':>7} {'attn':>6} {'adamw':>6} {'precision':>9} {'vocab':>7} {'teacher':>7} {'L':>6} {'step_s':>9} {'tokens/s':>9} {'peak GiB':>9} {'TFLOP':>6} {'MFU':>5} "
           f"{'vs DeepSpec':>11} {'vs specul.':>10} {'mem vs spec.':>12}")
 
     def fmt(v, spec):
@@ -614,7 +641,7 @@ def print_table(report: dict) -> None:
 
     for r in report["results"]:
         vs_ref = r.get("speedup_vs_ref", r.get("speedup_vs_deepspec"))
-        print(f"{r.get('loop', 'script'):>7} {r.get('attention', 'triton'):>6} {r['precision']:>9} {fmt(r['draft_vocab_size'], 'd') if r['draft_vocab_size'] else 'full':>7} "
+        print(f"{r.get('loop', 'script'):>7} {r.get('attention', 'triton'):>6} {r.get('optimizer', 'torch'):>6} {r['precision']:>9} {fmt(r['draft_vocab_size'], 'd') if r['draft_vocab_size'] else 'full':>7} "
               f"{r['teacher_vocab']:>7} {r['L']:>6} {r['step_s']:>9.4f} {r['tokens_per_s']:>9.0f} {fmt(r['peak_gib'], '.2f'):>9} {r['model_tflop']:>6.1f} "
               f"{fmt(r.get('mfu'), '.0%'):>5} {fmt(vs_ref, '.2f'):>11} {fmt(r.get('speedup_vs_speculators'), '.2f'):>10} "
               f"{fmt(r.get('peak_ratio_vs_speculators'), '.2f'):>12}")

@@ -74,11 +74,13 @@ def flash_unavailable() -> str:
     return "" if found else f"the flash-attn-4 package is not installed ({FLASH_INSTALL})"
 
 
-def flex_kernel_options() -> dict[str, Any] | None:
+def flex_kernel_options() -> dict[str, Any]:
     """The kernel_options every flex_attention call of the draft gets: FLEX_KERNEL_OPTIONS, plus the FLASH
-    backend under ``train.attention_kernel: flash``."""
+    backend under ``train.attention_kernel: flash``. Under ``triton`` the main flex kernel is forced: torch picks
+    its decoding kernel for fewer than 128 query rows (anchors x block size), and on torch 2.11 that kernel has no
+    tile for more than 128 rows x grouped heads ("No choices exist for backend")."""
     if ATTENTION_KERNEL != "flash":
-        return FLEX_KERNEL_OPTIONS
+        return {"FORCE_USE_FLEX_ATTENTION": True, **(FLEX_KERNEL_OPTIONS or {})}
     return {**(FLEX_KERNEL_OPTIONS or {}), "BACKEND": "FLASH"}
 
 
@@ -95,6 +97,11 @@ def make_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, ctx_len: in
     # a fill kernel, not a host->device copy: no synchronisation at the start of every forward
     c_len = torch.full((anchors.shape[0],), ctx_len, device=anchors.device, dtype=torch.long)  # [B]
     n_extra = 0 if extra_owner is None else extra_owner.shape[1]
+    kv_owner = None  # [B, C + E + Q]: the block owning an extra entry, -1 at every other key (no index clamping:
+    if n_extra > 0:  # FlashAttention-4's mask codegen on torch 2.11 has no maximum / minimum)
+        kv_owner = torch.full((anchors.shape[0], ctx_len + n_extra + anchors.shape[1] * block_size), -1,
+                              device=anchors.device, dtype=torch.long)
+        kv_owner[:, ctx_len:ctx_len + n_extra] = extra_owner
 
     def mask_mod(b, h, q_idx, kv_idx):
         blk = q_idx // block_size
@@ -105,10 +112,8 @@ def make_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, ctx_len: in
         if anchor_start is not None:
             visible = visible & (kv_idx >= anchor_start[b, blk])  # its own document only
         visible = visible | ((kv_idx >= own_start) & ((kv_idx - own_start) // block_size == blk))
-        if extra_owner is not None and n_extra > 0:
-            e = (kv_idx - ctx).clamp(0, n_extra - 1)
-            in_extra = (kv_idx >= ctx) & (kv_idx < own_start)
-            visible = visible | (in_extra & (extra_owner[b, e] == blk) & valid)
+        if kv_owner is not None:
+            visible = visible | ((kv_owner[b, kv_idx] == blk) & valid)  # an extra entry owned by this block
         return visible
 
     return mask_mod

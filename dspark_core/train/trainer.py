@@ -28,6 +28,7 @@ from dspark_core.checkpoint import checkpoint_clock, load_checkpoint, save_check
 from dspark_core.config import Section, non_negative, one_of, positive, require
 from dspark_core.dist import Dist, init_distributed  # noqa: F401 (init_distributed: re-exported)
 from dspark_core.errors import UserError
+from dspark_core.train.optim import OPTIMIZER_KERNELS, MultiTensorAdamW, optimizer_kernel
 from dspark_core.train.task import TrainTask
 
 
@@ -64,8 +65,9 @@ class TrainConfig(Section):
     nproc_per_node: int = 1              # > 1: the stage re-launches itself under torchrun with this many processes
     loss_kernel: str = "auto"            # the draft loss's chunk math: auto | triton | compile | torch (same numbers)
     attention_kernel: str = "triton"     # the draft's flex attention on GPU: triton | flash (FlashAttention-4)
+    optimizer_kernel: str = "torch"      # the AdamW step: torch | triton (train/optim.py; same numbers)
 
-    EXECUTION_KEYS = ("time_budget_s", "nproc_per_node", "loss_kernel", "attention_kernel")
+    EXECUTION_KEYS = ("time_budget_s", "nproc_per_node", "loss_kernel", "attention_kernel", "optimizer_kernel")
 
     def validate(self) -> None:
         positive("lr", self.lr)
@@ -90,6 +92,7 @@ class TrainConfig(Section):
         one_of("param_dtype", self.param_dtype, tuple(PARAM_DTYPES))
         non_negative("data_workers", self.data_workers)
         one_of("attention_kernel", self.attention_kernel, ("triton", "flash"))
+        one_of("optimizer_kernel", self.optimizer_kernel, OPTIMIZER_KERNELS)
         if self.time_budget_s is not None:
             positive("time_budget_s", self.time_budget_s)
         positive("nproc_per_node", self.nproc_per_node)
@@ -249,9 +252,11 @@ def build_optimizer(task: TrainTask, model: nn.Module, cfg: TrainConfig, device:
     groups = [{**g, "lr": g.get("lr") or cfg.lr} for g in groups if g["params"]]
     fused = device.type == "cuda"
     if not any(g.get("sparse") for g in groups):
-        return torch.optim.AdamW([{k: v for k, v in g.items() if k != "sparse"} for g in groups], lr=cfg.lr,
-                                 betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
-                                 fused=fused)
+        dense = [{k: v for k, v in g.items() if k != "sparse"} for g in groups]
+        kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+        if optimizer_kernel(cfg.optimizer_kernel, device) == "triton":
+            return MultiTensorAdamW(dense, **kw)
+        return torch.optim.AdamW(dense, fused=fused, **kw)
     if d.world_size > 1:
         raise UserError("sparse gradients (draft.engram.sparse: true) train in one process only; "
                         "set draft.engram.sparse: false under torchrun")

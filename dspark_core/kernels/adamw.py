@@ -1,0 +1,95 @@
+"""AdamW as one streaming Triton kernel per tensor (``train.optimizer_kernel``).
+
+Shape legend: n elements of a tensor, BLOCK elements a program.
+
+torch's fused AdamW walks the tensor lists with ``multi_tensor_apply``; on an H200 its bf16 step over a
+Qwen3-4B-shaped draft moves param, grad, exp_avg and exp_avg_sq at about half the memory bandwidth. Here each
+tensor gets one launch whose programs stream BLOCK contiguous elements with vector loads (the pointers are
+arguments, so Triton knows their alignment), plus torch's own step-count increment for all.
+
+The update is torch's (``torch.optim.AdamW``, ``aten/src/ATen/native/cuda/fused_adam_utils.cuh``), in float32
+whatever the storage dtype: ``g /= grad_scale`` (the clip factor, ``train.trainer.clip_and_step``), then
+``p -= lr * wd * p``, ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``,
+``p -= (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)`` with t the tensor's step count after the
+increment; the bias corrections come from ``exp2(t log2 b)`` rather than ``powf``, so results agree with torch to
+float32 rounding (bf16 storage: to a bf16 rounding step; tests/test_adamw_kernel.py). The optimiser state keeps
+torch's layout (``step``, ``exp_avg``, ``exp_avg_sq``): a checkpoint resumes under either kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+BLOCK = 4096  # elements per program: 16 per thread at 8 warps (two 16-byte loads of bf16)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_kernel: Any = None
+
+
+def _build_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def adamw_tensor(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, scale_ptr, n, lr, lr_wd, beta1, beta2, log2_b1, log2_b2,
+                     eps, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+        mask = offs < n
+        p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
+        if HAS_SCALE:
+            g = tl.div_rn(g, tl.load(scale_ptr).to(tl.float32))
+        step = tl.load(step_ptr)
+        bc1 = 1.0 - tl.exp2(step * log2_b1)
+        bc2_sqrt = tl.sqrt_rn(1.0 - tl.exp2(step * log2_b2))
+        p = p - lr_wd * p
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        p = p - tl.div_rn(tl.div_rn(lr, bc1) * m, denom)
+        tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+        tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+
+    return adamw_tensor
+
+
+def supported(tensors: list[torch.Tensor]) -> bool:
+    """Whether the kernel can take these tensors: dense, contiguous, float32 / bfloat16 / float16."""
+    return all(t.layout == torch.strided and t.is_contiguous() and t.dtype in _DTYPES for t in tensors)
+
+
+def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *, lr: float, beta1: float, beta2: float,
+                eps: float, weight_decay: float, grad_scale: torch.Tensor | None = None) -> None:
+    """One AdamW update of every tensor in place (``steps``: float32 step counts, already incremented)."""
+    global _kernel
+    if _kernel is None:
+        _kernel = _build_kernel()
+    scalars = (float(lr), float(lr) * float(weight_decay), float(beta1), float(beta2), math.log2(beta1),
+               math.log2(beta2), float(eps))
+    for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+        n = p.numel()
+        _kernel[(-(-n // BLOCK),)](p, g, m, v, s, grad_scale if grad_scale is not None else s, n, *scalars,
+                                   HAS_SCALE=grad_scale is not None, BLOCK=BLOCK, num_warps=8)
+
+
+def adamw_reference_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: float, *, lr: float,
+                     beta1: float, beta2: float, eps: float, weight_decay: float,
+                     grad_scale: torch.Tensor | None = None) -> None:
+    """The kernel's update of one tensor in plain torch (float32 math, in place): the tests' reference."""
+    g32 = g.float() if grad_scale is None else g.float() / grad_scale.float()
+    p32, m32, v32 = p.float(), m.float(), v.float()
+    p32 = p32 - float(lr) * float(weight_decay) * p32
+    m32 = beta1 * m32 + (1.0 - beta1) * g32
+    v32 = beta2 * v32 + (1.0 - beta2) * g32 * g32
+    bc1 = 1.0 - 2.0 ** (step * math.log2(beta1))
+    bc2_sqrt = math.sqrt(1.0 - 2.0 ** (step * math.log2(beta2)))
+    p32 = p32 - (lr / bc1) * m32 / (v32.sqrt() / bc2_sqrt + eps)
+    p.copy_(p32)
+    m.copy_(m32)
+    v.copy_(v32)
