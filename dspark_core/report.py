@@ -130,7 +130,10 @@ def plot(dspark: list[dict[str, Any]], dmtd: list[dict[str, Any]], out_dir: Path
         if r["_rates"]:
             ax.plot(range(len(r["_rates"])), r["_rates"], "o-", label=f"{r['variant']} (tau {_fmt(r['tau_prob'])})")
     ax.set(xlabel="slot i", ylabel="offline accept_rate@i", ylim=(0, 1), title="DSpark variants")
-    ax.legend(fontsize=8)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    else:  # no variant evaluated yet: say so instead of an empty legend
+        ax.text(0.5, 0.5, "no variant has offline accept rates", ha="center", va="center", transform=ax.transAxes)
     _save(fig, out_dir / "dspark_accept_rate.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
