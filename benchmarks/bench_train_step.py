@@ -71,7 +71,7 @@ from dspark_core.draft.synthetic import random_item  # noqa: E402
 from dspark_core.draft.task import DSparkTrainModel, draft_denominators  # noqa: E402
 from dspark_core.errors import UserError  # noqa: E402
 from dspark_core.testing import QWEN3_4B_SHAPES  # noqa: E402
-from dspark_core.train.optim import MultiTensorAdamW, optimizer_kernel  # noqa: E402
+from dspark_core.train.optim import TritonAdamW, optimizer_kernel  # noqa: E402
 from dspark_core.train.trainer import clip_and_step  # noqa: E402
 
 DEFAULT_REFERENCE = ROOT.parent / "shared" / "anchors" / "train_step_peers_h200.json"
@@ -103,7 +103,7 @@ def build(args, precision: str,
     params = [p for p in model.parameters() if p.requires_grad]
     hp = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
     if optimizer_kernel(args.opt_kernel, device) == "triton":  # train.optimizer_kernel (train/optim.py)
-        opt = MultiTensorAdamW(params, **hp)
+        opt = TritonAdamW(params, **hp)
     else:
         opt = torch.optim.AdamW(params, fused=device.type == "cuda" and args.fused, **hp)
     return model, opt, params
@@ -467,7 +467,7 @@ def main() -> None:
                     help="train.attention_kernel: torch's Triton flex kernels and / or FlashAttention-4 (flash-attn-4 "
                          "package); several: one pass each, same run (rows say attention)")
     ap.add_argument("--optimizer-kernel", choices=("torch", "triton"), nargs="+", default=["torch"],
-                    help="train.optimizer_kernel: torch's fused AdamW and / or the one-launch Triton AdamW "
+                    help="train.optimizer_kernel: torch's fused AdamW and / or the Triton AdamW kernel "
                          "(train/optim.py); several: one pass each, same run (rows say optimizer)")
     ap.add_argument("--trainer", action="store_true",
                     help="run the shared trainer's own loop instead of this script's (fp32 weights + bf16 autocast; "

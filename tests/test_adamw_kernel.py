@@ -17,7 +17,7 @@ if not torch.cuda.is_available():  # Triton's CPU interpreter; read when the ker
 from dspark_core.errors import UserError  # noqa: E402
 from dspark_core.kernels import triton_ok  # noqa: E402
 from dspark_core.kernels.adamw import BLOCK, adamw_reference_  # noqa: E402
-from dspark_core.train.optim import MultiTensorAdamW, optimizer_kernel  # noqa: E402
+from dspark_core.train.optim import TritonAdamW, optimizer_kernel  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not triton_ok(DEVICE), reason="needs Triton on CUDA or TRITON_INTERPRET=1")
@@ -42,7 +42,7 @@ def test_kernel_matches_its_reference(dtype, scaled):
     """Three steps of the kernel vs the plain-torch reference, each from the same state (the reference takes
     the kernel's result after each step): float32 to rounding, bf16 storage to one rounding step of bf16."""
     params, ref = _params(dtype), _params(dtype)
-    opt = MultiTensorAdamW(params, **HP)
+    opt = TritonAdamW(params, **HP)
     states = [(torch.zeros_like(p), torch.zeros_like(p)) for p in ref]
     for step in range(1, 4):
         _set_grads(params, step)
@@ -64,13 +64,14 @@ def test_kernel_matches_its_reference(dtype, scaled):
     assert all(float(opt.state[p]["step"]) == 3.0 for p in params)
 
 
-def test_optimizer_matches_torch_adamw_and_shares_its_state():
-    """MultiTensorAdamW vs torch.optim.AdamW (float32) over four steps, the second half after swapping the two
-    optimisers' state dicts: the same trajectory either way."""
+def _step_both(kw: dict, steps: int, swap_at: int | None = None) -> TritonAdamW:
+    """``steps`` steps of TritonAdamW and torch.optim.AdamW (float32, optimiser options ``kw``) on the same
+    weights and gradients, the two optimisers' state dicts swapped before step ``swap_at``; the weights compared
+    after each step. Returns ours."""
     ours_p, torch_p = _params(torch.float32), _params(torch.float32)
-    ours, theirs = MultiTensorAdamW(ours_p, **HP), torch.optim.AdamW(torch_p, **HP)
-    for step in range(4):
-        if step == 2:  # resume each from the other's checkpoint
+    ours, theirs = TritonAdamW(ours_p, **kw, **HP), torch.optim.AdamW(torch_p, **kw, **HP)
+    for step in range(steps):
+        if step == swap_at:  # resume each from the other's checkpoint
             a, b = ours.state_dict(), theirs.state_dict()
             ours.load_state_dict(b)
             theirs.load_state_dict(a)
@@ -80,21 +81,18 @@ def test_optimizer_matches_torch_adamw_and_shares_its_state():
         theirs.step()
         for a, b in zip(ours_p, torch_p):
             torch.testing.assert_close(a.data, b.data, rtol=2e-6, atol=1e-7)
+    return ours
+
+
+def test_optimizer_matches_torch_adamw_and_shares_its_state():
+    """The same trajectory as torch.optim.AdamW, also after the two swap state dicts (checkpoints) mid-run."""
+    _step_both({}, steps=4, swap_at=2)
 
 
 def test_what_the_kernel_does_not_cover_runs_torch_step():
-    """amsgrad: MultiTensorAdamW takes torch's own step (the same numbers as torch's AdamW)."""
-    ours_p, torch_p = _params(torch.float32), _params(torch.float32)
-    ours = MultiTensorAdamW(ours_p, amsgrad=True, **HP)
-    theirs = torch.optim.AdamW(torch_p, amsgrad=True, **HP)
-    for step in range(2):
-        _set_grads(ours_p, step)
-        _set_grads(torch_p, step)
-        ours.step()
-        theirs.step()
-    for a, b in zip(ours_p, torch_p):
-        torch.testing.assert_close(a.data, b.data, rtol=2e-6, atol=1e-7)
-    assert "max_exp_avg_sq" in ours.state[ours_p[0]]
+    """amsgrad: TritonAdamW takes torch's own step (the same numbers as torch's AdamW)."""
+    ours = _step_both({"amsgrad": True}, steps=2)
+    assert all("max_exp_avg_sq" in state for state in ours.state.values())
 
 
 def test_optimizer_kernel_choice():

@@ -1,6 +1,6 @@
 """The trainer's AdamW step kernels (``train.optimizer_kernel``: torch | triton).
 
-``torch``: ``torch.optim.AdamW`` (fused on CUDA). ``triton``: :class:`MultiTensorAdamW`, the same optimiser whose
+``torch``: ``torch.optim.AdamW`` (fused on CUDA). ``triton``: :class:`TritonAdamW`, the same optimiser whose
 step runs ``kernels.adamw`` (a streaming Triton kernel per tensor instead of torch's ``multi_tensor_apply``). A
 speed knob, not a hyperparameter: both compute AdamW to float32 rounding and keep one state layout, so it is an
 execution key of ``train`` (a checkpoint resumes under either).
@@ -28,11 +28,11 @@ def optimizer_kernel(choice: str, device: torch.device) -> str:
     return choice
 
 
-class MultiTensorAdamW(torch.optim.AdamW):
+class TritonAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` (its fused state layout: a float32 ``step`` tensor on the parameter's device) whose
     ``step`` runs :func:`dspark_core.kernels.adamw.adamw_step_` per parameter group. Falls back to torch's step
     for what the kernel does not cover (amsgrad, maximize, capturable, a tensor lr, a closure, ``found_inf``,
-    mixed dtypes within a group, sparse or non-contiguous tensors). ``grad_scale`` (set by
+    sparse or non-contiguous tensors). ``grad_scale`` (set by
     ``trainer.clip_and_step``) divides the gradients inside the kernel, as torch's fused step does."""
 
     def __init__(self, params, **kw: Any) -> None:
@@ -76,9 +76,8 @@ class MultiTensorAdamW(torch.optim.AdamW):
                                          exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
             lists = [params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params],
                      [self.state[p]["exp_avg_sq"] for p in params], [self.state[p]["step"] for p in params]]
-            if params and (len({tuple(t.dtype for t in ts) for ts in zip(*lists[:4])}) > 1
-                           or len({p.device for p in params}) > 1 or not supported([t for ts in lists[:4] for t in ts])
-                           or any(s.dtype != torch.float32 or s.device != params[0].device for s in lists[4])):
+            if not supported([t for ts in lists[:4] for t in ts]) or any(
+                    s.dtype != torch.float32 or s.device != p.device for s, p in zip(lists[4], params)):
                 return None
             plans.append((group, lists))
         return plans

@@ -28,7 +28,7 @@ from dspark_core.checkpoint import checkpoint_clock, load_checkpoint, save_check
 from dspark_core.config import Section, non_negative, one_of, positive, require
 from dspark_core.dist import Dist, init_distributed  # noqa: F401 (init_distributed: re-exported)
 from dspark_core.errors import UserError
-from dspark_core.train.optim import OPTIMIZER_KERNELS, MultiTensorAdamW, optimizer_kernel
+from dspark_core.train.optim import OPTIMIZER_KERNELS, TritonAdamW, optimizer_kernel
 from dspark_core.train.task import TrainTask
 
 
@@ -255,7 +255,7 @@ def build_optimizer(task: TrainTask, model: nn.Module, cfg: TrainConfig, device:
         dense = [{k: v for k, v in g.items() if k != "sparse"} for g in groups]
         kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
         if optimizer_kernel(cfg.optimizer_kernel, device) == "triton":
-            return MultiTensorAdamW(dense, **kw)
+            return TritonAdamW(dense, **kw)
         return torch.optim.AdamW(dense, fused=fused, **kw)
     if d.world_size > 1:
         raise UserError("sparse gradients (draft.engram.sparse: true) train in one process only; "
