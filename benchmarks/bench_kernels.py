@@ -11,6 +11,10 @@
   context L) forward + backward through flex_attention under several kernel options, each row with its
   largest difference from the first variant's output and gradients (``--flex-set flash``: torch's Triton
   kernels beside the FlashAttention-4 backend, ``BACKEND: FLASH``, which needs the ``flash-attn-4`` package).
+- ``adamw``: one AdamW step (bf16 parameters, gradients and moments, the clip factor applied inside) over the
+  parameter shapes of a 5-layer Qwen3-4B-shaped draft with a rank-256 Markov head (615M values): torch's fused
+  step beside the Triton kernel (``kernels/adamw.py``) at several launch shapes, as bytes moved per second (7 x 2
+  bytes a value) against a plain copy's bandwidth.
 - ``decode_profile``: the top CUDA kernels of Triton decode steps (no CUDA graph, so names are visible).
 - ``tiles``: every small-GEMM candidate (``tuning.MMA_CONFIGS``, ``tuning.GEMV_CONFIGS``) on each decode
   matrix at n = 1 (``--tile-tokens 1,8``: also n = 8; ``--tile-candidates``: some families only), 20 launches
@@ -242,6 +246,47 @@ def part_loss(dev) -> list[dict]:
     return rows
 
 
+ADAMW_SHAPES = 5 * [(4096, H), (HKV * D, H), (HKV * D, H), (H, HQ * D), (FFN, H), (FFN, H), (H, FFN), (H,), (H,),
+                    (D,), (D,)] + [(H, 5 * H), (H,), (VOCAB, 256), (VOCAB, 256), (H,)]
+ADAMW_LAUNCHES = [(1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16)]  # (BLOCK, warps)
+
+
+def part_adamw(dev) -> list[dict]:
+    from dspark_core.kernels.adamw import adamw_step_
+    from dspark_core.train.optim import TritonAdamW
+
+    params = [torch.nn.Parameter(torch.randn(s, device=dev, dtype=torch.bfloat16) * 0.02) for s in ADAMW_SHAPES]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    n = sum(p.numel() for p in params)
+    scale = torch.tensor(1.5, device=dev)
+    copy_src = torch.empty(n, device=dev, dtype=torch.bfloat16)
+    copy_dst = torch.empty_like(copy_src)
+    copy_tb_s = 2 * copy_src.numel() * 2 / (bench(lambda: copy_dst.copy_(copy_src), iters=10) / 1e3) / 1e12
+    rows = [{"impl": "copy", "values": n, "tb_s": copy_tb_s}]
+    print(f"adamw: {n / 1e6:.1f}M values; copy {copy_tb_s:.2f} TB/s", flush=True)
+
+    def opt_step(opt):
+        opt.grad_scale = scale
+        opt.step()
+
+    for name, opt in (("torch_fused", torch.optim.AdamW(params, lr=1e-4, fused=True)),
+                      ("triton_default", TritonAdamW(params, lr=1e-4))):
+        ms = bench(lambda: opt_step(opt), iters=10)
+        rows.append({"impl": name, "values": n, "ms": ms, "tb_s": 14 * n / (ms / 1e3) / 1e12})
+        print(f"adamw {name:16s} {ms:7.3f} ms {rows[-1]['tb_s']:.2f} TB/s", flush=True)
+    state = [opt.state[p] for p in params]
+    lists = ([p.detach() for p in params], [p.grad for p in params], [s["exp_avg"] for s in state],
+             [s["exp_avg_sq"] for s in state], [s["step"] for s in state])
+    for block, warps in ADAMW_LAUNCHES:
+        ms = bench(lambda: adamw_step_(*lists, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                                       grad_scale=scale, block=block, num_warps=warps), iters=10)
+        rows.append({"impl": "triton", "block": block, "num_warps": warps, "values": n, "ms": ms,
+                     "tb_s": 14 * n / (ms / 1e3) / 1e12})
+        print(f"adamw triton block {block:5d} warps {warps:2d} {ms:7.3f} ms {rows[-1]['tb_s']:.2f} TB/s", flush=True)
+    return rows
+
+
 # (name, dynamic shapes, compile mode, kernel_options) of the flex part; static shapes only at the longest L
 FLEX_VARIANTS = [("default", True, None, None), ("max_autotune", True, "max-autotune-no-cudagraphs", None),
                  ("static", False, None, None), ("m64n64", True, None, {"BLOCK_M": 64, "BLOCK_N": 64})]
@@ -386,7 +431,7 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)",
               "torch": torch.__version__}
     flex_lengths = tuple(int(n) for n in args.flex_lengths.split(","))
-    parts = {"gemv": part_gemv, "loss": part_loss, "decode_profile": part_decode_profile,
+    parts = {"gemv": part_gemv, "loss": part_loss, "decode_profile": part_decode_profile, "adamw": part_adamw,
              "flex": lambda d: part_flex(d, flex_lengths, FLEX_SETS[args.flex_set]),
              "tiles": lambda d: part_tiles(d, args.tile_shape, tokens=tuple(int(t) for t in args.tile_tokens.split(",")),
                                            candidates=args.tile_candidates)}

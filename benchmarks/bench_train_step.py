@@ -13,6 +13,8 @@ the output JSON, and each row gets ``speedup_vs_<peer>`` / ``peak_ratio_vs_<peer
 same L and draft vocabulary. Targets: >= 1.5x DeepSpec's throughput at <= 0.5x its peak memory (``meets_target``);
 >= 1.35x speculators' at <= 0.7x its memory (``meets_speculators_target``). Without the file the ratios are left
 out. ``model_tflop`` counts the step's matrix work (``step_tflop``) and ``mfu`` divides it by ``--peak-tflops``.
+``host_s``: the host's time to queue one timed step (the timed loop never waits for the GPU): near ``step_s``,
+the step is bound by the host's launches; well below it, by the GPU's work.
 
 Precision modes: ``amp`` (what the shared trainer does: fp32 weights + AdamW state, bf16 autocast,
 frozen LM head kept in bf16) and ``bf16`` (bf16 weights and AdamW state, no autocast).
@@ -120,13 +122,14 @@ def make_batch(args, length: int, device: torch.device, seed: int) -> dict[str, 
                              generator=torch.Generator().manual_seed(length)).tolist()
         items = [random_item(n, vocab, len(AUX_LAYERS), tc.hidden_size, prompt_len=max(1, n // 16),
                              generator=g, dtype=dtype) for n in lens]
-        batch = collate_packed(items, args.anchors, 7, (args.packed_length or length) if args.packed else 1, g)
+        batch = collate_packed(items, args.anchors, 7, (args.packed_length or length) if args.packed else 1, g,
+                               compact=args.slots == "compact")
         return to_device(batch, device)
     item = random_item(length, vocab, len(AUX_LAYERS), tc.hidden_size, prompt_len=max(1, length // 16),
                        generator=g, dtype=dtype)
     batch = {k: v.unsqueeze(0) for k, v in item.items()}
     batch["lengths"] = torch.tensor([length])
-    batch = add_anchor_fields(batch, args.anchors, 7, g)
+    batch = add_anchor_fields(batch, args.anchors, 7, g, compact=args.slots == "compact")
     return to_device(batch, device)
 
 
@@ -138,7 +141,8 @@ def to_device(batch: dict, device: torch.device) -> dict:
 def draft_config(args, tc) -> DraftConfig:
     return DraftConfig(num_draft_layers=5, block_size=7, mask_token_id=tc.vocab_size - 1, num_anchors=args.anchors,
                        markov_rank=16 if args.tiny else 256, markov_head=args.markov_head,
-                       confidence_with_markov=args.markov_head != "none", vocab_size=args.vocab_size)
+                       confidence_with_markov=args.markov_head != "none", vocab_size=args.vocab_size,
+                       anchor_slots=args.slots)
 
 
 def run_trainer(args, length: int, device: torch.device) -> dict:
@@ -225,6 +229,7 @@ def run_length(args, precision: str, model, opt, params, length: int, device: to
     loss = torch.zeros(())
     for i in range(args.steps):
         loss = train_step(model, opt, params, batches[i % len(batches)], amp, forward)
+    host_s = (time.perf_counter() - t0) / args.steps  # the host's time to queue a step (no sync inside)
     sync(device)
     loss = float(loss)
     step_s = slowest((time.perf_counter() - t0) / args.steps, d)
@@ -232,10 +237,12 @@ def run_length(args, precision: str, model, opt, params, length: int, device: to
     tokens = int(batches[0]["lengths"].sum()) if args.mixed else length  # a step's real tokens (first batch)
     row = {"precision": precision, "chunk": model.loss_cfg.vocab_chunk_slots, "L": length,
            "draft_vocab_size": args.vocab_size, "teacher_vocab": args.teacher_vocab, "step_s": step_s,
+           "host_s": host_s,
            "tokens_per_s": d.world_size * tokens / step_s, "peak_gib": peak, "loss": loss,
            "mixed": args.mixed, "packed": args.packed,
            "packed_length": (args.packed_length or length) if args.packed else None, "rows": int(batches[0]["input_ids"].shape[0]),
-           "warmup_s": warm_s, "valid_slots": int(batches[0]["slot_valid"].sum()), "world_size": d.world_size}
+           "warmup_s": warm_s, "valid_slots": int(batches[0]["slot_valid"].sum()),
+           "anchor_width": int(batches[0]["anchors"].shape[1]), "world_size": d.world_size}
     row["model_tflop"] = step_tflop(target_config(args.tiny), model.draft, length, args.anchors, args.teacher_vocab)
     if device.type == "cuda" and args.peak_tflops:
         row["mfu"] = row["model_tflop"] / step_s / args.peak_tflops
@@ -469,6 +476,9 @@ def main() -> None:
     ap.add_argument("--optimizer-kernel", choices=("torch", "triton"), nargs="+", default=["torch"],
                     help="train.optimizer_kernel: torch's fused AdamW and / or the Triton AdamW kernel "
                          "(train/optim.py); several: one pass each, same run (rows say optimizer)")
+    ap.add_argument("--anchor-slots", choices=("compact", "fixed"), nargs="+", default=["compact"],
+                    help="draft.anchor_slots: a row's anchor slots cut to its valid anchors (rounded up to "
+                         "anchors / 8), or anchors per sample; several: one pass each per length (rows say which)")
     ap.add_argument("--trainer", action="store_true",
                     help="run the shared trainer's own loop instead of this script's (fp32 weights + bf16 autocast; "
                          "with --precision bf16 alone, train.param_dtype bfloat16); rows say loop: trainer")
@@ -486,6 +496,7 @@ def main() -> None:
         raise SystemExit(f"--baseline {args.baseline}: file not found")
     args.lengths = args.lengths or ([64, 128] if args.tiny else [2048, 4096])
     args.anchors = args.anchors or (16 if args.tiny else 512)
+    args.slots = args.anchor_slots[0]  # the pass's draft.anchor_slots (the loops below set it)
     args.steps = args.steps or (2 if args.tiny else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
     if args.flex_options is not None:
@@ -519,9 +530,9 @@ def main() -> None:
 def bench_trainer(args, device, rows: list[dict]) -> int:
     """The trainer's own loop at each length (rows appended; returns the trainable parameter count)."""
     n_params = 0
-    for length in args.lengths:
+    for length, args.slots in [(n, s) for n in args.lengths for s in args.anchor_slots]:
         rows.append({**run_trainer(args, length, device), "attention": attention.ATTENTION_KERNEL,
-                     "optimizer": args.opt_kernel})
+                     "optimizer": args.opt_kernel, "anchor_slots": args.slots})
         n_params = rows[-1]["trainable_params"]
         print(json.dumps(rows[-1]), flush=True)
     write_report(args, device, n_params, rows)
@@ -543,9 +554,10 @@ def bench_script(args, device, d, rows: list[dict]) -> int:
         forward = torch.compile(core) if args.compile else core
         for chunk in args.chunk:
             model.loss_cfg = loss_config(args, chunk)
-            for length in args.lengths:
+            for length, args.slots in [(n, s) for n in args.lengths for s in args.anchor_slots]:
                 rows.append({**run_length(args, precision, model, opt, params, length, device, forward, d),
-                             "attention": attention.ATTENTION_KERNEL, "optimizer": args.opt_kernel})
+                             "attention": attention.ATTENTION_KERNEL, "optimizer": args.opt_kernel,
+                             "anchor_slots": args.slots})
                 if args.baseline is not None:
                     add_scaling(rows[-1:], args.baseline)
                 if d.is_main:
@@ -633,7 +645,7 @@ def print_table(report: dict) -> None:
     cfg = report["config"]
     print(f"device {report['device']}, torch {report['torch']}, anchors {cfg['anchors']}, recompute "
           f"{cfg['recompute']}, trainable params {report['trainable_params'] / 1e6:.1f}M")
-    print(f"{'loop':>7} {'attn':>6} {'adamw':>6} {'precision':>9} {'vocab':>7} {'teacher':>7} {'L':>6} {'step_s':>9} {'tokens/s':>9} {'peak GiB':>9} {'TFLOP':>6} {'MFU':>5} "
+    print(f"{'loop':>7} {'attn':>6} {'adamw':>6} {'precision':>9} {'vocab':>7} {'teacher':>7} {'L':>6} {'step_s':>9} {'host_s':>7} {'tokens/s':>9} {'peak GiB':>9} {'TFLOP':>6} {'MFU':>5} "
           f"{'vs DeepSpec':>11} {'vs specul.':>10} {'mem vs spec.':>12}")
 
     def fmt(v, spec):
@@ -642,7 +654,7 @@ def print_table(report: dict) -> None:
     for r in report["results"]:
         vs_ref = r.get("speedup_vs_ref", r.get("speedup_vs_deepspec"))
         print(f"{r.get('loop', 'script'):>7} {r.get('attention', 'triton'):>6} {r.get('optimizer', 'torch'):>6} {r['precision']:>9} {fmt(r['draft_vocab_size'], 'd') if r['draft_vocab_size'] else 'full':>7} "
-              f"{r['teacher_vocab']:>7} {r['L']:>6} {r['step_s']:>9.4f} {r['tokens_per_s']:>9.0f} {fmt(r['peak_gib'], '.2f'):>9} {r['model_tflop']:>6.1f} "
+              f"{r['teacher_vocab']:>7} {r['L']:>6} {r['step_s']:>9.4f} {fmt(r.get('host_s'), '.4f'):>7} {r['tokens_per_s']:>9.0f} {fmt(r['peak_gib'], '.2f'):>9} {r['model_tflop']:>6.1f} "
               f"{fmt(r.get('mfu'), '.0%'):>5} {fmt(vs_ref, '.2f'):>11} {fmt(r.get('speedup_vs_speculators'), '.2f'):>10} "
               f"{fmt(r.get('peak_ratio_vs_speculators'), '.2f'):>12}")
 

@@ -49,7 +49,13 @@ def _where(src: str, field: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Section:
-    """Base of every params section. Subclasses are ``@dataclass(frozen=True)``."""
+    """Base of every params section. Subclasses are ``@dataclass(frozen=True)``.
+
+    ``EXECUTION_KEYS``: fields that decide how a run executes, not what it computes (kernels, process counts,
+    batch layouts with the same loss): left out of :meth:`identity_dict`, which decides whether a checkpoint
+    made under other values can be resumed."""
+
+    EXECUTION_KEYS: typing.ClassVar[tuple[str, ...]] = ()
 
     def validate(self) -> None:  # overridden by sections with constraints
         return None
@@ -98,6 +104,10 @@ class Section:
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(dataclasses.asdict(self))
+
+    def identity_dict(self) -> dict[str, Any]:
+        """``to_dict`` without the ``EXECUTION_KEYS``: what decides whether a checkpoint can be resumed."""
+        return {k: v for k, v in self.to_dict().items() if k not in self.EXECUTION_KEYS}
 
     def replace(self: T, **changes: Any) -> T:
         obj = dataclasses.replace(self, **changes)

@@ -64,6 +64,24 @@ def test_kernel_matches_its_reference(dtype, scaled):
     assert all(float(opt.state[p]["step"]) == 3.0 for p in params)
 
 
+def test_launch_shape_does_not_change_the_update():
+    """``block`` / ``num_warps`` (the benchmark's sweep) only re-tile the same per-element update: bitwise equal."""
+    from dspark_core.kernels.adamw import adamw_step_
+
+    results = []
+    for block, warps in ((BLOCK, 8), (1024, 4)):
+        params = _params(torch.bfloat16)
+        _set_grads(params, 1)
+        ms, vs = [torch.full_like(p, 0.01) for p in params], [torch.full_like(p, 0.02) for p in params]
+        steps = [torch.full((), 3.0, device=DEVICE) for _ in params]
+        adamw_step_([p.data for p in params], [p.grad for p in params], ms, vs, steps, lr=1e-3, beta1=0.9,
+                    beta2=0.95, eps=1e-8, weight_decay=0.1, grad_scale=torch.tensor(2.0, device=DEVICE),
+                    block=block, num_warps=warps)
+        results.append([t.clone() for t in [p.data for p in params] + ms + vs])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert not torch.equal(results[0][0], _params(torch.bfloat16)[0].data)  # the step did move the weights
+
+
 def _step_both(kw: dict, steps: int, swap_at: int | None = None) -> TritonAdamW:
     """``steps`` steps of TritonAdamW and torch.optim.AdamW (float32, optimiser options ``kw``) on the same
     weights and gradients, the two optimisers' state dicts swapped before step ``swap_at``; the weights compared

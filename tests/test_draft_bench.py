@@ -28,8 +28,9 @@ def test_bench_train_step_tiny_smoke(tmp_path):
     assert [r["precision"] for r in report["results"]] == ["amp", "bf16"]
     for row in report["results"]:
         assert row["L"] == 48 and row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["valid_slots"] > 0
+        assert 0 < row["host_s"] <= row["step_s"]  # queueing a step is part of the step
         assert row["loss"] == row["loss"]  # finite, not NaN
-    assert "step_s" in proc.stdout and "tokens/s" in proc.stdout
+    assert "step_s" in proc.stdout and "host_s" in proc.stdout and "tokens/s" in proc.stdout
 
 
 def test_bench_train_step_two_processes(tmp_path):
@@ -58,18 +59,23 @@ def test_bench_train_step_two_processes(tmp_path):
 
 def test_bench_train_step_mixed_lengths_padded_and_packed(tmp_path):
     """``--mixed 4``: four samples a step (40, 32, 12, 39 tokens), one a row or (``--packed``) packed into rows of
-    L = 64 (three rows); the same loss."""
+    L = 64 (three rows); the same loss. ``--anchor-slots compact``: packed rows narrower than ``fixed`` (16 anchors
+    a sample, 10 of them valid in the 12-token sample: rows of 26 slots, not 32), the same slots and loss."""
     rows = {}
-    for extra in ([], ["--packed"]):
-        out = tmp_path / f"mix{len(extra)}.json"
+    for extra in (["--anchor-slots", "fixed"], ["--packed", "--anchor-slots", "fixed"], ["--packed"]):
+        out = tmp_path / f"mix{len(extra)}.json"  # a process each: a pass's loss follows the steps before it
         proc = subprocess.run([sys.executable, str(BENCH), "--tiny", "--steps", "1", "--warmup", "1", "--lengths", "64",
                                "--precision", "amp", "--mixed", "4", *extra, "--out", str(out)],
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        rows[bool(extra)] = json.loads(out.read_text())["results"][0]
-    assert rows[False]["rows"] == 4 and rows[True]["rows"] == 3 and rows[True]["packed"] is True
-    assert rows[True]["valid_slots"] == rows[False]["valid_slots"] > 0
-    assert abs(rows[True]["loss"] - rows[False]["loss"]) <= 1e-4 * abs(rows[False]["loss"])
+        for row in json.loads(out.read_text())["results"]:
+            rows[row["packed"], row["anchor_slots"]] = row
+    padded, packed, compact = rows[False, "fixed"], rows[True, "fixed"], rows[True, "compact"]
+    assert padded["rows"] == 4 and packed["rows"] == compact["rows"] == 3
+    assert padded["anchor_width"] == 16 and packed["anchor_width"] == 32 > compact["anchor_width"]
+    assert compact["valid_slots"] == packed["valid_slots"] == padded["valid_slots"] > 0
+    for row in (packed, compact):
+        assert abs(row["loss"] - padded["loss"]) <= 1e-4 * abs(padded["loss"])
 
 
 def test_bench_train_step_teacher_vocab_and_profile_file(tmp_path):

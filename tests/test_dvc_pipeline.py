@@ -134,3 +134,19 @@ def test_exp_run_reruns_only_the_ablated_variant(repo, first_repro):
     _run(DVC + ["plots", "diff", "HEAD", "-o", "dvc_plots"], repo)
     text = html.read_text()
     assert "accept_rate" in text and "reports/train/reranker_frozen/plots/metrics" in text
+
+
+def test_bench_batch_layout_on_the_pipeline_cache(repo, first_repro, tmp_path):
+    """benchmarks/bench_batch_layout.py on the cache the pipeline wrote: every layout trains to the same loss on
+    the same valid blocks; compact slots compute fewer blocks where answers are shorter than num_anchors."""
+    out = tmp_path / "layout.json"
+    _run([sys.executable, str(ROOT / "benchmarks" / "bench_batch_layout.py"), "--num-anchors", "64",
+          "--micro-batch-size", "4", "--steps", "1", "--warmup", "1", "--out", str(out)], repo)
+    rows = {r["layout"]: r for r in json.loads(out.read_text())["results"]}
+    assert sorted(rows) == ["packed:compact", "packed:fixed", "padded:compact", "padded:fixed"]
+    fixed = rows["padded:fixed"]
+    assert fixed["blocks_computed"] == 4 * 64 > fixed["blocks_valid"] > 0  # the timed step: 4 samples x 64 anchors
+    for name, row in rows.items():
+        assert row["blocks_valid"] == fixed["blocks_valid"], name
+        assert abs(row["loss"] - fixed["loss"]) <= 1e-5 * abs(fixed["loss"]), name
+    assert rows["packed:compact"]["blocks_computed"] < rows["packed:fixed"]["blocks_computed"]

@@ -113,10 +113,55 @@ def test_task_collates_packed_rows_with_the_param(setup):
                       lm_head_weight=target.get_output_embeddings().weight.detach(), aux_layer_ids=AUX,
                       train_data=items)
     batch = task.collate(items, _gens())
-    want = collate_packed(items, A, S, 64, _gens())
+    want = collate_packed(items, A, S, 64, _gens(), compact=True)  # anchor_slots: compact, the default
     assert batch["input_ids"].shape[0] == 2 and set(batch) == set(want)
     for key, value in want.items():
         assert torch.equal(batch[key], value) if torch.is_tensor(value) else batch[key] == value, key
+
+
+def test_compact_anchor_slots_drop_only_dummy_blocks(setup):
+    """Short samples (fewer anchor positions than num_anchors): ``anchor_slots: compact`` gives narrower rows, the
+    same valid slots and the fixed layout's loss and gradients, padded and packed."""
+    target, items = setup
+    short, many = [items[i] for i in (1, 2, 3)], 24  # 11 / 15 / 7 anchor positions < 24 anchors
+    gens = lambda: _gens()[:3]  # noqa: E731
+    fixed = add_anchor_fields(CacheCollator(0)(short), many, S, gens())
+    compact = add_anchor_fields(CacheCollator(0)(short), many, S, gens(), compact=True)
+    packed = collate_packed(short, many, S, packed_length=50, generator=gens(), compact=True)
+    valid = fixed["anchor_valid"].sum(1).tolist()
+    assert max(valid) < many and fixed["anchors"].shape[1] == many
+    assert compact["anchors"].shape[1] == -(-max(valid) // 3) * 3 < many  # steps of ceil(24 / 8)
+    assert packed["anchors"].shape[1] < collate_packed(short, many, S, 50, gens())["anchors"].shape[1]
+
+    def slots(batch):  # every valid slot as (document, position, target)
+        b, a, j = batch["slot_valid"].nonzero(as_tuple=True)
+        pos = batch["anchors"][b, a] - batch.get("anchor_start", torch.zeros_like(batch["anchors"]))[b, a] + j
+        doc = batch["doc_ids"][b, batch["anchors"][b, a]] if "doc_ids" in batch else b
+        return sorted(zip(doc.tolist(), pos.tolist(), batch["targets"][b, a, j].tolist()))
+
+    assert slots(compact) == slots(fixed) == slots(packed) and len(slots(fixed)) > 0
+    draft = _draft(target, "vanilla")
+    draft.attention_backend = "dense"
+    cfg = LossConfig(vocab_chunk_slots=9)
+    ref_total, _, _, ref_grads = _loss_and_grads(draft, fixed, cfg)
+    for batch in (compact, packed):
+        total, _, _, grads = _loss_and_grads(draft, batch, cfg)
+        torch.testing.assert_close(total, ref_total, rtol=1e-5, atol=1e-6)
+        for g, ref in zip(grads, ref_grads):
+            torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_compact_width_and_the_param():
+    from dspark_core.draft.anchors import compact_width
+
+    assert [compact_width(n, 512, 512) for n in (0, 1, 64, 65, 448, 449, 512)] == [64, 64, 64, 128, 448, 512, 512]
+    assert compact_width(700, 512, 1024) == 704 and compact_width(1000, 512, 960) == 960  # packed rows: capped
+    big = 10 ** 6  # past 16 steps of 64: 8 widths per doubling
+    assert [compact_width(64 * u + 1, 512, big) // 64 for u in (16, 17, 31, 32, 40)] == [18, 18, 32, 36, 44]
+    assert [compact_width(n, 8, 8) for n in (1, 5, 8)] == [1, 5, 8]  # num_anchors <= 8: no rounding
+    assert DraftConfig().anchor_slots == "compact" and "anchor_slots" not in DraftConfig().identity_dict()
+    with pytest.raises(UserError, match="anchor_slots"):
+        DraftConfig.from_dict({"anchor_slots": "tight"})
 
 
 def test_pack_rows_first_fit_and_settings():

@@ -11,6 +11,11 @@ Shape legend: B batch, L tokens (padded), A anchors per sample, S slots of a blo
   distribution is the target's at position ``p + j``. The slot is valid while ``p + j + 1 < L``, that
   token is a response token, and every earlier slot of the block is valid: a contiguous valid prefix
   (seed 000: the overlap a_i of an invalid slot counts as 0).
+- ``anchor_slots: compact`` (the default): a batch row gets as many anchor slots as the most valid anchors any
+  row has, rounded up to a multiple of ``num_anchors / 8`` (:func:`compact_width`: a handful of shapes for the
+  compiled layers), instead of ``num_anchors`` per sample. A sample with fewer anchor positions than
+  ``num_anchors`` (a short answer) would otherwise carry dummy blocks through every draft layer; the valid
+  slots, and so the loss and its gradients, are the same.
 - Overlapping blocks share teacher positions (anchors p and p + 2 both need the target at p + 2 .. p + 6):
   :func:`teacher_fields` lists each position once (``teacher_rows``), so the loss runs the frozen LM head's
   teacher GEMM over U unique positions instead of N slots (U ~ N / 2 when anchors are dense).
@@ -64,6 +69,18 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
     return anchors.to(loss_mask.device), valid.to(loss_mask.device)
 
 
+def compact_width(most_valid: int, num_anchors: int, cap: int) -> int:
+    """Anchor slots of a batch row under ``anchor_slots: compact``: ``most_valid`` (the most valid anchors of any
+    row) rounded up to a multiple of ceil(num_anchors / 8) -- up to 16 such steps; beyond (packed rows of several
+    samples) to 8 widths per doubling -- at least one step, at most ``cap``: few distinct shapes to compile, at
+    most 1/8 of a padded row's slots (1/16 of a longer row's) wasted on rounding."""
+    step = -(-num_anchors // 8)
+    units, grain = max(1, -(-most_valid // step)), 1
+    while units > 16 * grain:
+        grain *= 2
+    return min(cap, -(-units // grain) * grain * step)
+
+
 def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
                   anchor_valid: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
     """Supervision of every slot.
@@ -84,13 +101,18 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: tor
 
 
 def add_anchor_fields(batch: dict[str, torch.Tensor], num_anchors: int, block_size: int,
-                      generator: torch.Generator | Sequence[torch.Generator]) -> dict[str, torch.Tensor]:
+                      generator: torch.Generator | Sequence[torch.Generator], compact: bool = False
+                      ) -> dict[str, torch.Tensor]:
     """A collated cache batch plus ``anchors, anchor_valid, targets, prev_tokens, slot_valid`` and ``slot_index``
-    [3, N] (batch, anchor, slot of every valid slot, computed here on the CPU so the loss needs no device sync)."""
+    [3, N] (batch, anchor, slot of every valid slot, computed here on the CPU so the loss needs no device sync).
+    ``compact``: A = :func:`compact_width` of the rows' valid anchors instead of ``num_anchors`` (the same draws)."""
     for key in ("input_ids", "loss_mask"):
         if key not in batch:
             raise ValueError(f"batch lacks '{key}' (have: {', '.join(sorted(batch))})")
-    anchors, anchor_valid = sample_anchors(batch["loss_mask"], num_anchors, generator)
+    anchors, anchor_valid = sample_anchors(batch["loss_mask"], num_anchors, generator)  # [B, A], valid ones first
+    if compact:
+        width = compact_width(int(anchor_valid.sum(1).max()), num_anchors, num_anchors)
+        anchors, anchor_valid = anchors[:, :width].contiguous(), anchor_valid[:, :width].contiguous()
     out = dict(batch)
     out.update(anchors=anchors, anchor_valid=anchor_valid)
     out.update(block_targets(batch["input_ids"], batch["loss_mask"], anchors, anchor_valid, block_size))

@@ -18,6 +18,7 @@ LAYER_STYLES = ("target", "qwen3")
 ENGRAM_SOURCES = ("trainable", "frozen")
 MEMORY_ONLINE = ("chained", "first_stage")
 TEACHER_VOCABS = ("full", "draft")
+ANCHOR_SLOTS = ("compact", "fixed")
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,8 @@ class DraftConfig(Section):
     mask_token_id: int | None = None    # None (or >= vocab): a learned mask embedding
     num_anchors: int = 512              # anchors sampled per training sample (at most)
     packed_length: int | None = None    # training rows pack samples up to this many tokens (draft/packing.py)
+    anchor_slots: str = "compact"       # compact: a row's anchor slots are the most valid anchors of any row, rounded
+                                        # up to num_anchors / 8 (draft/anchors.py); fixed: num_anchors per sample
     markov_rank: int = 256
     markov_head: str = "vanilla"        # vanilla | gated | rnn | none (draft/heads.py)
     confidence_head: bool = True
@@ -119,6 +122,8 @@ class DraftConfig(Section):
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # read by draft_memory only
     reranker: RerankerConfig = field(default_factory=RerankerConfig)  # read by the reranker kind only
 
+    EXECUTION_KEYS = ("anchor_slots",)  # the same valid slots either way: a speed knob, not part of a run's identity
+
     def validate(self) -> None:
         require(isinstance(self.kind, str) and self.kind != "", f"kind must name a draft class; got {self.kind!r}")
         require(not (self.kind == "engram_markov" and self.markov_head == "none"),
@@ -132,6 +137,7 @@ class DraftConfig(Section):
         positive("num_draft_layers", self.num_draft_layers)
         positive("block_size", self.block_size)
         positive("num_anchors", self.num_anchors)
+        one_of("anchor_slots", self.anchor_slots, ANCHOR_SLOTS)
         if self.packed_length is not None:
             positive("packed_length", self.packed_length)
             require(self.kind == "baseline", f"packed_length needs kind baseline (kind {self.kind} reads "

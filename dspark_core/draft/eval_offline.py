@@ -85,7 +85,8 @@ def evaluate_offline(draft, dataset: Sequence[dict[str, torch.Tensor]], cfg: Eva
     gen = torch.Generator().manual_seed(cfg.seed)
     for start in tqdm(range(0, n, cfg.batch_size), desc="eval_offline", unit="batch", disable=not progress):
         items = [dataset[i] for i in range(start, min(n, start + cfg.batch_size))]
-        batch = add_anchor_fields(collator(items), cfg.num_anchors, draft.block_size, gen)
+        # compact anchor slots: no dummy blocks for short answers (the same valid slots, so the same metrics)
+        batch = add_anchor_fields(collator(items), cfg.num_anchors, draft.block_size, gen, compact=True)
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
         for name, prepared in draft.offline_anchor_sets(batch).items():
             _accumulate(draft, prepared, loss_cfg, metrics[name])

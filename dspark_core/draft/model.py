@@ -540,8 +540,10 @@ _COMPILED_STEP: list = []
 # The compiled training forward pads the context to a multiple of this many positions and compiles
 # static shapes: flex_attention's kernels then know every length is a multiple of their 128-wide tiles
 # (measured on an H200 at Qwen3-4B shapes, L = 4096: 2.41 ms forward + backward per layer against 3.68 ms
-# with dynamic shapes). One graph per (batch, bucket, anchors) -- a handful over a run.
+# with dynamic shapes). One graph per (rows, context bucket, anchor slots): at most 8 anchor widths under
+# ``draft.anchor_slots: compact`` (anchors.compact_width), some dozens over a long run.
 CONTEXT_BUCKET = 512
+COMPILED_SHAPES = 512  # torch._dynamo's recompile limit here: past it a new shape would run uncompiled
 
 
 def _compiled_layer_step():
@@ -551,6 +553,6 @@ def _compiled_layer_step():
 
         for name in ("recompile_limit", "cache_size_limit"):  # one entry per shape bucket
             if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
+                setattr(torch._dynamo.config, name, max(COMPILED_SHAPES, getattr(torch._dynamo.config, name)))
         _COMPILED_STEP.append(torch.compile(_layer_step, dynamic=False))
     return _COMPILED_STEP[0]

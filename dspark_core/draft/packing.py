@@ -1,7 +1,7 @@
 """Packed training batches: several cache samples in one row, each a document of its own.
 
-Shape legend: B rows, L row length, n_i a sample's length, A anchors of a row (``num_anchors`` per packed sample),
-S slots, K aux layers, Ht target hidden.
+Shape legend: B rows, L row length, n_i a sample's length, A anchor slots of a row (``compact``: the valid anchors
+of the fullest row, rounded up; else ``num_anchors`` per packed sample), S slots, K aux layers, Ht target hidden.
 
 A padded batch (``CacheCollator`` + ``add_anchor_fields``) spends a row of the longest sample's length on every
 sample. A packed batch lays the samples end to end in rows of at most ``packed_length`` tokens (first fit, in
@@ -18,11 +18,11 @@ block never reaches past its document and the loss and its gradients equal the p
 float sums): ``tests/test_packing.py``.
 
 What packing saves is the padding's share of the context work (features, K/V projections, attention against
-it); the block tokens are the same either way. A packed row holds more anchors, and the dense (CPU) attention
-path's block-to-block grid grows with the square of a row's anchors, so there it is slower (measured on one CPU
-thread, 8 samples of 32-431 tokens, 32 anchors each: 1.76 s/step padded, 2.96 s packed); flex (GPU) skips the
-masked tiles, and there a packed step runs as fast as the padded one with a little less memory (docs/DESIGN.md).
-``packed_length`` at least a micro-batch's tokens gives one row: no invalid anchor slots.
+it); with ``compact`` anchor slots (``draft.anchor_slots``) a row also carries only its samples' valid anchors, so
+short answers bring no dummy blocks, which a padded batch cuts only down to its fullest sample's. A packed row
+holds more anchors, and the dense (CPU) attention path's block-to-block grid grows with the square of a row's
+anchors, so there packing is slower than padding; flex (GPU) skips the masked tiles (docs/DESIGN.md,
+``benchmarks/bench_batch_layout.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dspark_core.draft.anchors import _generators, block_targets, sample_anchors, teacher_fields
+from dspark_core.draft.anchors import _generators, block_targets, compact_width, sample_anchors, teacher_fields
 
 ITEM_KEYS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")  # a cache item's per-token tensors
 SLOT_KEYS = ("targets", "prev_tokens", "slot_valid")
@@ -63,9 +63,11 @@ def _sample_fields(item: dict[str, Any], num_anchors: int, block_size: int, gen:
 
 
 def collate_packed(items: Sequence[dict[str, Any]], num_anchors: int, block_size: int, packed_length: int,
-                   generator: torch.Generator | Sequence[torch.Generator], pad_id: int = 0) -> dict[str, torch.Tensor]:
+                   generator: torch.Generator | Sequence[torch.Generator], pad_id: int = 0, compact: bool = False
+                   ) -> dict[str, torch.Tensor]:
     """A packed training batch of cache ``items`` (module docstring); the keys of a padded one plus
-    ``anchor_start``, ``position_ids`` and ``doc_ids``."""
+    ``anchor_start``, ``position_ids`` and ``doc_ids``. ``compact``: each sample's valid anchors only, a row's
+    slots :func:`~dspark_core.draft.anchors.compact_width` of the fullest row (else ``num_anchors`` a sample)."""
     if not items:
         raise ValueError("collate_packed: empty batch")
     if packed_length < 1:
@@ -75,23 +77,27 @@ def collate_packed(items: Sequence[dict[str, Any]], num_anchors: int, block_size
     lengths = [len(it["input_ids"]) for it in items]
     rows = pack_rows(lengths, packed_length)
     width = max(sum(lengths[i] for i in row) for row in rows)
+    cols_of = [int(f["anchor_valid"].sum()) if compact else num_anchors for f in fields]  # a sample's anchor slots
     anchors_per_row = num_anchors * max(len(row) for row in rows)
+    if compact:
+        anchors_per_row = compact_width(max(sum(cols_of[i] for i in row) for row in rows), num_anchors,
+                                        anchors_per_row)
     out = _empty_batch(items[0], len(rows), width, anchors_per_row, block_size, pad_id)
     for r, row in enumerate(rows):
-        start = 0
-        for k, i in enumerate(row):
-            n, f = lengths[i], fields[i]
+        start = col = 0
+        for i in row:
+            n, f, c = lengths[i], fields[i], cols_of[i]
             for key in ITEM_KEYS:
                 out[key][r, start:start + n] = items[i][key][:n]
             out["position_ids"][r, start:start + n] = torch.arange(n)
             out["doc_ids"][r, start:start + n] = i
-            cols = slice(k * num_anchors, (k + 1) * num_anchors)
-            out["anchors"][r, cols] = f["anchors"] + start
-            out["anchor_valid"][r, cols] = f["anchor_valid"]
+            cols = slice(col, col + c)
+            out["anchors"][r, cols] = f["anchors"][:c] + start
+            out["anchor_valid"][r, cols] = f["anchor_valid"][:c]
             out["anchor_start"][r, cols] = start
             for key in SLOT_KEYS:
-                out[key][r, cols] = f[key]
-            start += n
+                out[key][r, cols] = f[key][:c]
+            start, col = start + n, col + c
         out["lengths"][r] = start
     out["attention_mask"] = out["doc_ids"] >= 0
     out["slot_index"] = out["slot_valid"].nonzero().t().contiguous()  # [3, N]

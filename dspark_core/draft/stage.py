@@ -79,7 +79,7 @@ def run_train_stage(params: Path, variant: str, time_budget_s: float | None = No
     task = task_class(draft_cfg.kind).from_paths(draft_cfg, loss_cfg, TARGET_DIR, CACHE_DIR / "train.zarr",
                                                  init_checkpoint=ckpt, freeze_base=warm.freeze_base)
     data: CacheDataset = task.train_dataset()  # type: ignore[assignment]
-    run_config = {"variant": variant, "draft": draft_cfg.to_dict(), "loss": loss_cfg.to_dict(),
+    run_config = {"variant": variant, "draft": draft_cfg.identity_dict(), "loss": loss_cfg.to_dict(),
                   "train": train_cfg.identity_dict(), "target": task.target_fingerprint,
                   "cache": sha256_json(data.manifest)}
     if ckpt is not None:

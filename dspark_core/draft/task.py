@@ -228,14 +228,16 @@ class DSparkTask:
         """Pad ``items`` and add anchors / slot supervision; ``generator``: one per item (or one shared). With
         ``draft.packed_length``, pack them into rows instead (``draft/packing.py``: the same anchors and loss)."""
         cfg = self.draft_cfg
+        compact = cfg.anchor_slots == "compact"
         if cfg.packed_length is not None:
-            return collate_packed(items, cfg.num_anchors, cfg.block_size, cfg.packed_length, generator, self.pad_id)
+            return collate_packed(items, cfg.num_anchors, cfg.block_size, cfg.packed_length, generator, self.pad_id,
+                                  compact)
         if self.collator is None:
             from dspark_core.cache.dataset import CacheCollator
 
             self.collator = CacheCollator(self.pad_id)
         batch = self.collator(items)
-        return add_anchor_fields(batch, self.draft_cfg.num_anchors, self.draft_cfg.block_size, generator)
+        return add_anchor_fields(batch, cfg.num_anchors, cfg.block_size, generator, compact)
 
     def prepare_step(self, model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         """The draft's ``prepare_batch`` hook on each micro-batch (no_grad; the trainer calls it before the

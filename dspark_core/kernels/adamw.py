@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 BLOCK = 4096  # elements per program: 16 per thread at 8 warps (two 16-byte loads of bf16)
+NUM_WARPS = 8
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _kernel: Any = None
 
@@ -65,8 +66,10 @@ def supported(tensors: list[torch.Tensor]) -> bool:
 
 def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                 exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *, lr: float, beta1: float, beta2: float,
-                eps: float, weight_decay: float, grad_scale: torch.Tensor | None = None) -> None:
-    """One AdamW update of every tensor in place (``steps``: float32 step counts, already incremented)."""
+                eps: float, weight_decay: float, grad_scale: torch.Tensor | None = None, block: int = BLOCK,
+                num_warps: int = NUM_WARPS) -> None:
+    """One AdamW update of every tensor in place (``steps``: float32 step counts, already incremented);
+    ``block`` / ``num_warps``: the launch shape (``bench_kernels.py --parts adamw`` compares them)."""
     global _kernel
     if _kernel is None:
         _kernel = _build_kernel()
@@ -74,8 +77,8 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
                math.log2(beta2), float(eps))
     for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
         n = p.numel()
-        _kernel[(-(-n // BLOCK),)](p, g, m, v, s, grad_scale if grad_scale is not None else s, n, *scalars,
-                                   HAS_SCALE=grad_scale is not None, BLOCK=BLOCK, num_warps=8)
+        _kernel[(-(-n // block),)](p, g, m, v, s, grad_scale if grad_scale is not None else s, n, *scalars,
+                                   HAS_SCALE=grad_scale is not None, BLOCK=block, num_warps=num_warps)
 
 
 def adamw_reference_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: float, *, lr: float,

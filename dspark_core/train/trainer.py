@@ -97,10 +97,6 @@ class TrainConfig(Section):
             positive("time_budget_s", self.time_budget_s)
         positive("nproc_per_node", self.nproc_per_node)
 
-    def identity_dict(self) -> dict:
-        """``to_dict`` without the execution keys: what decides whether a checkpoint can be resumed."""
-        return {k: v for k, v in self.to_dict().items() if k not in self.EXECUTION_KEYS}
-
     @property
     def stop_step(self) -> int:
         return self.max_steps if self.max_steps is not None else self.total_steps
