@@ -4,7 +4,8 @@ session's converted copy), in a temporary git + DVC repo holding this project's 
 dspark_core/; then the everyday loop of the README:
 
 - `dvc repro` runs every stage `dspark stages list` names (the no-DVC runner reads the same dvc.yaml), and
-  the report writes the headline metrics; a second `dvc repro` has nothing to do;
+  the report writes the headline metrics; a second `dvc repro` has nothing to do, nor `dvc status` once the
+  bytecode caches are gone (as in a fresh clone);
 - `dvc exp run -S '++variants.reranker_frozen.train.lr=5e-4'` reruns exactly that variant's train / eval_offline /
   bench_online and the report (not the draft it starts from), with the new lr in the run's config;
 - `dvc metrics diff` names the changed headline file and fits a terminal; `dvc exp show` lists the experiment
@@ -70,6 +71,7 @@ def repo(tmp_path_factory, packaged_target):
     (repo / ".gitignore").write_text("/data/\n/dvc_plots/\n")
     _run(["git", "init", "-q"], repo)
     _run(DVC + ["init", "-q"], repo)
+    shutil.copy(ROOT / ".dvcignore", repo / ".dvcignore")
     _run(DVC + ["config", "core.analytics", "false"], repo)
     _run(["git", "add", "-A"], repo)
     _run(["git", "commit", "-qm", "smoke"], repo)
@@ -105,6 +107,9 @@ def test_repro_runs_every_stage_and_writes_headline_metrics(repo, first_repro):
     for layout in ("deepspec", "speculators"):
         assert (repo / "data/export/baseline" / layout / "model.safetensors").is_file()
     assert _ran(_run(DVC + ["repro"], repo)) == []  # everything up to date
+    for cache in repo.rglob("__pycache__"):  # a fresh clone has no bytecode: the lock must not depend on it
+        shutil.rmtree(cache)
+    assert "up to date" in _run(DVC + ["status"], repo)
 
 
 def test_exp_run_reruns_only_the_ablated_variant(repo, first_repro):
