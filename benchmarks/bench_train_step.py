@@ -645,7 +645,7 @@ def print_table(report: dict) -> None:
     cfg = report["config"]
     print(f"device {report['device']}, torch {report['torch']}, anchors {cfg['anchors']}, recompute "
           f"{cfg['recompute']}, trainable params {report['trainable_params'] / 1e6:.1f}M")
-    print(f"{'loop':>7} {'attn':>6} {'adamw':>6} {'precision':>9} {'vocab':>7} {'teacher':>7} {'L':>6} {'step_s':>9} {'host_s':>7} {'tokens/s':>9} {'peak GiB':>9} {'TFLOP':>6} {'MFU':>5} "
+    print(f"{'loop':>7} {'attn':>6} {'adamw':>6} {'precision':>9} {'vocab':>7} {'teacher':>7} {'slots':>7} {'L':>6} {'step_s':>9} {'host_s':>7} {'tokens/s':>9} {'peak GiB':>9} {'TFLOP':>6} {'MFU':>5} "
           f"{'vs DeepSpec':>11} {'vs specul.':>10} {'mem vs spec.':>12}")
 
     def fmt(v, spec):
@@ -654,7 +654,7 @@ def print_table(report: dict) -> None:
     for r in report["results"]:
         vs_ref = r.get("speedup_vs_ref", r.get("speedup_vs_deepspec"))
         print(f"{r.get('loop', 'script'):>7} {r.get('attention', 'triton'):>6} {r.get('optimizer', 'torch'):>6} {r['precision']:>9} {fmt(r['draft_vocab_size'], 'd') if r['draft_vocab_size'] else 'full':>7} "
-              f"{r['teacher_vocab']:>7} {r['L']:>6} {r['step_s']:>9.4f} {fmt(r.get('host_s'), '.4f'):>7} {r['tokens_per_s']:>9.0f} {fmt(r['peak_gib'], '.2f'):>9} {r['model_tflop']:>6.1f} "
+              f"{r['teacher_vocab']:>7} {r.get('anchor_slots', 'fixed'):>7} {r['L']:>6} {r['step_s']:>9.4f} {fmt(r.get('host_s'), '.4f'):>7} {r['tokens_per_s']:>9.0f} {fmt(r['peak_gib'], '.2f'):>9} {r['model_tflop']:>6.1f} "
               f"{fmt(r.get('mfu'), '.0%'):>5} {fmt(vs_ref, '.2f'):>11} {fmt(r.get('speedup_vs_speculators'), '.2f'):>10} "
               f"{fmt(r.get('peak_ratio_vs_speculators'), '.2f'):>12}")
 
