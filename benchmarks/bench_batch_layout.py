@@ -12,8 +12,9 @@ not change the valid slots, so the loss and its gradients are the same under eve
 Each pass trains the variant's draft from the same initial weights on the same samples (``params.yaml``'s
 ``draft`` / ``loss`` / ``train`` for ``--variant``, with ``--num-anchors``, ``--micro-batch-size`` and the layout
 overridden; no checkpoints), ``--warmup`` + ``--steps`` optimiser steps, and reports the time per timed step, the
-answer tokens a second, the anchor blocks the layers computed against those that carry a valid slot, and the last
-loss. Run from the repository root after ``dvc repro cache`` (the cache and the target it was made with):
+warm-up's time (on a GPU mostly compilation: each anchor width is a shape of its own), the answer tokens a second,
+the anchor blocks the layers computed against those that carry a valid slot, and the last loss. Run from the
+repository root after ``dvc repro cache`` (the cache and the target it was made with):
 
     python benchmarks/bench_batch_layout.py --num-anchors 128 --out reports/bench/batch_layout_cpu.json
     python benchmarks/bench_batch_layout.py --layouts padded:fixed packed:compact --steps 50   # a GPU, H200 profile
@@ -75,11 +76,13 @@ def run_layout(args, layout: str) -> dict:
     task = task_class(draft_cfg.kind).from_paths(draft_cfg, loss_cfg, Path(args.target), Path(args.cache))
     computed, valid, tokens = block_counts(task, cfg, args.warmup)
     stamps: list[float] = []
+    t0 = time.perf_counter()
     result = train(task, cfg, progress=False, checkpoints=False,
                    on_step=lambda step, row: stamps.append(time.perf_counter()))
     step_s = (stamps[-1] - stamps[args.warmup - 1]) / args.steps
     return {"layout": layout, "num_anchors": draft_cfg.num_anchors, "packed_length": draft_cfg.packed_length,
             "micro_batch_size": cfg.micro_batch_size, "steps": args.steps, "step_s": step_s,
+            "warmup_s": stamps[args.warmup - 1] - t0,  # model build and the warm-up steps (compilation on a GPU)
             "answer_tokens_per_s": tokens / (step_s * args.steps), "blocks_computed": computed,
             "blocks_valid": valid, "valid_block_share": valid / max(computed, 1),
             "loss": result.history[-1]["loss"]}
