@@ -77,6 +77,43 @@ def test_accumulation_equals_one_big_batch(tmp_path):
         torch.testing.assert_close(va, vb, rtol=1e-5, atol=1e-6, msg=k)
 
 
+class LengthTask(ToyTask):
+    """ToyTask whose dataset knows each sample's length (here its weight count), as CacheDataset does."""
+
+    def train_dataset(self):
+        data = _Sized(super().train_dataset())
+        data.lengths = self.m.sum(1).long().numpy()
+        return data
+
+
+class _Sized(list):
+    lengths = None
+
+
+def test_group_by_length_fills_micro_batches_by_length_and_keeps_the_step(tmp_path):
+    """``group_by_length``: a step's micro-batches hold samples of rising length, each item keeps its slot's
+    generator, and the trained weights are those of the ungrouped run (and of one big batch)."""
+    from dspark_core.dist import Dist
+    from dspark_core.train.trainer import StepBatches
+
+    task, cfg = LengthTask(), _cfg(tmp_path / "s", micro_batch_size=2)
+    micro = StepBatches(task, cfg, Dist(), 0, 1)[0]
+    lengths = [b["m"].sum(1).tolist() for b in micro]  # [accum][2]
+    flat = [n for pair in lengths for n in pair]
+    assert flat == sorted(flat) and len(set(flat)) > 1
+    plain = StepBatches(task, cfg.replace(group_by_length=False), Dist(), 0, 1)[0]
+    plain_flat = [n for b in plain for n in b["m"].sum(1).tolist()]
+    assert sorted(plain_flat) == flat and plain_flat != flat  # the same samples, regrouped
+    runs = {name: train(LengthTask(), _cfg(tmp_path / name, **kw), progress=False)
+            for name, kw in (("grouped", dict(micro_batch_size=2)),
+                             ("plain", dict(micro_batch_size=2, group_by_length=False)),
+                             ("one", dict(micro_batch_size=8)))}
+    ref = _params(runs["plain"].model)
+    for name in ("grouped", "one"):
+        for (k, va), vb in zip(_params(runs[name].model).items(), ref.values()):
+            torch.testing.assert_close(va, vb, rtol=1e-5, atol=1e-6, msg=f"{name}: {k}")
+
+
 def test_resume_is_bit_identical(tmp_path):
     full = train(ToyTask(), _cfg(tmp_path / "full"), progress=False)
     part_cfg = _cfg(tmp_path / "part", max_steps=5)   # checkpoints at 3 and 5

@@ -66,8 +66,10 @@ class TrainConfig(Section):
     loss_kernel: str = "auto"            # the draft loss's chunk math: auto | triton | compile | torch (same numbers)
     attention_kernel: str = "triton"     # the draft's flex attention on GPU: triton | flash (FlashAttention-4)
     optimizer_kernel: str = "torch"      # the AdamW step: torch | triton (train/optim.py; same numbers)
+    group_by_length: bool = True         # a step's samples go to its micro-batches by length (same step gradient)
 
-    EXECUTION_KEYS = ("time_budget_s", "nproc_per_node", "loss_kernel", "attention_kernel", "optimizer_kernel")
+    EXECUTION_KEYS = ("time_budget_s", "nproc_per_node", "loss_kernel", "attention_kernel", "optimizer_kernel",
+                      "group_by_length")
 
     def validate(self) -> None:
         positive("lr", self.lr)
@@ -170,9 +172,20 @@ class StepBatches(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> list[dict[str, torch.Tensor]]:
         step, cfg, d = self.start + i, self.cfg, self.d
         order = sample_indices(step, len(self.data), cfg)
-        return [self.task.collate([self.data[order[s]] for s in micro_slots(m, d, cfg)],
-                                  [item_generator(cfg, step, s) for s in micro_slots(m, d, cfg)])
+        places = self._places(order)
+        return [self.task.collate([self.data[order[places[p]]] for p in micro_slots(m, d, cfg)],
+                                  [item_generator(cfg, step, places[p]) for p in micro_slots(m, d, cfg)])
                 for m in range(self.accum)]
+
+    def _places(self, order: list[int]) -> list[int]:
+        """The global-batch slot at each place of the step's micro-batches: in order, or with ``group_by_length``
+        (and a dataset that knows its ``lengths``) sorted by sample length, so each micro-batch holds samples of
+        similar length (less padding; compact anchor slots cut more). An item keeps its slot's generator and the
+        loss sums over the whole global batch, so the step's gradient is the same either way."""
+        lengths = getattr(self.data, "lengths", None) if self.cfg.group_by_length else None
+        if lengths is None or self.accum * self.d.world_size == 1:  # one micro-batch holds the whole step
+            return list(range(len(order)))
+        return sorted(range(len(order)), key=lambda s: (int(lengths[order[s]]), s))
 
 
 def step_batch_stream(task: TrainTask, cfg: TrainConfig, d: Dist, start: int, pin_memory: bool = False):
