@@ -12,11 +12,11 @@ not change the valid slots, so the loss and its gradients are the same under eve
 Each pass trains the variant's draft from the same initial weights on the same samples (``params.yaml``'s
 ``draft`` / ``loss`` / ``train`` for ``--variant``, with ``--num-anchors``, ``--micro-batch-size`` and the layout
 overridden, and ``--global-batch-size`` / ``--no-group-by-length`` for steps of several micro-batches; no
-checkpoints), ``--warmup`` + ``--steps`` optimiser steps, and reports the time per timed step, the
-warm-up's time (on a GPU mostly compilation: each anchor width is a shape of its own), the answer tokens a second,
-the anchor blocks the layers computed against those that carry a valid slot, the context positions (rows x row
-length, padding included) and the last loss. Run from the
-repository root after ``dvc repro cache`` (the cache and the target it was made with):
+checkpoints), ``--warmup`` + ``--steps`` optimiser steps, and reports the time per timed step, the warm-up's time
+(on a GPU mostly compilation: each anchor width is a shape of its own), the answer tokens a second, the anchor
+blocks the layers computed against those that carry a valid slot, the context positions (rows x row length,
+padding included) and the last loss. Run from the repository root after ``dvc repro cache`` (the cache and the
+target it was made with):
 
     python benchmarks/bench_batch_layout.py --num-anchors 128 --out reports/bench/batch_layout_cpu.json
     python benchmarks/bench_batch_layout.py --layouts padded:fixed packed:compact --steps 50   # a GPU, H200 profile
@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     ap.add_argument("--variant", default="baseline")
     ap.add_argument("--num-anchors", type=int, default=None, help="draft.num_anchors (default: params.yaml's)")
-    ap.add_argument("--micro-batch-size", type=int, default=8, help="samples a step (default 8)")
+    ap.add_argument("--micro-batch-size", type=int, default=8, help="samples a micro-batch (default 8)")
     ap.add_argument("--packed-length", type=int, default=2048, help="draft.packed_length of the packed layouts")
     ap.add_argument("--global-batch-size", type=int, default=None,
                     help="samples an optimiser step (default: one micro-batch); a multiple of --micro-batch-size")
