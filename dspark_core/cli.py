@@ -109,12 +109,16 @@ def stages_run(targets: list[str] = typer.Argument(None, help="stages (and what 
 def export_cmd(draft_dir: Path, out_dir: Path,
                layout: str = typer.Option(..., help="deepspec (Qwen3DSparkModel: vLLM, SGLang, ...) | speculators"),
                dtype: str = typer.Option("bfloat16", help="bfloat16 | float16 | float32"),
-               target: Path = typer.Option(Path("data/target"), help="the target the draft was trained on")) -> None:
+               target: Path = typer.Option(Path("data/target"), help="the target the draft was trained on"),
+               verifier: str = typer.Option(None, help="the target's name recorded in the export (speculators' "
+                                            "verifier, the serve command), e.g. its hub id; default: --target")
+               ) -> None:
     """Write a trained draft as config.json + model.safetensors + README.md (the serve command) in LAYOUT."""
     from dspark_core.export.run import export_dir
 
     variant = draft_dir.parent.name if draft_dir.name == "final" else draft_dir.name  # data/train/<variant>/final
-    for out in export_dir(draft_dir, out_dir, [layout], dtype, target, variant=variant, subdirs=False):
+    for out in export_dir(draft_dir, out_dir, [layout], dtype, target, variant=variant, subdirs=False,
+                          verifier=verifier):
         typer.echo(f"exported {draft_dir} -> {out} ({layout}, {dtype})")
 
 

@@ -42,12 +42,12 @@ def target(tmp_path_factory):
     return path, load_target(path, dtype="float32", attn_implementation="eager")[0]
 
 
-def make_draft(model, **over) -> DSparkDraft:
+def make_draft(model, aux=AUX, **over) -> DSparkDraft:
     cfg = DraftConfig(**{"num_draft_layers": 2, "block_size": S, "mask_token_id": MASK, "markov_rank": 8,
                          "layer_style": "qwen3", "num_anchors": 4, **over})
     torch.manual_seed(1)
     draft = build_draft(cfg, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
-                        aux_layer_ids=AUX)
+                        aux_layer_ids=aux)
     with torch.no_grad():  # peaked distributions and a Markov bias that moves the argmax: a wrong weight shows
         for name, p in draft.named_parameters():
             if p.requires_grad and p.dim() == 1:  # norms near 1, biases non-zero
@@ -211,6 +211,79 @@ def test_vllm_parser_resolves_the_export(target, draft, layout, tmp_path):
     assert hf.markov_rank == 8 and hf.markov_head_type == "vanilla" and hf.num_hidden_layers == 2
 
 
+@pytest.mark.parametrize("layout", ["deepspec", "speculators"])
+def test_export_writes_only_the_drafts_qwen3_fields(target, layout, tmp_path):
+    """A quantised target's ``quantization_config`` (and any key a Qwen3 config lacks) describes the target, not
+    the bf16 draft: never written, so vLLM builds plain layers for the draft."""
+    import copy
+
+    draft = make_draft(target[1])
+    draft.hf_config = copy.deepcopy(draft.hf_config)
+    draft.hf_config.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    draft.hf_config.target_only_field = 3
+    export_draft(draft, tmp_path, layout, dtype="float32", target=str(target[0]))
+    text = (tmp_path / "config.json").read_text()
+    assert "quantization_config" not in text and "target_only_field" not in text
+    pytest.importorskip("vllm")
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
+
+    tmc = ModelConfig(model=str(target[0]), tokenizer=str(target[0]), dtype="float32", skip_tokenizer_init=True)
+    spec = SpeculativeConfig(model=str(tmp_path), target_model_config=tmc, target_parallel_config=ParallelConfig())
+    assert spec.method == "dspark" and spec.draft_model_config.quantization is None
+
+
+def test_scaled_rope_is_written_in_both_forms_and_runs_in_speculators(tmp_path):
+    """A Llama-3-scaled RoPE target: the export writes ``rope_parameters`` (transformers 5) and the same scaling as
+    ``rope_scaling`` (transformers 4 and loaders that read only that), transformers reads the two as one RoPE,
+    speculators' model proposes dspark's block with it, and the import reads it back unchanged."""
+    from transformers import Qwen3Config
+
+    from dspark_core.target import load_target
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+    path = save_tiny_target(tmp_path / "llama", family="llama", rope_parameters={**scaling, "rope_theta": 500000.0})
+    model = load_target(path, dtype="float32", attn_implementation="eager")[0]
+    draft = make_draft(model)
+    export_draft(draft, tmp_path / "ds", "deepspec", dtype="float32", target=str(path))
+    config = json.loads((tmp_path / "ds" / "config.json").read_text())
+    assert config["rope_scaling"] == scaling and config["rope_theta"] == 500000.0
+    assert config["rope_parameters"] == {**scaling, "rope_theta": 500000.0}
+    legacy = {k: v for k, v in config.items() if k != "rope_parameters"}
+    assert Qwen3Config(**legacy).rope_parameters == Qwen3Config(**config).rope_parameters == config["rope_parameters"]
+    torch.manual_seed(2)
+    ids = torch.randint(0, 256, (1, CTX + S + 1))
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+    back = load_any_draft(tmp_path / "ds", model)
+    for a, b in zip(propose(draft, ids, hs), propose(back, ids, hs)):
+        assert torch.equal(a, b)
+    check_speculators_parity(draft, path, model, (ids, hs), tmp_path / "spec")
+
+
+@pytest.mark.parametrize("layout", ["deepspec", "speculators"])
+def test_embedding_output_as_an_aux_layer_exports(target, context, layout, tmp_path):
+    """Aux layer -1 (the embedding output): DeepSpec's id -1, speculators' hidden_states index 0; vLLM's parser
+    resolves it to target layer -1, speculators' model proposes dspark's block, and the import reads it back."""
+    draft = make_draft(target[1], aux=(-1, 3))
+    if layout == "speculators":
+        check_speculators_parity(draft, target[0], target[1], context, tmp_path)
+        assert json.loads((tmp_path / "config.json").read_text())["aux_hidden_state_layer_ids"] == [0, 4]
+    else:
+        export_draft(draft, tmp_path, layout, dtype="float32", target=str(target[0]))
+        assert json.loads((tmp_path / "config.json").read_text())["target_layer_ids"] == [-1, 3]
+    back = load_any_draft(tmp_path, target[1])
+    assert back.aux_layer_ids == (-1, 3)
+    for a, b in zip(propose(draft, *context), propose(back, *context)):
+        assert torch.equal(a, b)
+    pytest.importorskip("vllm")
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
+
+    tmc = ModelConfig(model=str(target[0]), tokenizer=str(target[0]), dtype="float32", skip_tokenizer_init=True)
+    spec = SpeculativeConfig(model=str(tmp_path), target_model_config=tmc, target_parallel_config=ParallelConfig())
+    assert list(spec.draft_model_config.hf_config.target_layer_ids) == [-1, 3]
+
+
 def documented_deepspec_checkpoint(draft, target_path, out):
     """A DeepSpec-layout directory written from the layout's documented names, without dspark's writer."""
     tc = json.loads((target_path / "config.json").read_text())
@@ -250,10 +323,23 @@ def test_foreign_draft_for_another_target_is_refused(target, draft, tmp_path):
     path = documented_deepspec_checkpoint(draft, target[0], tmp_path / "ds")
     config = json.loads((path / "config.json").read_text())
     for key, value, word in (("vocab_size", 512, "vocab_size"), ("hidden_size", 32, "hidden_size"),
-                             ("target_layer_ids", [1, 5], "target layer ids")):
+                             ("target_layer_ids", [1, 5], "target layer ids"),
+                             ("layer_types", ["sliding_attention", "full_attention"], "layer_types"),
+                             ("is_causal", True, "causal"),
+                             ("rope_parameters", {"rope_type": "default", "rope_theta": 1234.0}, "RoPE"),
+                             ("rms_norm_eps", 0.1, "rms_norm_eps"), ("hidden_act", "gelu", "hidden_act")):
         (path / "config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(UserError, match=word):
             load_any_draft(path, target[1])
+    (path / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(path / "model.safetensors"))
+    for name in ("embed_tokens.weight", "lm_head.weight"):  # the target's copies: another target's rows
+        other = {**weights, name: weights[name] * 1.5}
+        save_file(other, str(path / "model.safetensors"))
+        with pytest.raises(UserError, match=f"{name}.*not the given target's"):
+            load_any_draft(path, target[1])
+    save_file(weights, str(path / "model.safetensors"))
+    load_any_draft(path, target[1])
 
 
 @pytest.mark.parametrize("over, words", [
@@ -377,6 +463,11 @@ def test_export_stage_writes_every_layout(target, draft, tmp_path, monkeypatch):
         back = load_any_draft(f"data/export/baseline/{layout}", target[1])
         assert torch.equal(back.fc.weight, draft.fc.weight)
         assert "vllm serve data/target" in Path(f"data/export/baseline/{layout}/README.md").read_text()
+    Path("params.yaml").write_text("export: {layouts: [speculators], dtype: float32, verifier: Org/Target-8B}\n")
+    run_export_stage(Path("params.yaml"), "baseline")
+    config = json.loads(Path("data/export/baseline/speculators/config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "Org/Target-8B"
+    assert "vllm serve Org/Target-8B" in Path("data/export/baseline/speculators/README.md").read_text()
     with pytest.raises(ParamsError, match="does not list 'reranker_joint'"):
         run_export_stage(Path("params.yaml"), "reranker_joint")
     Path("params.yaml").write_text("export: {layouts: [eagle3]}\n")

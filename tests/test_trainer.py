@@ -513,16 +513,28 @@ def test_reading_each_step_one_step_late_changes_nothing_but_the_timing(tmp_path
     at once."""
     from dspark_core.train import trainer
 
+    class Traced(ToyTask):
+        def forward_sums(self, model, batch):
+            events.append("queue")
+            return super().forward_sums(model, batch)
+
     def run(out, deferred):
         monkeypatch.setattr(trainer, "DEFERRED_READS", ("cpu", "cuda") if deferred else ())
         seen = []
-        res = train(ToyTask(), _cfg(out, total_steps=10, checkpoint_every=4), progress=False,
-                    on_step=lambda step, row: seen.append((step, row["loss"])))
+        res = train(Traced(), _cfg(out, total_steps=10, checkpoint_every=4, micro_batch_size=8), progress=False,
+                    on_step=lambda step, row: (seen.append((step, row["loss"])), events.append(f"read {step}")))
         rows = [{k: v for k, v in r.items() if k != "step_s"} for r in res.history]
         ckpt = sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir())
         return _params(res.model), rows, seen, ckpt, res.steps
 
-    ref, got = run(tmp_path / "sync", False), run(tmp_path / "late", True)
+    events: list[str] = []
+    ref = run(tmp_path / "sync", False)
+    assert events[:4] == ["queue", "read 1", "queue", "read 2"]
+    events.clear()
+    got = run(tmp_path / "late", True)
+    # step 1 is read once step 2 is queued; step 4 (a checkpoint) and 10 (the last) at once
+    assert events[:7] == ["queue", "queue", "read 1", "queue", "read 2", "queue", "read 3"]
+    assert events[7:10] == ["read 4", "queue", "queue"] and events[-3:] == ["queue", "read 9", "read 10"]
     for (k, a), b in zip(ref[0].items(), got[0].values()):
         assert torch.equal(a, b), k
     assert got[1:] == ref[1:] and [s for s, _ in got[2]] == list(range(1, 11))

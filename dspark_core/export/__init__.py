@@ -17,7 +17,7 @@ from typing import Any
 from dspark_core.errors import UserError
 from dspark_core.export import deepspec, speculators
 from dspark_core.export.common import (DTYPES, VOCAB_KEYS, ForeignDraft, check_exportable, check_head_rows,
-                                       from_layout_names, read_config, to_layout_names, write_dir)
+                                       check_layer_config, from_layout_names, read_config, to_layout_names, write_dir)
 
 LAYOUTS: dict[str, ModuleType] = {deepspec.NAME: deepspec, speculators.NAME: speculators}
 
@@ -115,16 +115,18 @@ def foreign_warm_start(path: str | Path, draft: Any) -> dict[str, Any]:
         raise UserError(f"warm start: {src}: draft vocabulary {foreign.draft.get('vocab_size') or 'full'}, this run's "
                         f"draft.vocab_size is {draft.cfg.vocab_size or 'null (full)'}; set draft.vocab_size to the "
                         "draft's")
-    return draft_weights(path, draft.lm_head_weight)
+    check_layer_config(foreign.hf, draft.hf_config, src)
+    return draft_weights(path, draft.lm_head_weight, draft.embedding_matrix())
 
 
-def draft_weights(path: Path, lm_head: Any) -> dict[str, Any]:
+def draft_weights(path: Path, lm_head: Any, embedding: Any = None) -> dict[str, Any]:
     """An engine-layout directory's draft weights under dspark's names, a reduced vocabulary's maps as dspark's
-    ``draft_vocab.*``; its LM head rows checked against ``lm_head`` [V, Ht], the target's."""
+    ``draft_vocab.*``; its copies of the target's LM head (rows) and embedding checked against ``lm_head`` and
+    ``embedding`` [V, Ht], the target's."""
     raw = read_weights(path)
     f = str(path / "model.safetensors")
     weights = from_layout_names(raw, f)
-    check_head_rows(raw, weights.get(VOCAB_KEYS[0]), lm_head, f)
+    check_head_rows(raw, weights.get(VOCAB_KEYS[0]), lm_head, f, embedding)
     return weights
 
 
@@ -151,12 +153,13 @@ def load_foreign_draft(path: str | Path, target_model: Any) -> Any:
     src = str(path / "config.json")
     foreign = read_foreign(path)
     check_target(foreign, target_model, src)
+    check_layer_config(foreign.hf, target_model.config, src)
     cfg = DraftConfig.from_dict(foreign.draft, src=src, prefix="draft.")
     lm = target_model.get_output_embeddings().weight
     draft = build_draft(cfg, target_model.config, target_model.get_input_embeddings().weight, lm,
                         aux_layer_ids=foreign.aux_layer_ids)
     f = path / "model.safetensors"
-    weights = draft_weights(path, lm)
+    weights = draft_weights(path, lm, target_model.get_input_embeddings().weight)
     own = draft.own_state_dict()
     missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
     if missing or unexpected:

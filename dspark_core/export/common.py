@@ -39,6 +39,7 @@ class ForeignDraft:
     draft: dict[str, Any]
     aux_layer_ids: tuple[int, ...]
     target: dict[str, Any] = field(default_factory=dict)  # vocab_size, hidden_size, num_hidden_layers (when known)
+    hf: dict[str, Any] = field(default_factory=dict)  # its layers' Qwen3 config fields (RoPE, norm, layer types)
 
 
 def check_exportable(draft: Any, layout: str) -> None:
@@ -72,9 +73,6 @@ def check_exportable(draft: Any, layout: str) -> None:
                         f"would claim the full vocabulary. Export it with --layout {REDUCED_VOCAB_LAYOUTS[0]} "
                         f"(the export stage: export.layouts: [{REDUCED_VOCAB_LAYOUTS[0]}] in params.yaml), or "
                         "retrain with draft.vocab_size null")
-    if min(draft.aux_layer_ids) < 0:
-        raise UserError(f"export --layout {layout}: aux layer -1 (the embedding output) has no id in the engines' "
-                        f"layouts (aux_layer_ids {list(draft.aux_layer_ids)}); retrain on decoder layers only")
 
 
 def to_layout_names(draft: Any, dtype: torch.dtype, with_target_copies: bool = True) -> dict[str, torch.Tensor]:
@@ -117,36 +115,89 @@ def from_layout_names(weights: dict[str, torch.Tensor], src: str = "model.safete
 
 
 def check_head_rows(weights: dict[str, torch.Tensor], d2t: torch.Tensor | None, lm_head: torch.Tensor,
-                    src: str) -> None:
-    """A reduced draft's ``lm_head.weight`` [N, Ht] in the directory must be the target's LM head rows at its
-    target ids ``d2t`` [N] (dspark drafts predict with the frozen target rows; a draft that trained its own
-    head cannot be read as one)."""
-    if d2t is None or "lm_head.weight" not in weights:
-        return
-    head = weights["lm_head.weight"]  # [N, Ht]
-    rows = lm_head.detach().to("cpu").index_select(0, d2t.cpu()).to(head.dtype)  # [N, Ht]
-    if tuple(head.shape) != tuple(rows.shape) or not torch.equal(head, rows):
-        raise UserError(f"{src}: lm_head.weight {tuple(head.shape)} is not the given target's LM head rows at d2t; "
-                        "dspark drafts predict with the target's own rows: import it with the target it was "
-                        "trained on")
+                    src: str, embedding: torch.Tensor | None = None) -> None:
+    """The target's copies in a draft directory must be the given target's: ``lm_head.weight`` its LM head
+    [V, Ht] (a reduced draft: its rows at the target ids ``d2t`` [N]) and ``embed_tokens.weight`` its embedding
+    [V, Ht]. dspark drafts predict with the frozen target rows; a draft made for another target of the same
+    shapes (a base model's draft on its instruct model), or one that trained its own head, is refused."""
+    checks = [("lm_head.weight", lm_head, "LM head"), ("embed_tokens.weight", embedding, "embedding")]
+    for name, mine, what in checks:
+        if name not in weights or mine is None:
+            continue
+        if name == "lm_head.weight" and d2t is not None:
+            what += " rows at d2t"
+            mine = mine.detach().to("cpu").index_select(0, d2t.cpu())  # [N, Ht]
+        have = weights[name]  # [V or N, Ht]
+        if tuple(have.shape) != tuple(mine.shape) or not torch.equal(have, mine.detach().to("cpu", have.dtype)):
+            raise UserError(f"{src}: {name} {tuple(have.shape)} is not the given target's {what}; dspark drafts "
+                            "predict with the target's own rows: import it with the target it was trained on")
+
+
+DROPPED_HF_KEYS = ("architectures", "auto_map", "_name_or_path", "_model_name_or_path", "transformers_version",
+                   "torch_dtype", "dtype", "use_sliding_window", "max_window_layers", "sliding_window", "id2label",
+                   "label2id", "problem_type", "chunk_size_feed_forward", "return_dict", "output_attentions",
+                   "output_hidden_states", "is_encoder_decoder")
+
+
+def qwen3_fields() -> frozenset[str]:
+    """The keys a Qwen3 config.json may hold (transformers' ``Qwen3Config`` fields, RoPE in both its forms)."""
+    from transformers import Qwen3Config
+
+    return frozenset(Qwen3Config().to_dict()) | {"rope_theta", "rope_scaling"}
 
 
 def draft_hf_fields(draft: Any) -> dict[str, Any]:
-    """The target's HF config with the draft's depth and widths, as a Qwen3 config dict."""
-    hf = draft.hf_config.to_dict()
-    for key in ("architectures", "auto_map", "_name_or_path", "_model_name_or_path", "transformers_version",
-                "torch_dtype", "dtype", "mlp_bias", "pretraining_tp", "use_sliding_window", "max_window_layers",
-                "sliding_window", "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "return_dict",
-                "output_attentions", "output_hidden_states", "is_encoder_decoder"):
-        hf.pop(key, None)
-    rope = hf.get("rope_parameters") or {}
-    theta = hf.get("rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None)
+    """The target's HF config with the draft's depth and widths, as a Qwen3 config dict.
+
+    Only Qwen3 fields are kept: the target's other keys (``quantization_config`` of a quantised target above
+    all: an engine would build quantised layers for the bf16 draft) describe the target, not the draft. A scaled
+    RoPE is written in both forms, ``rope_parameters`` (transformers 5) and ``rope_scaling`` (transformers 4 and
+    the loaders that read only that), so no loader runs it unscaled."""
+    fields = qwen3_fields()
+    hf = {k: v for k, v in draft.hf_config.to_dict().items() if k in fields and k not in DROPPED_HF_KEYS}
+    rope = rope_of(hf)
     hf.update(model_type="qwen3", num_hidden_layers=draft.cfg.num_draft_layers, head_dim=draft.hf_config.head_dim,
               layer_types=["full_attention"] * draft.cfg.num_draft_layers, tie_word_embeddings=False,
               attention_bias=bool(getattr(draft.hf_config, "attention_bias", False)), use_sliding_window=False)
-    if theta is not None:
-        hf["rope_theta"] = theta
+    if rope.get("rope_theta") is not None:
+        hf["rope_theta"] = rope["rope_theta"]
+    if rope["rope_type"] != "default":
+        hf["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     return hf
+
+
+def rope_of(hf: dict[str, Any]) -> dict[str, Any]:
+    """A config dict's RoPE as one flat dict {rope_type, rope_theta, ...}, from ``rope_parameters`` (transformers 5)
+    or ``rope_theta`` + ``rope_scaling`` (transformers 4; its ``type`` read as ``rope_type``)."""
+    params = hf.get("rope_parameters")
+    rope = dict(params) if isinstance(params, dict) else dict(hf.get("rope_scaling") or {})
+    kind = rope.pop("type", None)
+    rope["rope_type"] = rope.get("rope_type") or kind or "default"
+    if rope.get("rope_theta") is None:
+        rope["rope_theta"] = hf.get("rope_theta")
+    return rope
+
+
+def check_layer_config(hf: dict[str, Any], target_config: Any, src: str) -> None:
+    """Refuse a foreign draft whose layers dspark would run differently from its engine: dspark runs every draft
+    layer as full (bidirectional) attention with the target's RoPE, RMSNorm epsilon and activation."""
+    types = set(hf.get("layer_types") or ["full_attention"])
+    if types != {"full_attention"}:
+        raise UserError(f"{src}: layer_types {sorted(types)}; dspark runs every draft layer as full attention over "
+                        "the block and its context, so this draft cannot be imported")
+    causal = hf.get("is_causal") or (hf.get("dflash_config") or {}).get("causal")
+    if causal:
+        raise UserError(f"{src}: a causal draft (is_causal / dflash_config.causal); dspark's DSpark blocks attend "
+                        "bidirectionally, so this draft cannot be imported")
+    want = target_config.to_dict()
+    mine, theirs = rope_of(hf), rope_of(want)
+    if mine.get("rope_theta") is not None and mine != theirs:
+        raise UserError(f"{src}: RoPE {mine} differs from the target's {theirs}; dspark runs the draft's layers "
+                        "with the target's RoPE: import it with the target it was trained on")
+    for key in ("rms_norm_eps", "hidden_act"):
+        if hf.get(key) is not None and want.get(key) is not None and hf[key] != want[key]:
+            raise UserError(f"{src}: {key} {hf[key]!r} differs from the target's {want[key]!r}; dspark runs the "
+                            "draft's layers with the target's")
 
 
 def head_fields(draft: Any) -> dict[str, Any]:

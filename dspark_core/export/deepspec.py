@@ -1,11 +1,11 @@
 """DeepSpec's released DSpark layout (e.g. ``deepseek-ai/dspark_qwen3_8b_block7``), which vLLM, SGLang,
 TensorRT-LLM and llama.cpp load as ``Qwen3DSparkModel``.
 
-``config.json`` is the target's HF config made a Qwen3 one (``model_type: qwen3``) with the draft's depth and
-widths, plus ``block_size``, ``mask_token_id`` (a vocabulary row), ``target_layer_ids`` (decoder layer ``i``'s
-output: dspark's ``aux_layer_ids`` as they are), ``num_target_layers``, ``markov_rank`` / ``markov_head_type`` and
-the confidence flags. The anchor slot predicts the next token, so vLLM serves ``num_speculative_tokens =
-block_size``. Weights: ``fc``, ``hidden_norm``, ``layers.N.*``, ``norm``, ``markov_head.markov_w1`` / ``markov_w2``,
+``config.json`` is the target's HF config made a Qwen3 one (``model_type: qwen3``, Qwen3 fields only) with the
+draft's depth and widths, plus ``block_size``, ``mask_token_id`` (a vocabulary row), ``target_layer_ids`` (decoder
+layer ``i``'s output, -1 the embedding output: dspark's ``aux_layer_ids`` as they are), ``num_target_layers``,
+``markov_rank`` / ``markov_head_type`` and the confidence flags. The anchor slot predicts the next token, so vLLM
+serves ``num_speculative_tokens = block_size``. Weights: ``fc``, ``hidden_norm``, ``layers.N.*``, ``norm``, ``markov_head.markov_w1`` / ``markov_w2``,
 ``confidence_head.proj``, ``embed_tokens``, ``lm_head``.
 """
 
@@ -53,4 +53,5 @@ def read(config: dict[str, Any], src: str) -> ForeignDraft:
                          conf_markov=conf and bool(config.get("confidence_head_with_markov", False)), src=src)
     target = {"vocab_size": config["vocab_size"], "hidden_size": config["hidden_size"],
               "num_hidden_layers": config.get("num_target_layers")}
-    return ForeignDraft(draft=draft, aux_layer_ids=tuple(int(i) for i in config["target_layer_ids"]), target=target)
+    return ForeignDraft(draft=draft, aux_layer_ids=tuple(int(i) for i in config["target_layer_ids"]), target=target,
+                        hf=config)

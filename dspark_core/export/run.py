@@ -28,10 +28,12 @@ def _target(target_dir: Path):
 
 def export_dir(draft_dir: str | Path, out_dir: str | Path, layouts: Sequence[str], dtype: str = "bfloat16",
                target_dir: str | Path = "data/target", variant: str = "draft", subdirs: bool = True,
-               unsupported: str = "error") -> list[Path]:
+               unsupported: str = "error", verifier: str | None = None) -> list[Path]:
     """Export the saved draft ``draft_dir`` (made on ``target_dir``) once per layout, to ``out_dir/<layout>/``
     (``subdirs``; else ``out_dir`` itself, for one layout). ``unsupported="skip"``: a layout that cannot run
-    the draft (``check_exportable``) gets ``<layout>/SKIPPED.txt`` with the reason instead, printed too."""
+    the draft (``check_exportable``) gets ``<layout>/SKIPPED.txt`` with the reason instead, printed too.
+    ``verifier``: the target's name as the export records it (speculators' ``verifier.name_or_path``, the
+    README's serve command); None: ``target_dir`` as given."""
     if not subdirs and len(layouts) != 1:
         raise ValueError(f"export_dir: subdirs=False needs one layout; got {list(layouts)}")
     target_dir = Path(target_dir)
@@ -47,7 +49,7 @@ def export_dir(draft_dir: str | Path, out_dir: str | Path, layouts: Sequence[str
         except UserError as err:
             written.append(_skip(dest, str(err)))
             continue
-        written.append(export_draft(draft, dest, layout, dtype, str(target_dir), variant))
+        written.append(export_draft(draft, dest, layout, dtype, verifier or str(target_dir), variant))
     return written
 
 
@@ -70,6 +72,7 @@ class ExportConfig(Section):
     layouts: tuple[str, ...] = ("deepspec", "speculators")
     dtype: str = "bfloat16"
     unsupported: str = "skip"  # a layout that cannot run this draft: skip (SKIPPED.txt says why) | error
+    verifier: str | None = None  # the target's name in the export (speculators' verifier); None: data/target
 
     def validate(self) -> None:
         from dspark_core.export import LAYOUTS
@@ -80,6 +83,8 @@ class ExportConfig(Section):
             one_of("layouts", layout, LAYOUTS)
         one_of("dtype", self.dtype, DTYPES)
         one_of("unsupported", self.unsupported, UNSUPPORTED)
+        require(self.verifier is None or bool(str(self.verifier).strip()), "verifier must be null or a non-empty "
+                "hub id / path")
 
 
 def run_export_stage(params: Path, variant: str) -> list[Path]:
@@ -88,7 +93,7 @@ def run_export_stage(params: Path, variant: str) -> list[Path]:
     if variant not in cfg.variants:
         raise ParamsError(f"{params}: export.variants {list(cfg.variants)} does not list {variant!r}")
     return export_dir(TRAIN_DIR / variant / "final", EXPORT_DIR / variant, cfg.layouts, cfg.dtype, TARGET_DIR,
-                      variant, unsupported=cfg.unsupported)
+                      variant, unsupported=cfg.unsupported, verifier=cfg.verifier)
 
 
 def import_dir(src_dir: str | Path, out_dir: str | Path, target_dir: str | Path = "data/target") -> Path:

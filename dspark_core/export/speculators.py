@@ -85,4 +85,4 @@ def read(config: dict[str, Any], src: str) -> ForeignDraft:
     target = {"vocab_size": hf.get("vocab_size"),
               "hidden_size": config.get("target_hidden_size") or hf.get("hidden_size")}
     ids = tuple(int(i) - 1 for i in config["aux_hidden_state_layer_ids"])
-    return ForeignDraft(draft=draft, aux_layer_ids=ids, target=target)
+    return ForeignDraft(draft=draft, aux_layer_ids=ids, target=target, hf=hf)

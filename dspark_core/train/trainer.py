@@ -322,135 +322,18 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
     ``lr_schedule: steps`` the lr schedule is not stretched; with ``time`` it is laid over the budget (its clock
     started after the first step), and the budget spans resumes: a resumed run has what the crashed one left.
     ``TrainResult.steps`` is the step reached. ``checkpoints=False`` (benchmarks) neither resumes from nor writes
-    checkpoints. ``log_step_offset``: added to the logged step (the curves of a
-    run warm-started at that step use cumulative steps; the schedule and the checkpoints count from 0)."""
+    checkpoints. ``live`` (a dvclive ``Live``) gets the rows every ``log_every`` steps; ``on_step(step, row)`` every
+    step. ``log_step_offset``: added to the logged step (the curves of a run warm-started at that step use
+    cumulative steps; the schedule and the checkpoints count from 0)."""
     cfg.validate()  # a TrainConfig built directly (not from params) is checked too
     time_budget_s = cfg.time_budget_s if time_budget_s is None else time_budget_s
     if time_budget_s is not None and not time_budget_s > 0:
         raise UserError(f"train: time budget must be > 0 seconds; got {time_budget_s!r}")
-    d = init_distributed()
-    accum = cfg.grad_accum(d.world_size)
-    device, amp_dtype = pick_device_dtype(cfg, d)
-    torch.manual_seed(cfg.seed)
-    model = task.build_model(device, PARAM_DTYPES[cfg.param_dtype])
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise UserError(f"task {task.name!r}: the model has no trainable parameters")
-    opt = build_optimizer(task, model, cfg, device, d)
-    by_time = cfg.lr_schedule == "time"
-    clock = {"progress": 0.0}  # lr_schedule time: the spent fraction of the budget, after the first step
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, (lambda s: lr_factor_by_time(clock["progress"], cfg)) if by_time else (lambda s: lr_factor(s, cfg)))
-    ckpt_root = Path(cfg.out_dir) / "checkpoints"
-    start = load_checkpoint(ckpt_root, model, opt, sched, cfg.total_steps) if checkpoints else 0
-    resumed = checkpoint_clock(ckpt_root) if checkpoints and by_time else {}
-    spent0, origin = resumed.get("spent_s", 0.0), resumed.get("origin_s")  # steps: each call has the whole budget
-    stop_step = start if by_time and spent0 >= time_budget_s else cfg.stop_step  # a spent budget: nothing to do
-    wrapped: nn.Module = model
-    if d.world_size > 1:
-        wrapped = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
-    if start < stop_step and len(task.train_dataset()) <= 0:
-        raise UserError("the training dataset is empty")
-    stream = step_batch_stream(task, cfg, d, start, pin_memory=device.type == "cuda")
-    history: list[dict[str, float]] = []
-    bar = None
-    if progress and d.is_main:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=cfg.stop_step, initial=start, desc=f"train {task.name}", unit="step")
-    copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # host -> device batch copies
-    t_loop = _now()
-    last, prev_now = start, t_loop
-    # On a GPU a step's numbers (loss sums, grad norm) are read when the next step has been queued, so the device
-    # never waits for the host between steps; a step that checkpoints, ends the run or is under a time budget (whose
-    # clock and lr need its end) is read at once, before anything else is queued. On a CPU every step is read at
-    # once (its work is done when it is queued).
-    pending: _Enqueued | None = None
-
-    def finish(rec: _Enqueued) -> bool:
-        """Read step ``rec``'s numbers (waits for the device to finish it), log, checkpoint; True: stop here."""
-        nonlocal last, prev_now, origin
-        row = _step_metrics(task, rec.sums, rec.dens, d, device)  # reads the step's sums: the device has finished it
-        now = _now()
-        out_of_time, spent = False, 0.0
-        if time_budget_s is not None:
-            spent = _max_over_ranks(spent0 + now - t_loop, d, device)  # every rank: the same lr, the same stop
-            out_of_time = spent >= time_budget_s
-            if by_time:
-                origin = spent if origin is None else origin  # the schedule's clock starts after the first step
-                clock["progress"] = (spent - origin) / max(time_budget_s - origin, 1e-9)
-                sched.step()
-        row.update(lr=rec.lr, grad_norm=float(rec.grad_norm), step_s=now - max(rec.t0, prev_now))
-        prev_now = now
-        history.append(row)
-        done = last = rec.step
-        final = done == cfg.stop_step or out_of_time
-        if d.is_main:
-            if live is not None and (done % cfg.log_every == 0 or final):
-                live.step = done + log_step_offset
-                for k, v in row.items():
-                    live.log_metric(f"train/{k}", v)
-                live.make_summary()
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{row['loss']:.4f}", refresh=False)  # shown at tqdm's own pace
-        if on_step is not None:
-            on_step(done, row)
-        if checkpoints and (done % cfg.checkpoint_every == 0 or final):
-            if d.is_main:
-                save_checkpoint(ckpt_root, done, model, opt, sched, cfg.keep_checkpoints,
-                                optimizer=done < cfg.total_steps,
-                                clock={"spent_s": spent, "origin_s": origin} if by_time else None)
-            if d.world_size > 1:
-                dist.barrier()
-        if out_of_time and done < cfg.stop_step:
-            if d.is_main:
-                print(f"train: time budget of {time_budget_s:g} s reached after step {done} of {cfg.stop_step}; "
-                      f"stopping there")
-            return True
-        return False
-
-    for step in range(start, stop_step):
-        t0 = _now()
-        batches = [_to(b, device, copy_stream) for b in next(stream)]
-        if hasattr(task, "prepare_step"):  # model-dependent supervision, decided before the denominators
-            with torch.no_grad(), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
-                batches = task.prepare_step(model, batches)
-        dens = _global_denominators(task, batches, d, device)
-        sums_acc: dict[str, torch.Tensor] = {}
-        for m, batch in enumerate(batches):
-            sync = m == accum - 1 or d.world_size == 1
-            ctx = wrapped.no_sync() if (not sync and d.world_size > 1) else _null()
-            with ctx, torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
-                sums = task.forward_sums(wrapped, batch)
-                loss = _combine(task, sums, dens) * d.world_size  # DDP averages over ranks
-            loss.backward()
-            for k, v in sums.items():
-                sums_acc[k] = sums_acc.get(k, 0) + v.detach().float()
-        grad_norm = clip_and_step(opt, params, cfg.grad_clip)
-        opt.zero_grad(set_to_none=True)
-        rec = _Enqueued(step + 1, t0, sums_acc, dens, grad_norm, sched.get_last_lr()[0])
-        if not by_time:  # a steps schedule needs nothing from the device
-            sched.step()
-        if pending is not None and finish(pending):
-            break
-        pending = None
-        now_needed = (device.type not in DEFERRED_READS or time_budget_s is not None or rec.step == stop_step
-                      or (checkpoints and rec.step % cfg.checkpoint_every == 0))
-        if now_needed:
-            if finish(rec):
-                break
-        else:
-            pending = rec
-    if pending is not None:
-        finish(pending)
-    if bar is not None:
-        bar.close()
-    del stream  # stops DataLoader workers (a time budget can leave steps unread)
-    return TrainResult(model=model, steps=last, history=history)
+    run = _TrainRun(task, cfg, time_budget_s, checkpoints)
+    return run.loop(_Reporter(live, on_step, progress, log_step_offset))
 
 
-DEFERRED_READS = ("cuda",)  # device types whose steps' numbers are read one step late (see the training loop)
+DEFERRED_READS = ("cuda",)  # device types whose steps' numbers are read one step late (see _TrainRun.loop)
 
 
 @dataclass
@@ -464,6 +347,171 @@ class _Enqueued:
     dens: dict[str, torch.Tensor]
     grad_norm: Any
     lr: float
+
+
+@dataclass
+class _Reporter:
+    """Where a finished step's row goes: dvclive (every ``log_every`` steps and the last), a callback, a bar."""
+
+    live: Any
+    on_step: Callable[[int, dict[str, float]], None] | None
+    progress: bool
+    log_step_offset: int
+
+
+class _TrainRun:
+    """One call of :func:`train`: the model, optimiser, schedule and data stream of a (resumed) run, and its loop.
+
+    ``clock_progress``: with ``lr_schedule: time``, the spent fraction of the budget after the first step (what
+    the schedule's lambda reads). ``spent0`` / ``origin``: the seconds a resumed run had spent, and the spent
+    seconds at which its time schedule started."""
+
+    def __init__(self, task: TrainTask, cfg: TrainConfig, time_budget_s: float | None, checkpoints: bool):
+        self.task, self.cfg, self.budget, self.checkpoints = task, cfg, time_budget_s, checkpoints
+        self.d = d = init_distributed()
+        self.accum = cfg.grad_accum(d.world_size)
+        self.device, self.amp_dtype = pick_device_dtype(cfg, d)
+        torch.manual_seed(cfg.seed)
+        self.model = task.build_model(self.device, PARAM_DTYPES[cfg.param_dtype])
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if not self.params:
+            raise UserError(f"task {task.name!r}: the model has no trainable parameters")
+        self.opt = build_optimizer(task, self.model, cfg, self.device, d)
+        self.by_time = cfg.lr_schedule == "time"
+        self.clock_progress = 0.0
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, (lambda s: lr_factor_by_time(self.clock_progress, cfg)) if self.by_time
+            else (lambda s: lr_factor(s, cfg)))
+        self.ckpt_root = Path(cfg.out_dir) / "checkpoints"
+        self.start = load_checkpoint(self.ckpt_root, self.model, self.opt, self.sched, cfg.total_steps) \
+            if checkpoints else 0
+        resumed = checkpoint_clock(self.ckpt_root) if checkpoints and self.by_time else {}
+        self.spent0, self.origin = resumed.get("spent_s", 0.0), resumed.get("origin_s")  # steps: the whole budget
+        spent_out = self.by_time and self.spent0 >= time_budget_s
+        self.stop_step = self.start if spent_out else cfg.stop_step  # a spent budget: nothing to do
+        self.wrapped: nn.Module = self.model
+        if d.world_size > 1:
+            self.wrapped = nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        if self.start < self.stop_step and len(task.train_dataset()) <= 0:
+            raise UserError("the training dataset is empty")
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # batch copies
+        self.history: list[dict[str, float]] = []
+
+    def loop(self, rep: _Reporter) -> TrainResult:
+        """Steps ``start`` .. ``stop_step``. On a GPU a step's numbers (loss sums, grad norm) are read when the next
+        step has been queued, so the device never waits for the host between steps; a step that checkpoints, ends
+        the run or is under a time budget (whose clock and lr need its end) is read at once, before anything else
+        is queued. On a CPU every step is read at once (its work is done when it is queued)."""
+        self.rep, self.last = rep, self.start
+        self.bar = None
+        if rep.progress and self.d.is_main:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=self.cfg.stop_step, initial=self.start, desc=f"train {self.task.name}", unit="step")
+        stream = step_batch_stream(self.task, self.cfg, self.d, self.start, pin_memory=self.device.type == "cuda")
+        self.t_loop = self.prev_now = _now()
+        pending: _Enqueued | None = None
+        for step in range(self.start, self.stop_step):
+            rec = self._queue_step(step, next(stream))
+            if pending is not None and self._finish(pending):
+                pending = None
+                break
+            pending = None
+            if self._read_at_once(rec):
+                if self._finish(rec):
+                    break
+            else:
+                pending = rec
+        if pending is not None:
+            self._finish(pending)
+        if self.bar is not None:
+            self.bar.close()
+        del stream  # stops DataLoader workers (a time budget can leave steps unread)
+        return TrainResult(model=self.model, steps=self.last, history=self.history)
+
+    def _queue_step(self, step: int, host_batches: list[dict[str, Any]]) -> _Enqueued:
+        """Queue step ``step + 1``: forward and backward of each micro-batch, clip, optimiser step (nothing read)."""
+        t0, d, device = _now(), self.d, self.device
+        batches = [_to(b, device, self.copy_stream) for b in host_batches]
+        autocast = dict(device_type=device.type, dtype=self.amp_dtype, enabled=self.amp_dtype != torch.float32)
+        if hasattr(self.task, "prepare_step"):  # model-dependent supervision, decided before the denominators
+            with torch.no_grad(), torch.autocast(**autocast):
+                batches = self.task.prepare_step(self.model, batches)
+        dens = _global_denominators(self.task, batches, d, device)
+        sums_acc: dict[str, torch.Tensor] = {}
+        for m, batch in enumerate(batches):
+            sync = m == self.accum - 1 or d.world_size == 1
+            ctx = self.wrapped.no_sync() if (not sync and d.world_size > 1) else _null()
+            with ctx, torch.autocast(**autocast):
+                sums = self.task.forward_sums(self.wrapped, batch)
+                loss = _combine(self.task, sums, dens) * d.world_size  # DDP averages over ranks
+            loss.backward()
+            for k, v in sums.items():
+                sums_acc[k] = sums_acc.get(k, 0) + v.detach().float()
+        grad_norm = clip_and_step(self.opt, self.params, self.cfg.grad_clip)
+        self.opt.zero_grad(set_to_none=True)
+        rec = _Enqueued(step + 1, t0, sums_acc, dens, grad_norm, self.sched.get_last_lr()[0])
+        if not self.by_time:  # a steps schedule needs nothing from the device
+            self.sched.step()
+        return rec
+
+    def _read_at_once(self, rec: _Enqueued) -> bool:
+        return (self.device.type not in DEFERRED_READS or self.budget is not None or rec.step == self.stop_step
+                or (self.checkpoints and rec.step % self.cfg.checkpoint_every == 0))
+
+    def _finish(self, rec: _Enqueued) -> bool:
+        """Read step ``rec``'s numbers (waits for the device to finish it), log, checkpoint; True: stop here."""
+        row = _step_metrics(self.task, rec.sums, rec.dens, self.d, self.device)  # the device has finished the step
+        now = _now()
+        spent, out_of_time = self._tick_budget(now)
+        row.update(lr=rec.lr, grad_norm=float(rec.grad_norm), step_s=now - max(rec.t0, self.prev_now))
+        self.prev_now = now
+        self.history.append(row)
+        done = self.last = rec.step
+        final = done == self.cfg.stop_step or out_of_time
+        self._report(done, row, final)
+        if self.checkpoints and (done % self.cfg.checkpoint_every == 0 or final):
+            self._checkpoint(done, spent)
+        if out_of_time and done < self.cfg.stop_step:
+            if self.d.is_main:
+                print(f"train: time budget of {self.budget:g} s reached after step {done} of {self.cfg.stop_step}; "
+                      f"stopping there")
+            return True
+        return False
+
+    def _tick_budget(self, now: float) -> tuple[float, bool]:
+        """The seconds spent (the slowest rank's, so every rank gets the same lr and stop) and whether the budget is
+        out; with ``lr_schedule: time`` the schedule moves to the spent fraction (its clock starts after step 1)."""
+        if self.budget is None:
+            return 0.0, False
+        spent = _max_over_ranks(self.spent0 + now - self.t_loop, self.d, self.device)
+        if self.by_time:
+            self.origin = spent if self.origin is None else self.origin
+            self.clock_progress = (spent - self.origin) / max(self.budget - self.origin, 1e-9)
+            self.sched.step()
+        return spent, spent >= self.budget
+
+    def _report(self, done: int, row: dict[str, float], final: bool) -> None:
+        rep = self.rep
+        if self.d.is_main:
+            if rep.live is not None and (done % self.cfg.log_every == 0 or final):
+                rep.live.step = done + rep.log_step_offset
+                for k, v in row.items():
+                    rep.live.log_metric(f"train/{k}", v)
+                rep.live.make_summary()
+            if self.bar is not None:
+                self.bar.update(1)
+                self.bar.set_postfix(loss=f"{row['loss']:.4f}", refresh=False)  # shown at tqdm's own pace
+        if rep.on_step is not None:
+            rep.on_step(done, row)
+
+    def _checkpoint(self, done: int, spent: float) -> None:
+        if self.d.is_main:
+            save_checkpoint(self.ckpt_root, done, self.model, self.opt, self.sched, self.cfg.keep_checkpoints,
+                            optimizer=done < self.cfg.total_steps,
+                            clock={"spent_s": spent, "origin_s": self.origin} if self.by_time else None)
+        if self.d.world_size > 1:
+            dist.barrier()
 
 
 def _now() -> float:  # the trainer's clock (time budgets, step_s); tests replace it
