@@ -52,12 +52,17 @@ def write_manifest(folder: Path, names: list[str]) -> Path:
     return folder / MANIFEST
 
 
-def verify_manifest(folder: Path, fix: str) -> bool:
+def verify_manifest(folder: Path, fix: str, required: bool = False) -> bool:
     """Check every file ``folder/manifest.json`` lists; ``fix`` says what to do when one is wrong.
 
-    Returns False (after a warning) when the folder has no manifest; raises :class:`UserError` naming the file
-    when one is missing, of another size or of another SHA-256."""
+    Returns False (after a warning) when the folder has no manifest (saved before manifests existed); raises
+    :class:`UserError` naming the file when one is missing, of another size or of another SHA-256, and when the
+    manifest itself is missing but ``required`` (the folder's own record, e.g. latest.json, says one was written:
+    deleting it must not switch the checks off)."""
     man = folder / MANIFEST
+    if not man.is_file() and required:
+        raise UserError(f"{man}: missing, though the checkpoint was saved with one (its files cannot be checked); "
+                        f"{fix}")
     if not man.is_file():
         warnings.warn(f"{folder}: no {MANIFEST} (saved before checkpoints recorded checksums); loading it unchecked",
                       stacklevel=3)
@@ -110,6 +115,7 @@ def draft_checkpoint_config(draft: DSparkDraft) -> dict[str, Any]:
     return {
         "format": CHECKPOINT_FORMAT,
         "format_version": CHECKPOINT_VERSION,
+        "manifest": True,  # saved with a manifest.json: load_draft refuses the folder without it
         "draft": draft.cfg.to_dict(),
         "aux_layer_ids": list(draft.aux_layer_ids),
         "mask": {"token_id": draft.mask_token_id, "learned": draft.mask_embedding is not None},
@@ -182,7 +188,7 @@ def load_draft(path: str | Path, target_model: nn.Module, expected_fingerprint: 
     src = str(path / "config.json")
     cfg = DraftConfig.from_dict(info["draft"], src=src, prefix="draft.")
     _check_draft_target(src, info["target"], target_model, expected_fingerprint)
-    verify_manifest(path, _draft_fix(path))
+    verify_manifest(path, _draft_fix(path), required=bool(info.get("manifest")))
     lm = target_model.get_output_embeddings().weight
     draft = build_draft(cfg, target_model.config, target_model.get_input_embeddings().weight, lm,
                         aux_layer_ids=info["aux_layer_ids"], target_fingerprint=info["target"].get("fingerprint"))
@@ -246,7 +252,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, opt, sched, ke
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     fsync_dir(ckpt_root)
-    write_json(ckpt_root / "latest.json", {"step": step, "dir": final.name, **(clock or {})})
+    write_json(ckpt_root / "latest.json", {"step": step, "dir": final.name, "manifest": True, **(clock or {})})
     for old in sorted(ckpt_root.glob("step_*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -277,20 +283,31 @@ def _restore_weights(d: Path, model: nn.Module, weights: dict[str, torch.Tensor]
             params[k].copy_(v)
 
 
-def _latest_dir(ckpt_root: Path) -> tuple[Path, str] | None:
-    """The latest step folder and what to do when it is damaged (None without a checkpoint)."""
+def _latest_dir(ckpt_root: Path) -> tuple[Path, str, bool] | None:
+    """The latest step folder, what to do when it is damaged, and whether latest.json records that it was saved
+    with a manifest (None without a checkpoint)."""
     latest = ckpt_root / "latest.json"
     if not latest.is_file():
         return None
-    d = ckpt_root / read_json(latest)["dir"]
-    return d, f"delete {d} and point {latest} at an earlier step, or delete {ckpt_root} to start over"
+    try:
+        info = read_json(latest)
+    except UserError as e:
+        raise UserError(f"{e}; rewrite it as {{\"step\": N, \"dir\": \"step_0000000N\"}} naming an existing "
+                        f"step folder of {ckpt_root}, or delete {ckpt_root} to start over") from None
+    d = ckpt_root / str(info.get("dir"))
+    fix = f"delete {d} and point {latest} at an earlier step, or delete {ckpt_root} to start over"
+    if not d.is_dir():
+        raise UserError(f"{latest}: names {d.name}, which does not exist; point it at an existing step_* folder "
+                        f"of {ckpt_root}, or delete {ckpt_root} to start over")
+    return d, fix, bool(info.get("manifest"))
 
 
 def verify_latest_checkpoint(ckpt_root: Path) -> None:
     """Check the latest checkpoint's files against its manifest (a run checks before it writes anything)."""
     found = _latest_dir(ckpt_root)
     if found is not None:
-        verify_manifest(*found)
+        d, fix, required = found
+        verify_manifest(d, fix, required)
 
 
 def load_checkpoint(ckpt_root: Path, model: nn.Module, opt, sched, total_steps: int | None = None) -> int:
@@ -302,8 +319,9 @@ def load_checkpoint(ckpt_root: Path, model: nn.Module, opt, sched, total_steps: 
     found = _latest_dir(ckpt_root)
     if found is None:
         return 0
-    d, fix = found
-    weights = load_checked_weights(d, fix)
+    d, fix, required = found
+    verify_manifest(d, fix, required)
+    weights = load_tensors(d / "model.safetensors", fix)
     st = torch.load(d / "state.pt", weights_only=False)
     if "optimizer" not in st and total_steps is not None and int(st["step"]) < total_steps:
         raise UserError(f"{d}/state.pt: saved at the end of a {st['step']}-step schedule, without optimizer "

@@ -74,11 +74,9 @@ def cache_verify(store: Path, target: Path = typer.Option(Path("data/target")),
 @cache_app.command("info")
 def cache_info(store: Path) -> None:
     """Print the manifest of a cache store."""
-    import zarr
+    from dspark_core.cache.store import open_store
 
-    if not store.exists():
-        raise typer.BadParameter(f"{store}: no such cache store")
-    typer.echo(json.dumps(dict(zarr.open_group(str(store), mode="r").attrs), indent=2, default=str))
+    typer.echo(json.dumps(dict(open_store(store).attrs), indent=2, default=str))
 
 
 @stages_app.command("list")

@@ -31,6 +31,9 @@ class ParamsError(UserError):
 
 def read_yaml(path: str | Path) -> Any:
     """The YAML document of ``path`` ({} when empty); a syntax error is a ParamsError naming the line."""
+    if not Path(path).is_file():
+        raise ParamsError(f"{path}: no such file; run from the repository root (where params.yaml and dvc.yaml are) "
+                          "or name the file")
     try:
         with Path(path).open(encoding="utf-8") as fh:
             return yaml.load(fh, Loader=_LOADER) or {}
@@ -86,6 +89,20 @@ class Section:
         except ValueError as e:  # messages start with the field name: "lr must be > 0; got -1"
             raise ParamsError(_where(src, f"{prefix}{e}")) from None
         return obj
+
+    @classmethod
+    def check_keys(cls, data: dict[str, Any], where: str) -> None:
+        """Refuse a key of ``data`` (nested sections too) that is not a field, naming it under ``where`` (e.g.
+        ``params.yaml: variants.small.draft``): a variant's override is named where it is written."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        hints = typing.get_type_hints(cls)
+        for key, value in data.items():
+            if key not in fields:
+                raise ParamsError(f"{where}.{key} is not a known parameter (known: {', '.join(sorted(fields))})")
+            sub = [t for t in (hints[key], *typing.get_args(hints[key]))
+                   if isinstance(t, type) and issubclass(t, Section)]
+            if isinstance(value, dict) and sub:
+                sub[0].check_keys(value, f"{where}.{key}")
 
     @classmethod
     def load(cls: type[T], path: str | Path, section: str) -> T:
@@ -157,8 +174,8 @@ def _coerce(tp: Any, value: Any, src: str, field: str) -> Any:
             out = float(value)
         except ValueError:
             raise ParamsError(f"{_where(src, field)} must be a number, got {value!r}") from None
-        if math.isnan(out):
-            raise ParamsError(f"{_where(src, field)} must not be NaN")
+        if not math.isfinite(out):
+            raise ParamsError(f"{_where(src, field)} must be a finite number, got {value!r}")
         return out
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from dspark_core.errors import UserError
-from dspark_core.target import SUPPORTED_MODEL_TYPES, check_target_dir, load_target, resolve_dtype
+from dspark_core.target import (SUPPORTED_MODEL_TYPES, check_target_dir, load_target, resolve_dtype,
+                                verify_target_weights)
 
 # config.json fields the draft reads; a config without one of them goes through transformers' defaults
 REQUIRED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -136,6 +137,7 @@ def load_frozen_target(path: str | Path, dtype: str | torch.dtype = "float32",
     transformers (its config class and the full model), with the same result."""
     path = Path(path)
     check_target_dir(path)
+    verify_target_weights(path)
     config = read_model_config(path)
     files = _weight_files(path)
     if config is None or EMBED not in files:

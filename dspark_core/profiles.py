@@ -51,12 +51,12 @@ def leaves(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
             yield key, v
 
 
-def _check_keys(profile: dict[str, Any], params: dict[str, Any], src: str) -> None:
+def _check_keys(profile: dict[str, Any], params: dict[str, Any], src: str, params_name: str = "params.yaml") -> None:
     for key, _ in leaves(profile):
         cur: Any = params
         for part in key.split("."):
             if not isinstance(cur, dict) or part not in cur:
-                raise UserError(f"{src}: profile key {key!r} does not exist in params.yaml")
+                raise UserError(f"{src}: profile key {key!r} does not exist in {params_name}")
             cur = cur[part]
 
 
@@ -66,11 +66,14 @@ def apply_profile(name: str, params_path: Path = Path("params.yaml"), profiles_d
 
     from dspark_core.io import atomic_path
 
+    from dspark_core.config import read_yaml
+
     prof = load_profile(name, profiles_dir)
+    read_yaml(params_path)  # a missing file or a YAML error: one line naming it
     ry = YAML()
     ry.preserve_quotes = True
     doc = ry.load(params_path.read_text())
-    _check_keys(prof, doc, str(profiles_dir / f"{name}.yaml"))
+    _check_keys(prof, doc, str(profiles_dir / f"{name}.yaml"), str(params_path))
     changed = []
     for key, value in leaves(prof):
         *parents, last = key.split(".")

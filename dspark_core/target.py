@@ -135,9 +135,37 @@ def write_fingerprint(path: str | Path) -> dict[str, str]:
 
 
 def read_fingerprint(path: str | Path) -> dict[str, str]:
-    """The stored fingerprint, or a freshly computed one when the dir has none."""
+    """The stored fingerprint (its weights checked against it: :func:`verify_target_weights`), or a freshly
+    computed one when the dir has none."""
     f = Path(path) / FINGERPRINT_FILE
-    return read_json(f) if f.is_file() else compute_fingerprint(path)
+    if not f.is_file():
+        return compute_fingerprint(path)
+    verify_target_weights(path)
+    return read_json(f)
+
+
+_VERIFIED_TARGETS: set[tuple] = set()  # (dir, (name, size, mtime) of each weights file) that matched their record
+
+
+def verify_target_weights(path: str | Path) -> None:
+    """Refuse a target dir whose ``*.safetensors`` no longer hash to the ``weights_sha256`` its fingerprint.json
+    records (a damaged or replaced file: every cache and draft keyed on that fingerprint would silently disagree
+    with it). Hashed once per process for the same files (size, mtime); a dir without fingerprint.json (a plain
+    HF dir before the target stage) has nothing to check."""
+    path = Path(path)
+    f = path / FINGERPRINT_FILE
+    if not f.is_file():
+        return
+    weights = sorted(path.glob("*.safetensors"))
+    stamp = (str(path.resolve()), tuple((w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weights))
+    if stamp in _VERIFIED_TARGETS:
+        return
+    want = read_json(f).get("weights_sha256")
+    if want and sha256_json({w.name: sha256_file(w) for w in weights}) != want:
+        raise UserError(f"{path}: its weights ({', '.join(w.name for w in weights)}) no longer hash to the "
+                        f"weights_sha256 {FINGERPRINT_FILE} records (damaged or replaced); restore them with "
+                        f"`dvc checkout {path}` or rebuild the target with `dvc repro -f target`")
+    _VERIFIED_TARGETS.add(stamp)
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -157,6 +185,7 @@ def load_target(path: str | Path, dtype: str | torch.dtype = "float32", device: 
 
     path = Path(path)
     check_target_dir(path)
+    verify_target_weights(path)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=resolve_dtype(dtype), local_files_only=True, attn_implementation=attn_implementation
     ).to(device)

@@ -136,5 +136,5 @@ def write_regen(path: str | Path, lengths: list[tuple[int, int]], seed: int = 0,
         rows["finish_reason"].append("length")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table(rows, schema=schema), path)
+    pq.write_table(pa.table(rows, schema=schema), path, write_page_checksum=True)
     return path

@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dspark_core.config import ParamsError, read_yaml
+from dspark_core.config import ParamsError, Section, read_yaml
 
 VARIANT_SECTIONS = ("draft", "loss", "train", "warm_start")
 
@@ -84,9 +84,15 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def section_for_variant(params: str | Path, section: str, name: str, optional: bool = False) -> dict[str, Any]:
-    """``optional``: a section missing from the file is empty (its defaults)."""
+def section_for_variant(params: str | Path, section: str, name: str, optional: bool = False,
+                        cls: type[Section] | None = None) -> dict[str, Any]:
+    """``optional``: a section missing from the file is empty (its defaults). ``cls``: the section's class, whose
+    fields the variant's override keys are checked against first (an unknown key named
+    ``variants.<name>.<section>.<key>``, where it is written)."""
     doc = _read(params)
     if section not in doc and not optional:
         raise ParamsError(f"{params}: section '{section}' is missing")
-    return merge(doc.get(section) or {}, variant_overrides(params, name).get(section, {}))
+    over = variant_overrides(params, name).get(section) or {}
+    if cls is not None and isinstance(over, dict):
+        cls.check_keys(over, f"{params}: variants.{name}.{section}")
+    return merge(doc.get(section) or {}, over)

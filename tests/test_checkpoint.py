@@ -62,9 +62,18 @@ def test_damaged_draft_is_refused_naming_the_file(tmp_path, target, damage):
 
 
 def test_draft_without_manifest_warns_and_loads(tmp_path, target):
+    """A draft saved before manifests existed loads with a warning; one saved with a manifest (its config.json
+    says so) is refused without it: deleting the manifest does not switch the checks off."""
+    import json
+
     draft = _draft(target)
     out = save_draft(tmp_path / "d", draft)
     (out / MANIFEST).unlink()
+    with pytest.raises(UserError, match=r"manifest.json: missing, though the checkpoint was saved with one"):
+        load_draft(out, target)
+    legacy = json.loads((out / "config.json").read_text())
+    del legacy["manifest"]
+    (out / "config.json").write_text(json.dumps(legacy))
     with pytest.warns(UserWarning, match=r"no manifest.json .* loading it unchecked"):
         back = load_draft(out, target)
     for k, v in draft.own_state_dict().items():
@@ -100,6 +109,16 @@ def test_training_checkpoint_roundtrip_and_truncation(tmp_path):
     with pytest.raises(UserError, match=r"step_00000003/state.pt: \d+ bytes, manifest.json records \d+ .*delete "):
         load_checkpoint(tmp_path, other, oopt, osched)
     assert torch.equal(other.weight, before)  # nothing restored from a damaged checkpoint
+    (step_dir / MANIFEST).unlink()  # without its manifest: refused, not loaded unchecked (latest.json records one)
+    with pytest.raises(UserError, match=r"step_00000003/manifest.json: missing, though the checkpoint was saved"):
+        load_checkpoint(tmp_path, other, oopt, osched)
+    (tmp_path / "latest.json").write_text('{"step": 5, "dir": "step_00000005"}')
+    with pytest.raises(UserError, match=r"latest.json: names step_00000005, which does not exist"):
+        load_checkpoint(tmp_path, other, oopt, osched)
+    (tmp_path / "latest.json").write_text('{"step": 5, "di')
+    with pytest.raises(UserError, match=r"latest.json: not valid JSON .*; rewrite it as .* or delete"):
+        load_checkpoint(tmp_path, other, oopt, osched)
+    assert torch.equal(other.weight, before)
 
 
 def test_save_safetensors_writes_the_same_bytes_for_the_same_input(tmp_path):

@@ -252,6 +252,59 @@ def flipped_chunk(call: Callable[[], Any], split: str = "train"):
     return setup
 
 
+def damaged_metadata(rel: str):
+    """The store's (or one array's) zarr.json cut short, as a full disk or a killed copy leaves it."""
+    def setup(p: Project):
+        f = p.root / "data/cache/train.zarr" / rel
+        f.write_bytes(f.read_bytes()[:40])
+        return train()
+    return setup
+
+
+def damaged_regen(how: str):
+    """data/regen/train.parquet cut short (``truncate``) or one byte flipped in the middle of its token-id column
+    (``flip``: the same size, only the page checksum tells)."""
+    def setup(p: Project):
+        import pyarrow.parquet as pq
+
+        f = p.root / "data/regen/train.parquet"
+        b = bytearray(f.read_bytes())
+        if how == "truncate":
+            del b[-100:]
+        else:
+            col = pq.ParquetFile(f).metadata.row_group(0).column(3)  # response_ids
+            start = col.dictionary_page_offset if col.has_dictionary_page else col.data_page_offset
+            b[start + col.total_compressed_size - 3] ^= 0x10  # inside the body of the chunk's last page
+        f.write_bytes(bytes(b))
+        return cache()
+    return setup
+
+
+def damaged_target_weights(call: Callable[[], Any]):
+    """data/target as the target stage leaves it (fingerprint.json recorded), then one byte of its weights flipped
+    (the same size: only the recorded weights_sha256 tells)."""
+    def setup(p: Project):
+        from dspark_core.target import write_fingerprint
+
+        write_fingerprint(p.root / "data/target")
+        f = p.root / "data/target/model.safetensors"
+        b = bytearray(f.read_bytes())
+        b[len(b) // 2] ^= 0x01
+        f.write_bytes(bytes(b))
+        return call
+    return setup
+
+
+def changed_params_over_a_stopped_run(**over: Any):
+    """A stopped train@baseline run (its checkpoint and curves), then params.yaml changed by ``over``."""
+    def setup(p: Project):
+        for asset, dst in TRAINED:
+            p.put(asset, dst)
+        p.params(**over)
+        return train()
+    return setup
+
+
 def yaml_syntax(p: Project):
     (p.root / "params.yaml").write_text("train:\n  lr: 1.0e-3\n  total_steps: [2\n")
     return train()
@@ -433,6 +486,13 @@ CASES = [
     Case("variant/bad_section", params_then(train("baseline"), variants={"baseline": {"trian": {"lr": 1.0}}}),
          r"variants.baseline.trian is not a section a variant may override \(draft, loss, train, warm_start\)",
          TRAIN_OUT),
+    Case("variant/unknown_override_key", params_then(train("small"), variants={"small": {"draft": {"blocksize": 3}}}),
+         r"params.yaml: variants.small.draft.blocksize is not a known parameter \(known: .*\bblock_size\b",
+         ("data/train/small", "reports/train")),
+    Case("variant/unknown_nested_override_key",
+         params_then(train("small"), variants={"small": {"draft": {"engram": {"ordrs": [1]}}}}),
+         r"params.yaml: variants.small.draft.engram.ordrs is not a known parameter \(known: .*\borders\b",
+         ("data/train/small", "reports/train")),
     # 2. bad param types / values / keys; wrong layer ids
     Case("params/string_for_number", params_then(train(), train={"lr": "fast"}),
          r"params.yaml: train.lr must be a number, got 'fast'", TRAIN_OUT),
@@ -482,6 +542,25 @@ CASES = [
          r"0..255\) fails its CRC-32C checksum; the store is damaged", TRAIN_OUT),
     Case("cache/flipped_chunk_eval", flipped_chunk(eval_offline(), "eval"),
          r"data/cache/eval.zarr: sample \d+ \(tokens \d+..\d+\) cannot be read: chunk aux_hidden/c/0/0/0", EVAL_OUT),
+    Case("params/not_finite", params_then(train(), train={"lr": float("inf")}),
+         r"params.yaml: train.lr must be a finite number, got inf", TRAIN_OUT),
+    Case("params/heads_not_a_multiple", params_then(train(), draft={"num_attention_heads": 3}),
+         r"draft: num_attention_heads 3 is not a multiple of num_key_value_heads 2; set draft.num_attention_heads",
+         TRAIN_OUT),
+    Case("params/late_check_keeps_the_older_run", changed_params_over_a_stopped_run(draft={"num_attention_heads": 3}),
+         r"num_attention_heads 3 is not a multiple"),  # nothing of the stopped run is cleared (no change at all)
+    Case("params/no_params_file", lambda p: lambda: run_train_stage(Path("nope.yaml"), "baseline"),
+         r"nope.yaml: params file not found", TRAIN_OUT),
+    Case("cache/damaged_store_metadata", damaged_metadata("zarr.json"),
+         r"data/cache/train.zarr: cache store metadata is damaged \(JSONDecodeError.*rebuild the store with "
+         r"`dvc repro -f cache`", TRAIN_OUT),
+    Case("cache/damaged_array_metadata", damaged_metadata("aux_hidden/zarr.json"),
+         r"data/cache/train.zarr: cache store metadata is damaged", TRAIN_OUT),
+    Case("cache/regen_truncated", damaged_regen("truncate"),
+         r"data/regen/train.parquet: damaged or not a Parquet file \(.*\); rerun the regenerate stage", CACHE_OUT),
+    Case("cache/regen_flipped_byte", damaged_regen("flip"),
+         r"data/regen/train.parquet: damaged or not a Parquet file \(.*(checksum|CRC).*\); rerun the regenerate",
+         CACHE_OUT),
     Case("params/yaml_syntax", yaml_syntax, r"params.yaml: line \d+, column \d+: YAML syntax error", TRAIN_OUT),
     Case("cache/manifest_more_samples", manifest_says_more,
          rf"data/cache/train.zarr: the manifest says 9 samples / {N_TOKENS} tokens, but its offsets hold 6 samples / "
@@ -533,6 +612,11 @@ CASES = [
     Case("target/missing_bench", no_target(bench(), draft=True), r"data/target: target directory not found", BENCH_OUT),
     Case("target/missing_eval", no_target(eval_offline(), draft=True), r"data/target: target directory not found",
          EVAL_OUT),
+    Case("target/damaged_weights_train", damaged_target_weights(train()),
+         r"data/target: its weights \(model.safetensors\) no longer hash to the weights_sha256 fingerprint.json "
+         r"records \(damaged or replaced\); restore them with `dvc checkout data/target`", TRAIN_OUT),
+    Case("target/damaged_weights_cache", damaged_target_weights(cache()),
+         r"data/target: its weights \(model.safetensors\) no longer hash", CACHE_OUT),
     Case("target/stage_source_missing", target_stage_missing_source, r"target.path: \S*no/such/hf_dir is not a "
          r"directory", ("data/target",)),
     # 8. a draft trained for another target: name both fingerprints and paths

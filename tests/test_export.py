@@ -109,6 +109,25 @@ def test_a_damaged_export_is_refused_on_import(target, draft, tmp_path):
         load_any_draft(tmp_path, target[1])
 
 
+def test_export_never_replaces_what_is_not_an_export(target, draft, tmp_path):
+    """An export replaces its directory whole, so a directory holding anything else (or a file) is refused and
+    left as it was; an earlier export (or an empty directory) is replaced."""
+    mine = tmp_path / "project"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match=r"project: holds notes.txt, sub, so it is not an earlier export"):
+        export_draft(draft, mine, "deepspec")
+    assert (mine / "notes.txt").read_text() == "mine" and (mine / "sub").is_dir()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match="exists and is not a directory"):
+        export_draft(draft, tmp_path / "file", "speculators")
+    (tmp_path / "empty").mkdir()
+    for _ in range(2):  # into an empty directory, then over that export
+        export_draft(draft, tmp_path / "empty", "speculators")
+    assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == ["README.md", "config.json", "manifest.json",
+                                                                      "model.safetensors"]
+
+
 def test_bf16_export_is_the_default(target, draft, tmp_path):
     export_draft(draft, tmp_path, "deepspec")
     weights = load_file(str(tmp_path / "model.safetensors"))

@@ -221,6 +221,67 @@ def test_code_change_starts_training_over(tmp_path, monkeypatch, capsys):
     assert "out: code changed since the last run; starting over" in capsys.readouterr().out
 
 
+class NeedsTargetTask(ToyTask):
+    """A task whose model build refuses its setting (as the draft's does for a vocabulary the target lacks)."""
+
+    def build_model(self, device, dtype):
+        from dspark_core.errors import UserError
+
+        raise UserError("draft.vocab_size 999999 must be in [1, 272] (the target's vocabulary)")
+
+
+def test_a_bad_setting_found_at_the_model_build_leaves_the_older_run_alone(tmp_path, monkeypatch):
+    """A changed configuration starts over, but only once the new run is built: a setting refused by the model
+    build or by the batch arithmetic fails before the older run's checkpoints and curves are cleared."""
+    import sys
+
+    from dspark_core.errors import UserError
+    from dspark_core.train.run import run_training
+
+    monkeypatch.setitem(sys.modules, "dvclive", None)
+    cfg = _cfg(tmp_path / "out")
+    run_training(ToyTask(), cfg, {"x": 1}, tmp_path / "report")
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    with pytest.raises(UserError, match="vocab_size"):
+        run_training(NeedsTargetTask(), cfg, {"x": 2}, tmp_path / "report")
+    with pytest.raises(ValueError, match="global_batch_size"):
+        run_training(ToyTask(), _cfg(tmp_path / "out", global_batch_size=3), {"x": 3}, tmp_path / "report")
+    after = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    assert after == before and (tmp_path / "out" / "checkpoints" / "latest.json").is_file()
+
+
+class PoisonedTask(ToyTask):
+    """Its third step's inputs hold a NaN (as a poisoned sample or an exploding update would make the loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward_sums(self, model, batch):
+        self.calls += 1
+        if self.calls == 3:
+            batch = {**batch, "x": batch["x"] * float("nan")}
+        return super().forward_sums(model, batch)
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_non_finite_step_stops_the_run_before_anything_of_it_is_saved(tmp_path, monkeypatch, deferred):
+    """A NaN loss stops training with an error naming the step and what to change; the checkpoints hold only the
+    finite steps before it (with reads one step late too, as on a GPU). Non-finite params are refused."""
+    from dspark_core.errors import UserError
+    from dspark_core.train import trainer
+
+    monkeypatch.setattr(trainer, "DEFERRED_READS", ("cpu", "cuda") if deferred else ())
+    with pytest.raises(UserError, match=r"step 3: loss nan .*not finite.*train.lr"):
+        train(PoisonedTask(), _cfg(tmp_path, micro_batch_size=8, checkpoint_every=2), progress=False)
+    steps = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir())
+    assert steps == ["step_00000002"]  # deferred: step 4 was queued before step 3 was read; neither is saved
+    for bad in (".inf", "-.inf", ".nan", "1e400"):
+        (tmp_path / "params.yaml").write_text(f"train: {{lr: {bad}}}\n")
+        with pytest.raises(ParamsError, match=r"params.yaml: train.lr must be a finite number"):
+            TrainConfig.load(tmp_path / "params.yaml", "train")
+
+
 def test_resumed_run_continues_its_curves_once(tmp_path, monkeypatch):
     """A run killed after logging steps 7-8 but before checkpointing step 8 resumes at step 6: the curves (a
     DVC-persisted folder) keep steps 1-6, and the resumed steps are logged once; its weights are the full run's."""

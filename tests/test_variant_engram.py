@@ -19,6 +19,7 @@ from dspark_core.draft.synthetic import items_from_target
 from dspark_core.draft.model import build_draft, draft_class
 from dspark_core.draft.variants.engram import (EngramTable, build_frozen_table, is_prime, read_frozen_table,
                                                table_primes, write_frozen_table)
+from dspark_core.errors import UserError
 from dspark_core.testing import tiny_model
 
 AUX = (0, 2, 4)
@@ -348,6 +349,15 @@ def test_frozen_table_is_the_mean_next_embedding(tmp_path):
         read_frozen_table(str(path), other, "fp-a")
     with pytest.raises(ValueError, match="engram_build"):
         read_frozen_table(str(tmp_path / "missing.safetensors"), table.layout(), None)
+    raw = bytearray(path.read_bytes())  # one flipped byte in the last table's data: its recorded SHA-256 tells
+    raw[-3] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with pytest.raises(UserError, match=rf"t.safetensors: table_{len(weights) - 1} differs from the SHA-256 .*"
+                                        r"damaged.*engram_build"):
+        read_frozen_table(str(path), table.layout(), "fp-a")
+    path.write_bytes(bytes(raw[:-100]))  # cut short
+    with pytest.raises(UserError, match=r"t.safetensors: not a readable safetensors file .*engram_build"):
+        read_frozen_table(str(path), table.layout(), "fp-a")
 
 
 def test_frozen_draft_loads_its_table_and_trains_nothing_of_it(tmp_path):

@@ -49,7 +49,7 @@ from dspark_core.bench.plots import plot_metrics
 from dspark_core.config import Section, non_negative, positive, require
 from dspark_core.data.sources import utf8_line
 from dspark_core.errors import UserError
-from dspark_core.io import atomic_path, write_json
+from dspark_core.io import write_json
 from dspark_core.decoding.ar import ARDecoder
 from dspark_core.decoding.common import BudgetError
 from dspark_core.decoding.engine import SpeculativeDecoder
@@ -174,10 +174,11 @@ def _read_prompt_table(path: Path) -> list[dict[str, Any]]:
         raise UserError(f"bench_online.prompts_path: {path} not found (run the prepare stage)")
     if path.suffix == ".jsonl":
         return read_jsonl_prompts(path)
-    import pyarrow.parquet as pq
+    from dspark_core.io import parquet_schema, read_parquet
 
-    names = pq.read_schema(path).names
-    rows = pq.read_table(path, columns=[c for c in ("source", "domain", "turns") if c in names]).to_pylist()
+    fix = "rerun the prepare stage (`dvc repro -f prepare`)"
+    names = parquet_schema(path, fix).names
+    rows = read_parquet(path, [c for c in ("source", "domain", "turns") if c in names], fix).to_pylist()
     return rows
 
 

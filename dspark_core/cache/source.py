@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from dspark_core.errors import UserError
+from dspark_core.io import read_parquet
 
 REQUIRED_COLUMNS = ("id", "prompt_ids", "response_ids")
 ON_TOO_LONG = ("truncate", "error")
@@ -46,7 +46,7 @@ def load_regen(path: str | Path, max_length: int, on_too_long: str = "truncate",
         raise UserError(f"{path}: regenerate output not found; run the regenerate stage first")
     if on_too_long not in ON_TOO_LONG:
         raise UserError(f"cache.on_too_long must be one of {', '.join(ON_TOO_LONG)}; got {on_too_long!r}")
-    table = pq.read_table(path)
+    table = read_parquet(path, fix="rerun the regenerate stage (`dvc repro -f regenerate`)")
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
     if missing:
         raise UserError(f"{path}: missing column(s) {missing} (has {table.column_names})")

@@ -176,7 +176,12 @@ def open_store(path: str | Path, mode: str = "r") -> zarr.Group:
     path = Path(path)
     if not is_store(path):
         raise UserError(f"{path}: not a cache store (no zarr.json); run the cache stage first")
-    group = zarr.open_group(zarr.storage.LocalStore(path, read_only=(mode == "r")), mode=mode, zarr_format=3)
+    try:
+        group = zarr.open_group(zarr.storage.LocalStore(path, read_only=(mode == "r")), mode=mode, zarr_format=3)
+        list(group.arrays())  # every array's zarr.json parsed here, not deep inside a later read
+    except (ValueError, KeyError, TypeError, OSError) as e:  # json.JSONDecodeError is a ValueError
+        raise UserError(f"{path}: cache store metadata is damaged ({type(e).__name__}: {str(e)[:120]}); rebuild "
+                        "the store with `dvc repro -f cache`") from None
     if "format_version" not in group.attrs:
         raise UserError(f"{path}: zarr group without a dspark cache manifest")
     return group

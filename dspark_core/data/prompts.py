@@ -387,9 +387,8 @@ def check_no_overlap(train: list[Prompt], evals: list[Prompt]) -> None:
 # ----------------------------------------------------------------------------------------------
 def write_prompts(path: str | Path, prompts: list[Prompt]) -> None:
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    from dspark_core.io import atomic_path
+    from dspark_core.io import atomic_path, write_parquet
 
     table = pa.table({
         "id": pa.array([p.id for p in prompts], pa.string()),
@@ -399,7 +398,7 @@ def write_prompts(path: str | Path, prompts: list[Prompt]) -> None:
         "turns": pa.array([list(p.turns) for p in prompts], pa.list_(pa.string())),
     })
     with atomic_path(path, ".parquet") as tmp:
-        pq.write_table(table, tmp)
+        write_parquet(table, tmp)
 
 
 def domain_of_source(source: str) -> str:
@@ -410,12 +409,12 @@ def domain_of_source(source: str) -> str:
 
 def read_prompts(path: str | Path) -> list[Prompt]:
     """Read a prompts parquet written by :func:`write_prompts` (older files: no ``domain`` / ``group``)."""
-    import pyarrow.parquet as pq
+    from dspark_core.io import read_parquet
 
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: prompts file not found (run the prepare stage)")
-    table = pq.read_table(path)
+    table = read_parquet(path, fix="rerun the prepare stage (`dvc repro -f prepare`)")
     missing = {"id", "source", "turns"} - set(table.column_names)
     if missing:
         raise UserError(f"{path}: missing columns {sorted(missing)}")

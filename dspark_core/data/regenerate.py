@@ -55,7 +55,8 @@ from dspark_core.data.backends import (BACKENDS, Backend, Generation, Request, S
                                        request_seed)
 from dspark_core.data.prompts import SPLITS, Prompt, read_prompts
 from dspark_core.errors import UserError
-from dspark_core.io import atomic_path, read_json, sha256_file, sha256_json, write_json
+from dspark_core.io import (atomic_path, parquet_schema, read_json, read_parquet, sha256_file, sha256_json,
+                            write_json, write_parquet)
 
 log = logging.getLogger(__name__)
 
@@ -180,25 +181,23 @@ def _schema():
 
 def _write_rows(path: Path, rows: list[dict], key: str | None = None, row_key: str | None = None) -> None:
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     meta = {k: v.encode() for k, v in ((KEY_METADATA, key), (ROW_KEY_METADATA, row_key)) if v}
     schema = _schema().with_metadata(meta) if meta else _schema()
     table = pa.Table.from_pylist(rows, schema=schema)
     with atomic_path(path, ".parquet") as tmp:
-        pq.write_table(table, tmp)
+        write_parquet(table, tmp)
+
+
+PART_FIX = "delete the file and rerun the regenerate stage (it answers those prompts again)"
 
 
 def _read_rows(path: Path) -> list[dict]:
-    import pyarrow.parquet as pq
-
-    return pq.read_table(path).to_pylist()
+    return read_parquet(path, fix=PART_FIX).to_pylist()
 
 
 def _file_key(path: Path, name: bytes = KEY_METADATA) -> str | None:
-    import pyarrow.parquet as pq
-
-    meta = pq.read_schema(path).metadata or {}
+    meta = parquet_schema(path, fix=PART_FIX).metadata or {}
     return meta.get(name, b"").decode() or None
 
 
@@ -370,9 +369,7 @@ def keep_earlier_answers(final: Path, row_key: str, requests: Sequence[Request],
 def _final_is_current(path: Path, key: str, requests: Sequence[Request]) -> bool:
     if not path.is_file() or _file_key(path) != key:
         return False
-    import pyarrow.parquet as pq
-
-    return pq.read_table(path, columns=["id"]).column("id").to_pylist() == [r.id for r in requests]
+    return read_parquet(path, ["id"], fix=PART_FIX).column("id").to_pylist() == [r.id for r in requests]
 
 
 def _plans(cfg: RegenerateConfig):

@@ -46,12 +46,12 @@ def run_dmtd_train_stage(params: Path, variant: str) -> None:
 def trained_groups(prompts_dir: str | Path = "data/prompts") -> set[str]:
     """The upstream problems (``group``, e.g. ``gsm8k_test:12``) of the training prompts prepare wrote: the
     regenerated answers DMTD fine-tunes on come from them."""
-    import pyarrow.parquet as pq
+    from dspark_core.io import read_parquet
 
     path = Path(prompts_dir) / "train.parquet"
     if not path.is_file():
         return set()
-    table = pq.read_table(path)
+    table = read_parquet(path, fix="rerun the prepare stage (`dvc repro -f prepare`)")
     return {g for g in table.column("group").to_pylist() if g} if "group" in table.column_names else set()
 
 

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
 import torch
@@ -61,6 +60,7 @@ from dspark_core.draft.attention import AttentionMask, attend, build_attention_m
 from dspark_core.draft.config import DraftConfig
 from dspark_core.draft.heads import ConfidenceHead, build_markov_head
 from dspark_core.draft.vocab import DraftVocab
+from dspark_core.errors import UserError
 from dspark_core.ops import HF_CLASS_PREFIX, GatedMLP, RMSNorm, rotary_embedding
 
 FAMILIES = tuple(HF_CLASS_PREFIX)  # the target families the draft mirrors
@@ -91,8 +91,9 @@ def draft_hf_config(cfg: DraftConfig, target_config: Any) -> Any:
     if hasattr(c, "layer_types"):
         c.layer_types = ["full_attention"] * cfg.num_draft_layers
     if c.num_attention_heads % c.num_key_value_heads:
-        raise ValueError(f"draft: num_attention_heads {c.num_attention_heads} is not a multiple of "
-                         f"num_key_value_heads {c.num_key_value_heads}")
+        raise UserError(f"draft: num_attention_heads {c.num_attention_heads} is not a multiple of "
+                        f"num_key_value_heads {c.num_key_value_heads}; set draft.num_attention_heads to a multiple "
+                        "of it (null: the target's heads) or draft.num_key_value_heads to a divisor")
     return c
 
 

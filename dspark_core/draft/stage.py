@@ -24,9 +24,11 @@ TRAIN_DIR = Path("data/train")
 
 def variant_configs(params: Path, variant: str) -> tuple[DraftConfig, LossConfig, TrainConfig]:
     src = str(params)
-    draft = DraftConfig.from_dict(section_for_variant(params, "draft", variant), src=src, prefix="draft.")
-    loss = LossConfig.from_dict(section_for_variant(params, "loss", variant), src=src, prefix="loss.")
-    train_d = section_for_variant(params, "train", variant)
+    draft = DraftConfig.from_dict(section_for_variant(params, "draft", variant, cls=DraftConfig), src=src,
+                                  prefix="draft.")
+    loss = LossConfig.from_dict(section_for_variant(params, "loss", variant, cls=LossConfig), src=src,
+                                prefix="loss.")
+    train_d = section_for_variant(params, "train", variant, cls=TrainConfig)
     if "out_dir" in train_d and train_d["out_dir"] != "data/train":
         raise ParamsError(f"{src}: train.out_dir is fixed by dvc.yaml (data/train/<variant>)")
     train_d["out_dir"] = str(TRAIN_DIR / variant)
@@ -39,7 +41,8 @@ def warm_start_checkpoint(params: Path, variant: str) -> tuple[WarmStartConfig, 
     checkpoint's step (the curves' offset)."""
     from dspark_core.io import read_json
 
-    warm = WarmStartConfig.from_dict(section_for_variant(params, "warm_start", variant, optional=True),
+    warm = WarmStartConfig.from_dict(section_for_variant(params, "warm_start", variant, optional=True,
+                                                         cls=WarmStartConfig),
                                      src=str(params), prefix="warm_start.")
     if warm.from_dir is not None:
         src = Path(warm.from_dir)

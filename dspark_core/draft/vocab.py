@@ -199,16 +199,15 @@ def run_draft_vocab_stage(params: str | Path, target_dir: Path = Path("data/targ
                           regen: Path = Path("data/regen/train.parquet"), out: Path = RANKING_PATH,
                           report: Path = Path("reports/draft_vocab.json")) -> dict:
     """Rank the target's tokens over the train answers -> ``out``; coverage per size -> ``report`` (returned)."""
-    import pyarrow.parquet as pq
-
-    from dspark_core.io import read_json, write_json
+    from dspark_core.io import read_json, read_parquet, write_json
     from dspark_core.target import read_fingerprint
 
     cfg = DraftVocabConfig.load(params, "draft_vocab")
     vocab = int(read_json(target_dir / "config.json")["vocab_size"])
     if not regen.is_file():
         raise UserError(f"{regen}: no regenerated train answers; run `dvc repro regenerate` first")
-    answers = pq.read_table(regen, columns=["response_ids"]).column("response_ids").to_pylist()
+    answers = read_parquet(regen, ["response_ids"], fix="rerun the regenerate stage (`dvc repro -f regenerate`)")
+    answers = answers.column("response_ids").to_pylist()
     counts = count_tokens(answers, vocab)
     order = rank_tokens(counts)
     write_ranking(out, order, counts, read_fingerprint(target_dir)["fingerprint"])

@@ -29,6 +29,8 @@ FROZEN_NAMES = ("embed_tokens.weight", "lm_head.weight")  # the target's copies 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 REDUCED_VOCAB_LAYOUTS = ("speculators",)  # layouts that write a reduced draft vocabulary's d2t / t2d maps
 VOCAB_KEYS = ("draft_vocab.d2t", "draft_vocab.t2d")  # dspark's maps (int64); each layout writes its own form
+SKIPPED = "SKIPPED.txt"  # in data/export/<variant>/<layout>/ when the layout cannot run the draft (unsupported: skip)
+EXPORT_FILES = frozenset({"config.json", "model.safetensors", "README.md", "manifest.json", SKIPPED})
 
 
 @dataclass(frozen=True)
@@ -239,9 +241,23 @@ def read_config(path: Path) -> dict[str, Any]:
         raise UserError(f"{f}: not valid JSON ({e})") from None
 
 
+def check_replaceable(out: Path) -> None:
+    """An export replaces its directory whole: refuse an ``out`` that is anything but a missing or empty directory
+    or an earlier export (so a mistyped path never deletes a user's files)."""
+    if not (out.exists() or out.is_symlink()):
+        return
+    if out.is_symlink() or not out.is_dir():
+        raise UserError(f"{out}: exists and is not a directory; an export writes a directory there: give a new path")
+    other = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES)
+    if other:
+        raise UserError(f"{out}: holds {', '.join(other[:5])}{' ...' if len(other) > 5 else ''}, so it is not an "
+                        "earlier export; an export replaces its directory whole: give a new or empty directory")
+
+
 def write_dir(out: Path, config: dict[str, Any], weights: dict[str, torch.Tensor], readme: str) -> Path:
     """config.json + model.safetensors + README.md (+ manifest.json: their sizes and SHA-256, checked on import)
-    written into a temp dir that then replaces ``out`` whole (a crash leaves the old directory or none, never a mix)."""
+    written into a temp dir that then replaces ``out`` whole (a crash leaves the old directory or none, never a mix).
+    ``out`` must be new, empty or an earlier export (:func:`check_replaceable`)."""
     from safetensors.torch import save_file
 
     from dspark_core.checkpoint import write_manifest
@@ -249,6 +265,7 @@ def write_dir(out: Path, config: dict[str, Any], weights: dict[str, torch.Tensor
     from dspark_core.io import write_json
     from dspark_core.target import atomic_dir
 
+    check_replaceable(out)
     with atomic_dir(out) as tmp:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "README.md").write_text(readme)

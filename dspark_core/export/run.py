@@ -10,11 +10,10 @@ from typing import Sequence
 from dspark_core.config import ParamsError, Section, one_of, require
 from dspark_core.errors import UserError
 from dspark_core.export import export_draft, load_any_draft
-from dspark_core.export.common import check_exportable
+from dspark_core.export.common import SKIPPED, check_exportable, check_replaceable
 
 TARGET_DIR, TRAIN_DIR, EXPORT_DIR = Path("data/target"), Path("data/train"), Path("data/export")
 UNSUPPORTED = ("skip", "error")
-SKIPPED = "SKIPPED.txt"  # in data/export/<variant>/<layout>/ when the layout cannot run the draft (unsupported: skip)
 
 
 def _target(target_dir: Path):
@@ -58,6 +57,7 @@ def _skip(dest: Path, reason: str) -> Path:
     from dspark_core.target import atomic_dir
 
     print(f"skipped: {reason}", file=sys.stderr)
+    check_replaceable(dest)
     with atomic_dir(dest) as tmp:
         (tmp / SKIPPED).write_text(f"Not exported: {reason}\n(params.yaml export.unsupported: skip)\n")
     return dest

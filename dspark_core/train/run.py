@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from dspark_core.checkpoint import verify_latest_checkpoint
+from dspark_core.errors import UserError
 from dspark_core.io import atomic_path, read_json, sha256_json, write_json
-from dspark_core.train.trainer import TrainConfig, TrainResult, train
+from dspark_core.train.trainer import TrainConfig, TrainResult, TrainRun
 
 
 def code_fingerprint() -> str:
@@ -41,7 +42,11 @@ def _prepare_out_dir(out_dir: Path, run_config: dict[str, Any]) -> bool:
     """Return True when checkpoints of this very configuration exist (resume)."""
     rc = out_dir / "run_config.json"
     want = sha256_json(run_config)
-    old = read_json(rc) if rc.is_file() else {}
+    try:
+        old = read_json(rc) if rc.is_file() else {}
+    except UserError as e:
+        raise UserError(f"{e}; it records which configuration the checkpoints beside it belong to: delete "
+                        f"{out_dir} to start over") from None
     if old.get("hash") == want:
         return (out_dir / "checkpoints" / "latest.json").is_file()
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -114,12 +119,15 @@ def run_training(task: Any, cfg: TrainConfig, run_config: dict[str, Any], report
     out_dir, report_dir = Path(cfg.out_dir), Path(report_dir)
     run_config = {**run_config, "code": code_fingerprint()}
     d = init_distributed()
+    # settings that need the target (a vocabulary, a head count, the batch arithmetic) fail here, before an
+    # older run's outputs are cleared
+    run = TrainRun(task, cfg, time_budget_s=time_budget_s)
     made = [_new_root(out_dir) or out_dir, _new_root(report_dir)]  # what a failed fresh run removes again
     resume = _prepare_out_dir(out_dir, run_config) if d.is_main else True
     if resume:  # a damaged checkpoint is refused before the curves or the report folder are touched
         verify_latest_checkpoint(out_dir / "checkpoints")
     try:
-        return _run(task, cfg, run_config, out_dir, report_dir, resume, d, time_budget_s, log_step_offset)
+        return _run(run, run_config, out_dir, report_dir, resume, log_step_offset)
     except BaseException:
         if d.is_main and not (out_dir / "checkpoints" / "latest.json").is_file():
             # Failed before its first checkpoint: the output folder holds only run_config.json (and perhaps an
@@ -166,8 +174,9 @@ def _new_root(path: Path) -> Path | None:
     return root
 
 
-def _run(task: Any, cfg: TrainConfig, run_config: dict[str, Any], out_dir: Path, report_dir: Path, resume: bool,
-         d: Any, time_budget_s: float | None, log_step_offset: int) -> TrainResult:
+def _run(run: TrainRun, run_config: dict[str, Any], out_dir: Path, report_dir: Path, resume: bool,
+         log_step_offset: int) -> TrainResult:
+    task, d = run.task, run.d
     if d.world_size > 1:
         import torch.distributed as dist
 
@@ -178,7 +187,7 @@ def _run(task: Any, cfg: TrainConfig, run_config: dict[str, Any], out_dir: Path,
             trim_curves(report_dir / "plots" / "metrics", _checkpoint_step(out_dir) + log_step_offset)
         live = _live_class()(dir=str(report_dir), resume=resume, save_dvc_exp=False, dvcyaml=None, report=None)
         live.log_params({"run_config_hash": sha256_json(run_config)})
-    result = train(task, cfg, live=live, time_budget_s=time_budget_s, log_step_offset=log_step_offset)
+    result = run.loop(live=live, log_step_offset=log_step_offset)
     if d.is_main and hasattr(task, "export"):  # DMTD: the last checkpoint is the model
         task.export(result.model, out_dir / "final")
         if live is not None:

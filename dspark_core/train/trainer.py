@@ -325,15 +325,11 @@ def train(task: TrainTask, cfg: TrainConfig, *, live: Any = None,
     checkpoints. ``live`` (a dvclive ``Live``) gets the rows every ``log_every`` steps; ``on_step(step, row)`` every
     step. ``log_step_offset``: added to the logged step (the curves of a run warm-started at that step use
     cumulative steps; the schedule and the checkpoints count from 0)."""
-    cfg.validate()  # a TrainConfig built directly (not from params) is checked too
-    time_budget_s = cfg.time_budget_s if time_budget_s is None else time_budget_s
-    if time_budget_s is not None and not time_budget_s > 0:
-        raise UserError(f"train: time budget must be > 0 seconds; got {time_budget_s!r}")
-    run = _TrainRun(task, cfg, time_budget_s, checkpoints)
-    return run.loop(_Reporter(live, on_step, progress, log_step_offset))
+    run = TrainRun(task, cfg, time_budget_s=time_budget_s, checkpoints=checkpoints)
+    return run.loop(live=live, on_step=on_step, progress=progress, log_step_offset=log_step_offset)
 
 
-DEFERRED_READS = ("cuda",)  # device types whose steps' numbers are read one step late (see _TrainRun.loop)
+DEFERRED_READS = ("cuda",)  # device types whose steps' numbers are read one step late (see TrainRun.loop)
 
 
 @dataclass
@@ -355,19 +351,28 @@ class _Reporter:
 
     live: Any
     on_step: Callable[[int, dict[str, float]], None] | None
-    progress: bool
     log_step_offset: int
 
 
-class _TrainRun:
-    """One call of :func:`train`: the model, optimiser, schedule and data stream of a (resumed) run, and its loop.
+class TrainRun:
+    """One training run of ``task`` under ``cfg`` (see :func:`train`), in two parts.
+
+    Building it checks the settings and builds what they describe -- the process group, the model (where a
+    setting that needs the target fails: a vocabulary, a head count), the optimiser, the lr schedule, the batch
+    arithmetic -- and touches no file, so a caller can check a run before it clears an older one's outputs
+    (``train/run.py``). :meth:`loop` then resumes from the last checkpoint, if any, and trains.
 
     ``clock_progress``: with ``lr_schedule: time``, the spent fraction of the budget after the first step (what
     the schedule's lambda reads). ``spent0`` / ``origin``: the seconds a resumed run had spent, and the spent
     seconds at which its time schedule started."""
 
-    def __init__(self, task: TrainTask, cfg: TrainConfig, time_budget_s: float | None, checkpoints: bool):
-        self.task, self.cfg, self.budget, self.checkpoints = task, cfg, time_budget_s, checkpoints
+    def __init__(self, task: TrainTask, cfg: TrainConfig, time_budget_s: float | None = None,
+                 checkpoints: bool = True):
+        cfg.validate()  # a TrainConfig built directly (not from params) is checked too
+        budget = cfg.time_budget_s if time_budget_s is None else time_budget_s
+        if budget is not None and not budget > 0:
+            raise UserError(f"train: time budget must be > 0 seconds; got {budget!r}")
+        self.task, self.cfg, self.budget, self.checkpoints = task, cfg, budget, checkpoints
         self.d = d = init_distributed()
         self.accum = cfg.grad_accum(d.world_size)
         self.device, self.amp_dtype = pick_device_dtype(cfg, d)
@@ -383,29 +388,36 @@ class _TrainRun:
             self.opt, (lambda s: lr_factor_by_time(self.clock_progress, cfg)) if self.by_time
             else (lambda s: lr_factor(s, cfg)))
         self.ckpt_root = Path(cfg.out_dir) / "checkpoints"
+        self.history: list[dict[str, float]] = []
+
+    def _resume(self) -> None:
+        """Restore the last checkpoint (model, optimiser, schedule, a time schedule's clock) and wrap for DDP."""
+        cfg, d = self.cfg, self.d
         self.start = load_checkpoint(self.ckpt_root, self.model, self.opt, self.sched, cfg.total_steps) \
-            if checkpoints else 0
-        resumed = checkpoint_clock(self.ckpt_root) if checkpoints and self.by_time else {}
+            if self.checkpoints else 0
+        resumed = checkpoint_clock(self.ckpt_root) if self.checkpoints and self.by_time else {}
         self.spent0, self.origin = resumed.get("spent_s", 0.0), resumed.get("origin_s")  # steps: the whole budget
-        spent_out = self.by_time and self.spent0 >= time_budget_s
+        spent_out = self.by_time and self.spent0 >= self.budget
         self.stop_step = self.start if spent_out else cfg.stop_step  # a spent budget: nothing to do
         self.wrapped: nn.Module = self.model
         if d.world_size > 1:
             self.wrapped = nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        if self.start < self.stop_step and len(task.train_dataset()) <= 0:
+        if self.start < self.stop_step and len(self.task.train_dataset()) <= 0:
             raise UserError("the training dataset is empty")
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # batch copies
-        self.history: list[dict[str, float]] = []
 
-    def loop(self, rep: _Reporter) -> TrainResult:
-        """Steps ``start`` .. ``stop_step``. On a GPU a step's numbers (loss sums, grad norm) are read when the next
-        step has been queued, so the device never waits for the host between steps; a step that checkpoints, ends
-        the run or is under a time budget (whose clock and lr need its end) is read at once, before anything else
-        is queued. On a CPU every step is read at once (its work is done when it is queued)."""
-        self.rep, self.last = rep, self.start
+    def loop(self, *, live: Any = None, on_step: Callable[[int, dict[str, float]], None] | None = None,
+             progress: bool = True, log_step_offset: int = 0) -> TrainResult:
+        """Resume, then steps ``start`` .. ``stop_step``. On a GPU a step's numbers (loss sums, grad norm) are read
+        when the next step has been queued, so the device never waits for the host between steps; a step that
+        checkpoints, ends the run or is under a time budget (whose clock and lr need its end) is read at once,
+        before anything else is queued. On a CPU every step is read at once (its work is done when it is queued).
+        """
+        self._resume()
+        self.rep, self.last = _Reporter(live, on_step, log_step_offset), self.start
         self.bar = None
-        if rep.progress and self.d.is_main:
+        if progress and self.d.is_main:
             from tqdm.auto import tqdm
             self.bar = tqdm(total=self.cfg.stop_step, initial=self.start, desc=f"train {self.task.name}", unit="step")
         stream = step_batch_stream(self.task, self.cfg, self.d, self.start, pin_memory=self.device.type == "cuda")
@@ -462,6 +474,7 @@ class _TrainRun:
     def _finish(self, rec: _Enqueued) -> bool:
         """Read step ``rec``'s numbers (waits for the device to finish it), log, checkpoint; True: stop here."""
         row = _step_metrics(self.task, rec.sums, rec.dens, self.d, self.device)  # the device has finished the step
+        _check_finite(rec, row, self.cfg)
         now = _now()
         spent, out_of_time = self._tick_budget(now)
         row.update(lr=rec.lr, grad_norm=float(rec.grad_norm), step_s=now - max(rec.t0, self.prev_now))
@@ -512,6 +525,17 @@ class _TrainRun:
                             clock={"spent_s": spent, "origin_s": self.origin} if self.by_time else None)
         if self.d.world_size > 1:
             dist.barrier()
+
+
+def _check_finite(rec: _Enqueued, row: dict[str, float], cfg: TrainConfig) -> None:
+    """Refuse a step whose loss or gradient norm is NaN / inf: its update has made the weights non-finite, so
+    nothing of it is checkpointed or exported (the run stops at the last finite checkpoint)."""
+    norm = float(rec.grad_norm)
+    if math.isfinite(row["loss"]) and math.isfinite(norm):
+        return
+    raise UserError(f"train: step {rec.step}: loss {row['loss']} / gradient norm {norm} is not finite (lr "
+                    f"{rec.lr:g}); nothing of this step was saved. Lower train.lr or lengthen train.warmup_ratio, "
+                    f"keep train.grad_clip > 0 (now {cfg.grad_clip:g}), or check the data (`dspark cache verify`)")
 
 
 def _now() -> float:  # the trainer's clock (time budgets, step_s); tests replace it

@@ -39,6 +39,7 @@ from torch import nn
 
 from dspark_core.draft.config import DraftConfig, EngramConfig
 from dspark_core.draft.model import DSparkDraft
+from dspark_core.errors import UserError
 
 HASH_MULT_BITS = 20  # multipliers < 2^20 and ids + 1 < 2^20: a G-term sum never overflows int64
 
@@ -307,45 +308,70 @@ def build_frozen_table(cfg: EngramConfig, dim: int, samples: Any, embed: torch.T
     return out
 
 
+def tensor_sha256(t: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes (any dtype; recorded per table in the file's metadata)."""
+    import hashlib
+
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
 def write_frozen_table(path: str, weights: list[torch.Tensor], layout: dict[str, Any], fingerprint: str | None,
                        stats: dict[str, Any]) -> None:
-    """Atomic safetensors file: ``table_k`` tensors + metadata (format, layout, target fingerprint, stats)."""
+    """Atomic safetensors file: ``table_k`` tensors + metadata (format, layout, target fingerprint, stats, and
+    each table's SHA-256, checked on read)."""
     import json
     from pathlib import Path
 
     from dspark_core.io import atomic_path, save_safetensors
 
     meta = {"format": TABLE_FORMAT, "layout": json.dumps(layout), "target_fingerprint": fingerprint or "",
-            "stats": json.dumps(stats)}
+            "stats": json.dumps(stats), "sha256": json.dumps([tensor_sha256(w) for w in weights])}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(Path(path), ".safetensors") as tmp:
         save_safetensors({f"table_{k}": w.contiguous() for k, w in enumerate(weights)}, tmp, metadata=meta)
 
 
 def read_frozen_table(path: str, layout: dict[str, Any], fingerprint: str | None) -> list[torch.Tensor]:
-    """The tables of a file written by ``write_frozen_table``, refused when built for another layout or target."""
+    """The tables of a file written by ``write_frozen_table``, refused when built for another layout or target,
+    or when a table's bytes differ from the SHA-256 recorded beside it (a damaged file)."""
     import json
     from pathlib import Path
 
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     f = Path(path)
+    rebuild = "rerun `dvc repro -f engram_build`"
     if not f.is_file():
-        raise ValueError(f"draft.engram.table_path {path}: no such file; run `dvc repro engram_build` "
-                         f"(or set draft.engram.source: trainable)")
-    with safe_open(str(f), "pt") as fh:
-        meta = fh.metadata() or {}
-        if meta.get("format") != TABLE_FORMAT:
-            raise ValueError(f"{path}: not an Engram table (format {meta.get('format')!r})")
-        have = json.loads(meta.get("layout", "{}"))
-        if have != layout:
-            diff = sorted(k for k in set(have) | set(layout) if have.get(k) != layout.get(k))
-            raise ValueError(f"{path}: table built for another draft.engram layout ({', '.join(diff)} differ: "
-                             f"file {[have.get(k) for k in diff]}, params {[layout.get(k) for k in diff]}); "
-                             f"rerun engram_build")
-        stored = meta.get("target_fingerprint") or None
-        if fingerprint is not None and stored is not None and stored != fingerprint:
-            raise ValueError(f"{path}: table built on another target (fingerprint {stored}; the draft's target "
-                             f"is {fingerprint}); rerun engram_build")
-        return [fh.get_tensor(f"table_{k}") for k in range(len(layout["rows"]))]
+        raise UserError(f"draft.engram.table_path {path}: no such file; run `dvc repro engram_build` "
+                        f"(or set draft.engram.source: trainable)")
+    try:
+        with safe_open(str(f), "pt") as fh:
+            meta = fh.metadata() or {}
+            _check_table_meta(path, meta, layout, fingerprint)
+            tables = [fh.get_tensor(f"table_{k}") for k in range(len(layout["rows"]))]
+    except SafetensorError as e:
+        raise UserError(f"{path}: not a readable safetensors file ({str(e)[:120]}); {rebuild}") from None
+    sums = json.loads(meta.get("sha256", "null"))  # tables written before the checksums: nothing to compare
+    for k, (t, want) in enumerate(zip(tables, sums or [])):
+        if tensor_sha256(t) != want:
+            raise UserError(f"{path}: table_{k} differs from the SHA-256 recorded beside it (the file is damaged); "
+                            f"{rebuild}")
+    return tables
+
+
+def _check_table_meta(path: str, meta: dict[str, str], layout: dict[str, Any], fingerprint: str | None) -> None:
+    import json
+
+    if meta.get("format") != TABLE_FORMAT:
+        raise UserError(f"{path}: not an Engram table (format {meta.get('format')!r})")
+    have = json.loads(meta.get("layout", "{}"))
+    if have != layout:
+        diff = sorted(k for k in set(have) | set(layout) if have.get(k) != layout.get(k))
+        raise UserError(f"{path}: table built for another draft.engram layout ({', '.join(diff)} differ: "
+                        f"file {[have.get(k) for k in diff]}, params {[layout.get(k) for k in diff]}); "
+                        f"rerun engram_build")
+    stored = meta.get("target_fingerprint") or None
+    if fingerprint is not None and stored is not None and stored != fingerprint:
+        raise UserError(f"{path}: table built on another target (fingerprint {stored}; the draft's target "
+                        f"is {fingerprint}); rerun engram_build")
 
