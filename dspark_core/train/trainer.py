@@ -474,10 +474,11 @@ class TrainRun:
     def _finish(self, rec: _Enqueued) -> bool:
         """Read step ``rec``'s numbers (waits for the device to finish it), log, checkpoint; True: stop here."""
         row = _step_metrics(self.task, rec.sums, rec.dens, self.d, self.device)  # the device has finished the step
-        _check_finite(rec, row, self.cfg)
+        norm = float(rec.grad_norm)
+        _check_finite(rec, row["loss"], norm, self.cfg)
         now = _now()
         spent, out_of_time = self._tick_budget(now)
-        row.update(lr=rec.lr, grad_norm=float(rec.grad_norm), step_s=now - max(rec.t0, self.prev_now))
+        row.update(lr=rec.lr, grad_norm=norm, step_s=now - max(rec.t0, self.prev_now))
         self.prev_now = now
         self.history.append(row)
         done = self.last = rec.step
@@ -527,13 +528,12 @@ class TrainRun:
             dist.barrier()
 
 
-def _check_finite(rec: _Enqueued, row: dict[str, float], cfg: TrainConfig) -> None:
+def _check_finite(rec: _Enqueued, loss: float, norm: float, cfg: TrainConfig) -> None:
     """Refuse a step whose loss or gradient norm is NaN / inf: its update has made the weights non-finite, so
     nothing of it is checkpointed or exported (the run stops at the last finite checkpoint)."""
-    norm = float(rec.grad_norm)
-    if math.isfinite(row["loss"]) and math.isfinite(norm):
+    if math.isfinite(loss) and math.isfinite(norm):
         return
-    raise UserError(f"train: step {rec.step}: loss {row['loss']} / gradient norm {norm} is not finite (lr "
+    raise UserError(f"train: step {rec.step}: loss {loss} / gradient norm {norm} is not finite (lr "
                     f"{rec.lr:g}); nothing of this step was saved. Lower train.lr or lengthen train.warmup_ratio, "
                     f"keep train.grad_clip > 0 (now {cfg.grad_clip:g}), or check the data (`dspark cache verify`)")
 
