@@ -199,6 +199,26 @@ def require(cond: bool, msg: str) -> None:
         raise UserError(msg)
 
 
+def device_name(name: str, value: Any) -> None:
+    """A device param: ``auto`` (CUDA when there is one), ``cpu``, ``cuda`` or ``cuda:N``."""
+    import re
+
+    ok = isinstance(value, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", value) is not None
+    require(ok, f"{name} must be auto, cpu, cuda or cuda:N; got {value!r}")
+
+
+def resolve_device(name: str, field: str) -> Any:
+    """The ``torch.device`` of a device param (see :func:`device_name`); ``field`` (e.g. ``cache.device``) names it
+    when it asks for CUDA on a machine without."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"{field}: {name!r}, but no CUDA device is available here; set it to auto or cpu")
+    return torch.device(name)
+
+
 def one_of(name: str, value: Any, choices: typing.Iterable[Any]) -> None:
     choices = tuple(choices)
     if value not in choices:

@@ -17,6 +17,7 @@ from dspark_core.dmtd.evaluate import evaluate_variant, extract_answer, gold_ans
 from dspark_core.dmtd.inference import GenerationResult
 from dspark_core.dmtd.model import IGNORE, PlainModel, load_dmtd, resolve_checkpoint
 from dspark_core.dmtd.task import DMTDTask
+from dspark_core.errors import UserError
 from dspark_core.testing import save_tiny_target, tiny_model, tiny_tokenizer
 
 MASK = 259
@@ -121,8 +122,25 @@ def test_nested_eval_section_and_bad_values():
         DMTDConfig.from_dict({"eval": {"graph": "fast"}}, prefix="dmtd.")
     with pytest.raises(ValueError, match="dmtd.loss_on"):
         DMTDConfig.from_dict({"loss_on": "prompt"}, prefix="dmtd.")
-    with pytest.raises(ValueError, match="no model.safetensors"):
+    with pytest.raises(UserError, match=r"/nonexistent/run: no trained DMTD checkpoint .*dvc repro dmtd_train"):
         resolve_checkpoint("/nonexistent/run")
+    with pytest.raises(UserError, match=r"dmtd.eval.speed_new_tokens must be >= 2"):
+        DMTDConfig.from_dict({"eval": {"speed_new_tokens": 1}}, prefix="dmtd.")
+
+
+def test_settings_that_cannot_run_here_are_named(workspace):
+    """flex attention cannot train on a CPU; cuda_graph decoding needs a GPU; a max_length that cuts every
+    answer away leaves nothing to train on: each is one error naming the param."""
+    from dspark_core.dmtd.inference import resolve_graph_mode
+
+    cfg = cfg_for(workspace)
+    with pytest.raises(UserError, match=r"dmtd.attn_backend: flex trains on CUDA only"):
+        DMTDTask(cfg.replace(attn_backend="flex"), "bidir_refresh").build_model(torch.device("cpu"), torch.float32)
+    with pytest.raises(UserError, match=r"dmtd.eval.graph: 'cuda_graph' needs a CUDA device"):
+        resolve_graph_mode("cuda_graph", torch.device("cpu"))
+    with pytest.raises(UserError, match=r"train.parquet: no document keeps a supervised token within "
+                                        r"dmtd.max_length=3 .*raise max_length"):
+        load_packed(workspace / "regen" / "train.parquet", 3, "response", MASK)
 
 
 def test_freeze_embeddings_and_denominators(workspace):

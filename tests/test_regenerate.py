@@ -370,7 +370,9 @@ def test_openai_backend_against_stub(tiny, tmp_path, stub_server):
 
 def test_openai_backend_reports_http_errors(tiny, tmp_path, stub_server):
     target, prompts = tiny
-    with pytest.raises(RuntimeError, match="HTTP 400"):
+    from dspark_core.errors import UserError
+
+    with pytest.raises(UserError, match=r"HTTP 400: .*\(regenerate.openai_base_url / openai_model\)"):
         run_regenerate(_cfg(target, prompts, tmp_path / "out", backend="openai", openai_base_url=stub_server,
                             openai_model="other", openai_timeout_s=20))
 

@@ -272,7 +272,7 @@ def test_a_non_finite_step_stops_the_run_before_anything_of_it_is_saved(tmp_path
     from dspark_core.train import trainer
 
     monkeypatch.setattr(trainer, "DEFERRED_READS", ("cpu", "cuda") if deferred else ())
-    with pytest.raises(UserError, match=r"step 3: loss nan .*not finite.*train.lr"):
+    with pytest.raises(UserError, match=r"step 3: loss nan .*not finite.*Lower lr .*\(train / dmtd_train\)"):
         train(PoisonedTask(), _cfg(tmp_path, micro_batch_size=8, checkpoint_every=2), progress=False)
     steps = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir())
     assert steps == ["step_00000002"]  # deferred: step 4 was queued before step 3 was read; neither is saved

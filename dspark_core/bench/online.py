@@ -46,7 +46,8 @@ import torch
 
 from dspark_core.bench.peers import PEERS, peer_comparison, truncated_assistant
 from dspark_core.bench.plots import plot_metrics
-from dspark_core.config import Section, non_negative, positive, require
+from dspark_core.config import (Section, device_name, non_negative, one_of, positive, require,
+                                resolve_device as torch_device)
 from dspark_core.data.sources import utf8_line
 from dspark_core.errors import UserError
 from dspark_core.io import write_json
@@ -111,6 +112,8 @@ class BenchOnlineConfig(Section):
 
     def validate(self) -> None:
         require(len(self.datasets) > 0, "datasets must name at least one dataset")
+        device_name("device", self.device)
+        one_of("dtype", self.dtype, ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"))
         positive("max_prompts", self.max_prompts)
         positive("max_new_tokens", self.max_new_tokens)
         positive("max_turns", self.max_turns)
@@ -129,6 +132,9 @@ class BenchOnlineConfig(Section):
         require(self.engine in ENGINES, f"engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
         for b in self.tree_branches:
             require(len(b) == 2 and min(b) >= 1, f"tree_branches: {list(b)} is not a [start >= 1, length >= 1] pair")
+        require(not (self.tree_branches and self.confidence_threshold > 0),
+                f"tree_branches with confidence_threshold {self.confidence_threshold}: the confidence cut applies to "
+                "the chain only; set confidence_threshold: 0 or tree_branches: []")
         if self.num_threads is not None:
             positive("num_threads", self.num_threads)
         if self.small_gemm is not None:
@@ -326,12 +332,7 @@ def run_bench_online_stage(params: str | Path, variant: str) -> dict[str, Any]:
 def resolve_device(cfg: BenchOnlineConfig) -> tuple[torch.device, torch.dtype, bool]:
     from dspark_core.target import resolve_dtype
 
-    name = cfg.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"bench_online.device: {cfg.device!r} but no CUDA device is available")
+    device = torch_device(cfg.device, "bench_online.device")
     dtype = resolve_dtype(cfg.dtype) if cfg.dtype != "auto" else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     graphs = cfg.cuda_graph if cfg.cuda_graph is not None else device.type == "cuda"
@@ -399,8 +400,28 @@ def make_runner(model: torch.nn.Module, cfg: "BenchOnlineConfig", aux_layer_ids:
                         cuda_graph=graphs, graph_max_tokens=block + 1, kernels=kernels)
 
 
+def check_tree(cfg: "BenchOnlineConfig", draft: Any) -> None:
+    """``bench_online.tree_branches`` against the draft (its block size, a variant that cannot run a tree): one
+    error naming the param, before any engine is built."""
+    from dspark_core.decoding.tree import TreeLayout, parse_branches
+    from dspark_core.decoding.tree_sampling import tree_draft_problem
+
+    if not cfg.tree_branches:
+        return
+    where = f"bench_online.tree_branches {[list(b) for b in cfg.tree_branches]}"
+    try:
+        TreeLayout(int(draft.block_size), parse_branches(cfg.tree_branches))
+    except ValueError as e:
+        raise UserError(f"{where}: {e}; fix the [start, length] pairs or set tree_branches: []") from None
+    problem = tree_draft_problem(draft)
+    if problem:
+        kind = getattr(getattr(draft, "cfg", None), "kind", type(draft).__name__)
+        raise UserError(f"{where}: {problem}; set tree_branches: [] for draft.kind {kind!r}")
+
+
 def make_engine(engine: str, runner: TargetRunner, draft: Any, cfg: "BenchOnlineConfig"):
     """The speculative decoder named by ``engine`` (see :func:`resolve_engine`)."""
+    check_tree(cfg, draft)
     if engine == "static":
         from dspark_core.decoding.static_engine import StaticSpeculativeDecoder
 

@@ -28,7 +28,7 @@ from dspark_core.cache.store import (
     AUX_DTYPES, FORMAT_VERSION, HIDDEN_ARRAYS, HiddenWriter, commit, create_store, encode_hidden, is_store,
     mismatches, open_store, remove_store, store_stats,
 )
-from dspark_core.config import Section, one_of, positive, require
+from dspark_core.config import Section, device_name, one_of, positive, require, resolve_device
 from dspark_core.dist import Dist, init_distributed
 from dspark_core.errors import UserError
 from dspark_core.io import read_json, sha256_file, write_json
@@ -72,16 +72,9 @@ class CacheConfig(Section):
         positive("batch_tokens", self.batch_tokens)
         resolve_dtype(self.dtype)
         one_of("on_too_long", self.on_too_long, ON_TOO_LONG)
-        require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
-                f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+        device_name("device", self.device)
         require(len(self.splits) > 0 and len(set(self.splits)) == len(self.splits),
                 f"splits must be non-empty and distinct; got {list(self.splits)}")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def wanted_manifest(cfg: CacheConfig, model_config: Any, fingerprint: str, samples: TokenSamples,
@@ -304,7 +297,7 @@ def run_cache(cfg: CacheConfig, force: bool = False, rebuild_stale: bool = False
     for src in sources.values():  # fail on a missing / empty input before loading a large model
         load_regen(src, cfg.max_length, cfg.on_too_long)
     dist = init_distributed()
-    device = resolve_device(cfg.device)
+    device = resolve_device(cfg.device, "cache.device")
     if dist.world_size > 1 and device.type == "cuda":
         device = torch.device("cuda", dist.local_rank)
     fingerprint = read_fingerprint(cfg.target_dir)["fingerprint"]

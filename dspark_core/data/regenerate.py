@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from dspark_core.config import Section, non_negative, one_of, positive, require
+from dspark_core.config import Section, device_name, non_negative, one_of, positive, require, resolve_device
 from dspark_core.data.backends import (BACKENDS, Backend, Generation, Request, SamplingSpec, finalize_response,
                                        request_seed)
 from dspark_core.data.prompts import SPLITS, Prompt, read_prompts
@@ -99,6 +99,7 @@ class RegenerateConfig(Section):
 
     def validate(self) -> None:
         one_of("backend", self.backend, BACKENDS)
+        device_name("device", self.device)
         if self.time_budget_s is not None:
             positive("time_budget_s", self.time_budget_s)
         non_negative("temperature", self.temperature)
@@ -251,20 +252,12 @@ def _row(req: Request, source: str, gen: Generation, backend: str, tok) -> dict:
 # ----------------------------------------------------------------------------------------------
 # backends
 # ----------------------------------------------------------------------------------------------
-def _device(name: str) -> str:
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
-
-
 def make_backend(cfg: RegenerateConfig, tok, eos_ids: Sequence[int], max_model_len: int) -> Backend:
     """Build the backend named by ``cfg.backend`` (vLLM: call under a ``__main__`` guard)."""
     if cfg.backend == "hf":
         from dspark_core.data.backends.hf_backend import HFBackend
 
-        return HFBackend(cfg.target_dir, cfg.sampling, eos_ids, dtype=cfg.dtype, device=_device(cfg.device),
+        return HFBackend(cfg.target_dir, cfg.sampling, eos_ids, dtype=cfg.dtype, device=str(resolve_device(cfg.device, "regenerate.device")),
                          threads=cfg.threads)
     if cfg.backend == "vllm":
         from dspark_core.data.backends.vllm_backend import VLLMBackend

@@ -59,6 +59,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
+from dspark_core.errors import UserError
 from dspark_core.ops import apply_rope, rms_norm
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
@@ -637,15 +638,15 @@ def _check_supported(model: torch.nn.Module) -> None:
     cfg = model.config
     mt = getattr(cfg, "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"target model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise UserError(f"target model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     layer_types = getattr(cfg, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
-        raise ValueError(f"target config layer_types {sorted(set(layer_types))}: sliding-window layers are not "
-                         "supported by the static-cache runner")
+        raise UserError(f"target config layer_types {sorted(set(layer_types))}: sliding-window layers are not "
+                        "supported by the static-cache runner; choose another target (target.path)")
     rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
     if rope_type in _UNSUPPORTED_ROPE:
-        raise ValueError(f"target config rope_type {rope_type!r} is not supported (its table depends on the "
-                         "sequence length)")
+        raise UserError(f"target config rope_type {rope_type!r} is not supported (its table depends on the "
+                        "sequence length); choose another target (target.path)")
 
 
 def kernels_problem(model: torch.nn.Module, batch_size: int = 1) -> str | None:

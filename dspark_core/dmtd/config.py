@@ -61,7 +61,8 @@ class DMTDEvalConfig(Section):
         require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1]; got {self.top_p}")
         non_negative("top_k", self.top_k)
         positive("speed_prompts", self.speed_prompts)
-        positive("speed_new_tokens", self.speed_new_tokens)
+        require(self.speed_new_tokens >= 2, f"speed_new_tokens must be >= 2 (the first token comes from the "
+                f"prefill); got {self.speed_new_tokens}")
         one_of("graph", self.graph, GRAPH_MODES)
 
 

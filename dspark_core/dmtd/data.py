@@ -20,6 +20,7 @@ import torch
 
 from dspark_core.cache.source import load_regen
 from dspark_core.dmtd.model import IGNORE
+from dspark_core.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,8 @@ def load_packed(path: str | Path, max_length: int, loss_on: str, pad_id: int,
     docs, truncated = read_documents(path, max_length, loss_on, vocab_size)
     rows, stats = pack_documents(docs, max_length, pad_id)
     if not rows:
-        raise ValueError(f"{path}: no document has a supervised token (dmtd.loss_on={loss_on!r}); nothing to train on")
+        raise UserError(f"{path}: no document keeps a supervised token within dmtd.max_length={max_length} "
+                        f"(dmtd.loss_on={loss_on!r}); raise max_length or set loss_on: all")
     return rows, PackStats(stats.documents, stats.rows, truncated, stats.dropped_unsupervised, stats.supervised_tokens)
 
 

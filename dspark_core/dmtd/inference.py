@@ -45,6 +45,7 @@ from dspark_core.dmtd.model import DMTDModel, StackModel
 from dspark_core.decoding.sampling import SamplingParams, select_tokens
 from dspark_core.decoding.target_runner import fuse_layer, kernel_head, kernel_layers, model_spec, rope_tables
 from dspark_core.decoding.target_runner import kernels_problem as target_kernels_problem
+from dspark_core.errors import UserError
 
 GRAPH_MODES = ("none", "cuda_graph", "compile")
 S_STEP_GEMM = "fma"  # small-GEMM family of the kernel path's one-token S step and LM head (the faster at n = 1)
@@ -126,7 +127,8 @@ def resolve_graph_mode(mode: str, device: torch.device) -> str:
     if mode not in GRAPH_MODES:
         raise ValueError(f"graph mode must be auto or one of {', '.join(GRAPH_MODES)}; got {mode!r}")
     if mode == "cuda_graph" and device.type != "cuda":
-        raise ValueError(f"graph mode {mode!r} needs a CUDA device; the model is on {device}")
+        raise UserError(f"dmtd.eval.graph: {mode!r} needs a CUDA device, and the model is on {device}; set it to "
+                        "auto or none")
     return mode
 
 

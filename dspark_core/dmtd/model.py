@@ -32,6 +32,7 @@ from torch import nn
 from dspark_core.dmtd.config import DMTDConfig, VariantRule, parse_variant
 from dspark_core.dmtd.layers import KVSink, check_supported, rope, run_layers
 from dspark_core.dmtd.masks import CAUSAL, Slots, dense_mask, flex_block_mask
+from dspark_core.errors import UserError
 from dspark_core.io import read_json
 
 IGNORE = -100  # label of an unsupervised position
@@ -276,7 +277,8 @@ def resolve_checkpoint(path) -> Path:
     for root in (path, path / "checkpoints"):
         if (root / "latest.json").is_file():
             return root / read_json(root / "latest.json")["dir"]
-    raise ValueError(f"{path}: no model.safetensors and no latest.json (a trainer out_dir or a checkpoint step folder)")
+    raise UserError(f"{path}: no trained DMTD checkpoint (no model.safetensors, no latest.json); train it first "
+                    f"(`dvc repro dmtd_train@<variant>`)")
 
 
 def load_weights(model: nn.Module, checkpoint) -> None:

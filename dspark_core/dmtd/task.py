@@ -18,6 +18,7 @@ from torch import nn
 from dspark_core.dmtd.config import DMTDConfig, parse_variant
 from dspark_core.dmtd.data import PackStats, collate_rows, load_packed
 from dspark_core.dmtd.model import IGNORE, DMTDModel
+from dspark_core.errors import UserError
 from dspark_core.train.task import TermSpec
 
 
@@ -38,12 +39,15 @@ class DMTDTask:
 
         path = Path(self.cfg.target_dir)
         if not (path / "config.json").is_file():
-            raise ValueError(f"dmtd.target_dir={path}: no config.json; run the target stage first")
+            raise UserError(f"dmtd.target_dir={path}: no config.json; run the target stage first or fix the path")
         return AutoConfig.from_pretrained(path, local_files_only=True)
 
     def build_model(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
         from dspark_core.target import load_target
 
+        if self.cfg.attn_backend == "flex" and device.type != "cuda":
+            raise UserError(f"dmtd.attn_backend: flex trains on CUDA only (flex_attention has no backward on "
+                            f"{device.type}); set it to auto or dense")
         lm, _ = load_target(self.cfg.target_dir, dtype=dtype, device=device)
         model = DMTDModel.from_config(lm, self.cfg, self.variant)
         if self.cfg.freeze_embeddings:

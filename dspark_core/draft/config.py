@@ -157,6 +157,8 @@ class DraftConfig(Section):
             value = getattr(self, name)
             if value is not None:
                 positive(name, value)
+        require(self.head_dim is None or self.head_dim % 2 == 0,
+                f"head_dim must be even (RoPE rotates pairs of dimensions); got {self.head_dim}")
         if self.num_attention_heads is not None and self.num_key_value_heads is not None:
             require(self.num_attention_heads % self.num_key_value_heads == 0,
                     f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "

@@ -30,6 +30,7 @@ from dspark_core.config import Section, positive, require
 from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.draft.config import LossConfig
 from dspark_core.draft.loss import slot_outputs
+from dspark_core.errors import UserError
 from dspark_core.io import atomic_path, write_json
 from dspark_core.metrics import OfflineMetrics
 
@@ -69,8 +70,9 @@ def evaluate_offline(draft, dataset: Sequence[dict[str, torch.Tensor]], cfg: Eva
         reference.eval()
         for field in ("block_size", "aux_layer_ids"):
             if getattr(reference, field) != getattr(draft, field):
-                raise ValueError(f"eval_offline.reference {cfg.reference}: {field} {getattr(reference, field)} "
-                                 f"differs from the draft's {getattr(draft, field)}; compare drafts trained alike")
+                raise UserError(f"eval_offline.reference {cfg.reference}: {field} {getattr(reference, field)} "
+                                f"differs from the draft's {getattr(draft, field)}; name a reference variant trained "
+                                "alike")
     device = torch.device(device) if device is not None else draft.fc.weight.device
     n = len(dataset) if cfg.max_samples is None else min(len(dataset), cfg.max_samples)
     if n == 0:

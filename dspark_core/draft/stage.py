@@ -26,6 +26,7 @@ def variant_configs(params: Path, variant: str) -> tuple[DraftConfig, LossConfig
     src = str(params)
     draft = DraftConfig.from_dict(section_for_variant(params, "draft", variant, cls=DraftConfig), src=src,
                                   prefix="draft.")
+    _check_kind(params, variant, draft.kind)
     loss = LossConfig.from_dict(section_for_variant(params, "loss", variant, cls=LossConfig), src=src,
                                 prefix="loss.")
     train_d = section_for_variant(params, "train", variant, cls=TrainConfig)
@@ -34,6 +35,20 @@ def variant_configs(params: Path, variant: str) -> tuple[DraftConfig, LossConfig
     train_d["out_dir"] = str(TRAIN_DIR / variant)
     train = TrainConfig.from_dict(train_d, src=src, prefix="train.")
     return draft, loss, train
+
+
+def _check_kind(params: Path, variant: str, kind: str) -> None:
+    """``draft.kind`` names a registered draft class; the error names where the kind was set."""
+    import importlib
+
+    from dspark_core.draft.model import draft_kinds
+    from dspark_core.variants import variant_overrides
+
+    importlib.import_module("dspark_core.draft.variants")  # registers every kind
+    if kind not in draft_kinds():
+        where = f"variants.{variant}.draft.kind" if "kind" in (variant_overrides(params, variant).get("draft") or {}) \
+            else "draft.kind"
+        raise ParamsError(f"{params}: {where} must be one of {', '.join(draft_kinds())}; got {kind!r}")
 
 
 def warm_start_checkpoint(params: Path, variant: str) -> tuple[WarmStartConfig, Path | None, int]:

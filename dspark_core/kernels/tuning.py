@@ -10,6 +10,8 @@ from typing import Callable
 
 import torch
 
+from dspark_core.errors import UserError
+
 # (BLOCK_N, BLOCK_K, num_warps) candidates of the FMA GEMV; the first is the default before tuning
 GEMV_CONFIGS = [(4, 512, 4), (2, 1024, 4), (1, 2048, 4), (1, 4096, 4), (2, 4096, 8), (2, 2048, 4), (4, 2048, 8),
                  (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 512, 8)]
@@ -194,19 +196,21 @@ def load_kernel_configs(path: str | os.PathLike, device: torch.device | str = "c
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"kernel configs {path}: cannot read a JSON table ({e})") from e
+        raise UserError(f"kernel configs {path}: cannot read a JSON table ({e}); delete the file (it is "
+                        "tuned again)") from None
     data = data.get("kernel_configs", data) if isinstance(data, dict) else None
     if not isinstance(data, dict) or not isinstance(data.get("configs"), dict):
-        raise ValueError(f"kernel configs {path}: no {{'device', 'configs'}} table in it")
+        raise UserError(f"kernel configs {path}: no {{'device', 'configs'}} table in it; delete the file (it is "
+                        "tuned again)")
     here = device_name(torch.device(device))
     if data.get("device") != here:
-        raise ValueError(f"kernel configs {path}: configurations tuned on {data.get('device')!r}, "
-                         f"this device is {here!r}")
+        raise UserError(f"kernel configs {path}: configurations tuned on {data.get('device')!r}, "
+                        f"this device is {here!r}; delete the file or point the setting at this device's")
     out = {}
     for key, cfg in data["configs"].items():
         parsed = _parse_config(key.split(":")[0], cfg)
         if parsed is None:
-            raise ValueError(f"kernel configs {path}: bad entry {key!r}: {cfg!r}")
+            raise UserError(f"kernel configs {path}: bad entry {key!r}: {cfg!r}; delete the file (it is tuned again)")
         out[key] = parsed
     return out
 
@@ -252,7 +256,8 @@ def use_config_store(path: str | os.PathLike, device: torch.device | str, finger
         pins = load_kernel_configs(path, device)
         stored = json.loads(path.read_text()).get("fingerprint")
         if stored != fingerprint:
-            raise ValueError(f"{path}: kernel configurations of target {stored!r}, this target is {fingerprint!r}")
+            raise UserError(f"{path}: kernel configurations of target {stored!r}, this target is {fingerprint!r}; "
+                            "delete the file (it is tuned again)")
     for key in [k for k in _TUNED if config_key(k) in pins]:
         del _TUNED[key]
     _STORED.clear()

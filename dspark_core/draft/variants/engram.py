@@ -67,7 +67,8 @@ def table_primes(cfg: EngramConfig) -> list[int]:
 def head_widths(dim: int, num_heads: int) -> list[int]:
     """Split ``dim`` over the heads (the first ``dim % num_heads`` heads one wider)."""
     if dim < num_heads:
-        raise ValueError(f"engram: feature width {dim} is smaller than the {num_heads} hash heads")
+        raise UserError(f"draft.engram: {num_heads} hash heads (heads_per_order x orders) exceed the feature width "
+                        f"{dim}; lower draft.engram.heads_per_order or the number of orders")
     return [dim // num_heads + (1 if k < dim % num_heads else 0) for k in range(num_heads)]
 
 
