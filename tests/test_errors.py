@@ -547,6 +547,9 @@ CASES = [
     *([Case("params/cuda_without_a_gpu", params_then(cache(), cache={"device": "cuda"}),
             r"cache.device: 'cuda', but no CUDA device is available here; set it to auto or cpu", CACHE_OUT)]
       if not torch.cuda.is_available() else []),
+    Case("params/zero_loss", params_then(train(), loss={"ce_alpha": 0, "l1_alpha": 0, "conf_alpha": 0,
+                                                        "rank_alpha": 0}),
+         r"params.yaml: loss.ce_alpha, l1_alpha, conf_alpha and rank_alpha are all 0", TRAIN_OUT),
     Case("params/odd_head_dim", params_then(train(), draft={"head_dim": 7}),
          r"params.yaml: draft.head_dim must be even \(RoPE rotates pairs of dimensions\); got 7", TRAIN_OUT),
     Case("params/batch_arithmetic", params_then(train(), train={"global_batch_size": 3}),

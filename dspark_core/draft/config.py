@@ -194,6 +194,8 @@ class LossConfig(Section):
         positive("decay_gamma", self.decay_gamma)
         positive("vocab_chunk_slots", self.vocab_chunk_slots)
         non_negative("rank_alpha", self.rank_alpha)
+        require(self.ce_alpha + self.l1_alpha + self.conf_alpha + self.rank_alpha > 0,
+                "ce_alpha, l1_alpha, conf_alpha and rank_alpha are all 0: the draft would train on a zero loss")
 
 
 @dataclass(frozen=True)
