@@ -165,6 +165,32 @@ def test_rejection_never_accepts_a_token_the_target_forbids():
         assert res.num_accepted == 0 and res.next_token == 0
 
 
+def _forbidden_token_case():
+    """The target forbids token 0 (top-k / top-p cut it: p = 0), the draft proposed it twice (q = 0.6)."""
+    p = torch.tensor([[0.0, 0.5, 0.5], [0.0, 0.5, 0.5], [0.2, 0.3, 0.5]])  # [S+1, V]
+    q = torch.tensor([[0.6, 0.2, 0.2], [0.6, 0.2, 0.2]])  # [S, V]
+    return p, q, torch.tensor([0, 0])
+
+
+def test_rejection_step_refuses_a_forbidden_token_even_at_u_zero():
+    """The accept test is strict, u q(t) < p(t): at p(t) = 0 even the draw u = 0 rejects (a `<=` would accept a
+    token the target can never emit, once in 2^24 draws: no chi-square test sees it)."""
+    p, q, tokens = _forbidden_token_case()
+    for u in (torch.zeros(2), torch.tensor([0.0, 0.5])):
+        race = torch.rand(3, generator=torch.Generator().manual_seed(0))
+        a, nxt = rejection_step(p, q, tokens, torch.tensor(2), u, race)
+        assert int(a) == 0 and int(nxt) != 0
+
+
+def test_verify_rejection_refuses_a_forbidden_token_even_at_u_zero(monkeypatch):
+    import dspark_core.decoding.sampling as sampling
+
+    p, q, tokens = _forbidden_token_case()
+    monkeypatch.setattr(sampling.torch, "rand", lambda n, **kw: torch.zeros(n))  # every accept draw u = 0
+    res = verify_rejection(p, q, tokens, torch.Generator().manual_seed(0))
+    assert res.num_accepted == 0 and res.next_token != 0
+
+
 def test_verify_greedy():
     logits = torch.full((4, V), -1.0)
     for row, tok in enumerate([5, 2, 7, 1]):

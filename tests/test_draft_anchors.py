@@ -86,7 +86,7 @@ def _brute_mask(anchors, valid, ctx_len, s, owner):
 @pytest.mark.parametrize("with_extra", [False, True])
 def test_attention_mask_against_its_definition(with_extra):
     g = torch.Generator().manual_seed(3)
-    anchors = torch.tensor([[2, 5, 9, 0], [1, 4, 0, 0]])
+    anchors = torch.tensor([[2, 5, 9, 7], [1, 4, 6, 0]])  # invalid blocks at non-zero anchors too: no context
     valid = torch.tensor([[True, True, True, False], [True, True, False, False]])
     owner = torch.randint(-1, 4, (2, 5), generator=g) if with_extra else None
     got = build_attention_mask(anchors, valid, 12, 3, owner, backend="dense").dense

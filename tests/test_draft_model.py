@@ -222,6 +222,28 @@ def test_confidence_threshold_cuts_the_proposal():
     torch.testing.assert_close(cut.tokens, full.tokens[:, :expect])
 
 
+def test_confidence_cut_is_strictly_below_and_the_earliest_over_the_batch():
+    """A slot whose confidence equals the threshold is kept (the cut is at the first slot strictly below it), and
+    a batch of several rows is cut at the earliest row's cut (rows share one block length)."""
+    target = tiny_model("qwen3")
+    draft = _draft(target)
+    batch = _batch(target)
+    greedy = lambda x: (x.argmax(-1), torch.softmax(x, -1))  # noqa: E731
+    one = draft.new_context_cache(batch=1, max_len=64)
+    draft.extend_context(one, batch["aux_hidden"][:1, :10])
+    lowest = float(draft.propose(one, torch.tensor([7]), greedy).confidence.min())
+    assert draft.propose(one, torch.tensor([7]), greedy, confidence_threshold=lowest).num_tokens == S
+    two = draft.new_context_cache(batch=2, max_len=64)
+    draft.extend_context(two, batch["aux_hidden"][:2, :10])
+    full = draft.propose(two, torch.tensor([7, 9]), greedy)
+    conf = full.confidence  # [2, S]
+    for thr in (float(conf[0].sort().values[S // 2]) + 1e-6, float(conf[1].sort().values[S // 2]) + 1e-6):
+        cut = draft.propose(two, torch.tensor([7, 9]), greedy, confidence_threshold=thr)
+        first = [int((row < thr).nonzero()[0]) if bool((row < thr).any()) else S for row in conf]
+        assert cut.num_tokens == min(first) and cut.tokens.shape == (2, min(first))
+        torch.testing.assert_close(cut.tokens, full.tokens[:, :min(first)])
+
+
 class MemoryDraft(DSparkDraft):
     """A stand-in for Draft Memory: batch key ``memory`` [B, A, M, H] is owned by each block (hook 3)."""
 

@@ -213,3 +213,11 @@ def test_teacher_rows_made_for_other_anchors_are_refused():
     moved = dict(batch, anchors=batch["anchors"] - batch["anchor_valid"].long())  # every valid anchor one back
     with pytest.raises(RuntimeError, match="TEACHER_KEYS"):
         dspark_sums(draft, h, moved, LossConfig(vocab_chunk_slots=5))
+
+
+def test_slot_weights_are_the_seeds_position_decay():
+    """Pinned values of the seed's decay exp(-i / 4) on valid slots (the loss references above reuse
+    ``slot_weights``, so its formula is pinned here on its own)."""
+    valid = torch.tensor([[True, True, True, False], [True, False, False, False]])
+    want = torch.tensor([[1.0, 0.7788007831, 0.6065306597, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(slot_weights(valid, 4.0), want, rtol=0, atol=1e-7)
