@@ -14,11 +14,13 @@ Launch on several processes with ``torchrun --nproc_per_node N stages/train.py .
 from __future__ import annotations
 
 import math
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.utils.data
@@ -381,6 +383,8 @@ class TrainRun:
         self.accum = cfg.grad_accum(d.world_size)
         self.device, self.amp_dtype = pick_device_dtype(cfg, d)
         torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)  # the checkpoints hold these states too: seeded, a rerun writes the same bytes
+        np.random.seed(cfg.seed % 2**32)
         self.model = task.build_model(self.device, PARAM_DTYPES[cfg.param_dtype])
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
