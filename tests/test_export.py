@@ -350,6 +350,9 @@ def test_foreign_draft_for_another_target_is_refused(target, draft, tmp_path):
         (path / "config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(UserError, match=word):
             load_any_draft(path, target[1])
+    rope = {**config["rope_parameters"], "mscale_all_dim": 0}  # a key another transformers version writes
+    (path / "config.json").write_text(json.dumps({**config, "rope_parameters": rope}))
+    load_any_draft(path, target[1])  # the same RoPE: imported
     (path / "config.json").write_text(json.dumps(config))
     weights = load_file(str(path / "model.safetensors"))
     for name in ("embed_tokens.weight", "lm_head.weight"):  # the target's copies: another target's rows

@@ -193,8 +193,11 @@ def check_layer_config(hf: dict[str, Any], target_config: Any, src: str) -> None
                         "bidirectionally, so this draft cannot be imported")
     want = target_config.to_dict()
     mine, theirs = rope_of(hf), rope_of(want)
-    if mine.get("rope_theta") is not None and mine != theirs:
-        raise UserError(f"{src}: RoPE {mine} differs from the target's {theirs}; dspark runs the draft's layers "
+    keys = {"rope_type", "rope_theta"} | (set(mine) & set(theirs))  # a key only one config version writes: not read
+    differ = sorted(k for k in keys if mine.get(k) != theirs.get(k))
+    if mine.get("rope_theta") is not None and differ:
+        raise UserError(f"{src}: RoPE {', '.join(f'{k} {mine.get(k)!r}' for k in differ)} differs from the "
+                        f"target's {', '.join(repr(theirs.get(k)) for k in differ)}; dspark runs the draft's layers "
                         "with the target's RoPE: import it with the target it was trained on")
     for key in ("rms_norm_eps", "hidden_act"):
         if hf.get(key) is not None and want.get(key) is not None and hf[key] != want[key]:
