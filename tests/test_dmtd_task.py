@@ -232,3 +232,31 @@ def test_evaluate_variant_end_to_end(workspace, tmp_path):
     assert ppl["dmtd"]["tokens"] == ppl["target"]["tokens"] and ppl["dmtd"]["ppl"] != ppl["target"]["ppl"]
     assert out["gsm8k"]["dmtd"]["total"] == 2 and out["gsm8k"]["target"]["total"] == 2
     assert out["speed"]["dmtd"]["new_tokens"] == 8 and out["speed"]["speedup"] > 0
+
+
+def test_plain_token_acc_equals_hf_argmax_over_every_batch(workspace):
+    """token_acc against HF's own argmax: every other supervised label is set to the model's prediction (labels do
+    not change the logits), so the expected accuracy is known, over every batch of the eval rows."""
+    rows = DMTDTask(cfg_for(workspace), "causal_refresh").eval_dataset()
+    assert len(rows) > 1
+    lm, edited, hits, n = tiny_model("llama"), [], [], 0
+    with torch.no_grad():
+        for r in rows:
+            labels, row_hits = r["labels"].clone(), 0
+            for d in r["doc_ids"].unique():
+                sel = (r["doc_ids"] == d).nonzero().flatten()
+                pred = lm(r["input_ids"][sel][None]).logits[0].argmax(-1)
+                keep = (labels[sel] != IGNORE).nonzero().flatten()
+                labels[sel[keep[::2]]] = pred[keep[::2]]
+                row_hits += int((pred[keep] == labels[sel[keep]]).sum())
+                n += len(keep)
+            edited.append({**r, "labels": labels})
+            hits.append(row_hits)
+    got = perplexity(PlainModel(lm), edited, batch_size=1)
+    assert got["tokens"] == n and all(h > 0 for h in hits)
+    assert got["token_acc"] == pytest.approx(sum(hits) / n, rel=1e-6)
+
+
+def test_extract_answer_takes_the_last_number_inside_the_box():
+    assert extract_answer("so \\boxed{3 + 4 = 7}") == 7.0
+    assert extract_answer("\\boxed{x = 12} then 5") == 12.0

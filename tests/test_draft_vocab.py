@@ -361,3 +361,10 @@ def test_task_takes_the_first_n_tokens_of_the_ranking(tmp_path, capsys):
     warm = task.build_model(torch.device("cpu"), torch.float32).draft
     assert warm.draft_vocab.d2t.tolist() == _ids(272, 30, seed=9).tolist()
     torch.testing.assert_close(warm.markov.w2.weight, saved.markov.w2.weight)
+
+
+def test_set_ids_refuses_a_repeated_target_id():
+    vocab = DraftVocab(10, 4)
+    with pytest.raises(UserError, match="strictly ascending"):
+        vocab.set_ids(torch.tensor([1, 4, 4, 9]))
+    assert vocab.d2t.tolist() == [0, 1, 2, 3]  # nothing of the refused ids was kept

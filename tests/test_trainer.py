@@ -633,3 +633,29 @@ def test_bfloat16_weights_train_and_resume_bit_identically(tmp_path):
         assert torch.equal(a, b), k
     with pytest.raises(ParamsError, match="param_dtype"):
         _cfg(tmp_path / "x", param_dtype="fp16").validate()
+
+
+def test_first_step_metrics_equal_a_hand_computed_global_batch(tmp_path):
+    """The logged row of a 4-micro-batch step against sums over the whole global batch, computed here by hand:
+    each term's sum over its global denominator, the loss their weighted sum, a metric over its denominator."""
+    from dspark_core.dist import Dist
+    from dspark_core.train.trainer import StepBatches
+
+    task, cfg = ToyTask(), _cfg(tmp_path / "run", micro_batch_size=2, total_steps=2, checkpoint_every=100)
+    assert cfg.grad_accum(1) == 4
+    micro = StepBatches(task, cfg, Dist(), 0, 1)[0]
+    torch.manual_seed(cfg.seed)
+    model = task.build_model(torch.device("cpu"), torch.float32)  # the weights the run starts from
+    tot = dict(mse=0.0, l1=0.0, hits=0.0, w=0.0)
+    with torch.no_grad():
+        for b in micro:
+            err, m = model(b["x"]) - b["y"], b["m"]
+            tot["mse"] += float((err.pow(2).mean(-1) * m).sum())
+            tot["l1"] += float((err.abs().mean(-1) * m).sum())
+            tot["hits"] += float(((err.abs().max(-1).values < 0.5).float() * m).sum())
+            tot["w"] += float(m.sum())
+    row = train(task, cfg, progress=False, checkpoints=False).history[0]
+    mse, l1 = tot["mse"] / tot["w"], tot["l1"] / tot["w"]
+    assert row["mse"] == pytest.approx(mse, rel=1e-5) and row["l1"] == pytest.approx(l1, rel=1e-5)
+    assert row["loss"] == pytest.approx(mse + 0.5 * l1, rel=1e-5)
+    assert row["hits"] == pytest.approx(tot["hits"] / tot["w"], rel=1e-6)

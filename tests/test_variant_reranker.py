@@ -652,3 +652,42 @@ def test_warm_start_from_a_saved_draft_dir(tmp_path, monkeypatch):
     other.target_fingerprint = "fp-other"
     with pytest.raises(ValueError, match=r"final/config.json: draft trained on target fingerprint fp-test"):
         other.build_model(torch.device("cpu"), torch.float32)
+
+
+def test_matched_prefix_counts_only_the_leading_run_of_each_block():
+    """rerank_teacher_forced_prefix_gain's count against a loop: per block, the chosen tokens that equal the
+    targets from slot 0 on, stopping at the first miss (a later match does not count)."""
+    from dspark_core.draft.variants.reranker import _matched_prefix
+
+    targets = torch.tensor([[[5, 6, 7, 8], [1, 2, 3, 4]], [[9, 9, 9, 9], [4, 3, 2, 1]]])  # [B, A, S]
+    sv = torch.tensor([[[1, 1, 1, 1], [1, 1, 1, 0]], [[1, 1, 0, 0], [0, 0, 0, 0]]], dtype=torch.bool)
+    idx = sv.nonzero(as_tuple=True)
+    choice = torch.tensor([5, 0, 7, 8, 1, 2, 3, 0, 9])  # one per valid slot, in idx order
+    per_slot, want = dict(zip(zip(*(t.tolist() for t in idx)), choice.tolist())), 0
+    for b in range(2):
+        for a in range(2):
+            for j in range(4):
+                if not sv[b, a, j] or per_slot[(b, a, j)] != int(targets[b, a, j]):
+                    break
+                want += 1
+    assert want == 4
+    assert int(_matched_prefix(choice, idx, {"slot_valid": sv, "targets": targets})) == want
+
+
+def test_reranker_training_candidate_recall_is_the_hit_share_of_valid_slots():
+    from dspark_core.dist import Dist
+    from dspark_core.train.trainer import _step_metrics
+
+    target = tiny_model("qwen3")
+    items = items_from_target(target, AUX, 4, 5, 24, seed=6)
+    task = _task(target, items)
+    torch.manual_seed(0)
+    model = task.build_model(torch.device("cpu"), torch.float32)
+    batch = task.collate(items, [torch.Generator().manual_seed(i) for i in range(4)])
+    with torch.no_grad():
+        batch = task.prepare_step(model, [batch])[0]
+        dens, sums = task.denominators(batch), task.forward_sums(model, batch)
+    row = _step_metrics(task, {k: v.detach() for k, v in sums.items()}, dens, Dist(), torch.device("cpu"))
+    hits = batch["rank_hit"][batch["slot_valid"].bool()].float()
+    assert 0 < float(hits.mean()) < 1
+    assert row["candidate_recall"] == pytest.approx(float(hits.mean()), rel=1e-6)
