@@ -137,21 +137,25 @@ def write_parquet(table: Any, path: str | Path) -> None:
 def read_parquet(path: str | Path, columns: list[str] | None = None, fix: str = "rerun the stage that writes it"):
     """``pq.read_table`` that checks the page checksums (files written by :func:`write_parquet`; older files have
     none to check) and turns a damaged or unreadable file into one :class:`UserError` naming it and ``fix``."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    try:
+    with _parquet_errors(path, fix):
         return pq.read_table(path, columns=columns, page_checksum_verification=True)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise UserError(f"{path}: damaged or not a Parquet file ({str(e).splitlines()[0][:120]}); {fix}") from None
 
 
 def parquet_schema(path: str | Path, fix: str = "rerun the stage that writes it"):
     """``pq.read_schema`` with an unreadable file as one :class:`UserError` (see :func:`read_parquet`)."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    try:
+    with _parquet_errors(path, fix):
         return pq.read_schema(path)
+
+
+@contextlib.contextmanager
+def _parquet_errors(path: str | Path, fix: str) -> Iterator[None]:
+    import pyarrow as pa
+
+    try:
+        yield
     except (pa.ArrowInvalid, OSError) as e:
         raise UserError(f"{path}: damaged or not a Parquet file ({str(e).splitlines()[0][:120]}); {fix}") from None

@@ -123,9 +123,14 @@ def compute_fingerprint(path: str | Path) -> dict[str, str]:
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         raise UserError(f"{path}: no *.safetensors weights found")
-    w_hash = sha256_json({w.name: sha256_file(w) for w in weights})
+    w_hash = weights_sha256(weights)
     c_hash = sha256_json(cfg)
     return {"config_sha256": c_hash, "weights_sha256": w_hash, "fingerprint": sha256_json([c_hash, w_hash])[:16]}
+
+
+def weights_sha256(weights: list[Path]) -> str:
+    """The fingerprint's ``weights_sha256``: one hash over each weights file's name and SHA-256."""
+    return sha256_json({w.name: sha256_file(w) for w in weights})
 
 
 def write_fingerprint(path: str | Path) -> dict[str, str]:
@@ -161,7 +166,7 @@ def verify_target_weights(path: str | Path) -> None:
     if stamp in _VERIFIED_TARGETS:
         return
     want = read_json(f).get("weights_sha256")
-    if want and sha256_json({w.name: sha256_file(w) for w in weights}) != want:
+    if want and weights_sha256(weights) != want:
         raise UserError(f"{path}: its weights ({', '.join(w.name for w in weights)}) no longer hash to the "
                         f"weights_sha256 {FINGERPRINT_FILE} records (damaged or replaced); restore them with "
                         f"`dvc checkout {path}` or rebuild the target with `dvc repro -f target`")
