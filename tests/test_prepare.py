@@ -56,7 +56,7 @@ def test_same_jsonl_feeds_both_splits_disjointly(tmp_path):
     used = {p.turns[0] for s in splits.values() for p in s}
     assert used == {f"question {i}" for i in range(30)}        # 30 asked from 30: all used once
     table = pq.read_table(tmp_path / "prompts" / "train.parquet")
-    assert table.column_names == ["id", "source", "domain", "group", "turns"]
+    assert table.column_names == ["id", "source", "domain", "group", "turns", "system", "replies"]
     assert str(table.schema.field("turns").type) == "list<element: string>"
     assert {p.source for p in splits["train"]} == {f"jsonl:{f}"}
     assert {p.domain for p in splits["train"]} == {"chat"} and {p.domain for p in splits["eval"]} == {"chat"}

@@ -3,7 +3,8 @@ domain, check that no eval prompt is trained on, write parquet.
 
 Output ``{out_dir}/{train,eval}.parquet`` with columns ``id`` (str), ``source`` (str), ``domain`` (str: one of
 ``math_word``, ``competition_math``, ``code``, ``chat``), ``group`` (str or null: the upstream problem a prompt
-derives from) and ``turns`` (list<str>, user messages; regenerate answers ``turns[0]``).
+derives from), ``turns`` (list<str>, user messages), ``system`` (str or null: the conversation's system message)
+and ``replies`` (list<str>: the data set's own assistant turns, ``replies[i]`` answering ``turns[i]``).
 
 Sources (``dspark_core/data/sources.py``: a registry of packaged data sets, plus ``jsonl:<path>``): every source
 has a domain and the upstream split it reads; a public benchmark's test split is **eval-only** and refused in
@@ -396,6 +397,8 @@ def write_prompts(path: str | Path, prompts: list[Prompt]) -> None:
         "domain": pa.array([p.domain for p in prompts], pa.string()),
         "group": pa.array([p.group for p in prompts], pa.string()),
         "turns": pa.array([list(p.turns) for p in prompts], pa.list_(pa.string())),
+        "system": pa.array([p.system for p in prompts], pa.string()),
+        "replies": pa.array([list(p.replies) for p in prompts], pa.list_(pa.string())),
     })
     with atomic_path(path, ".parquet") as tmp:
         write_parquet(table, tmp)
@@ -422,8 +425,11 @@ def read_prompts(path: str | Path) -> list[Prompt]:
     n = len(rows["id"])
     domains = rows.get("domain") or [domain_of_source(s) for s in rows["source"]]
     groups = rows.get("group") or [None] * n
-    prompts = [Prompt(i, s, tuple(t or ()), d or domain_of_source(s), g)
-               for i, s, t, d, g in zip(rows["id"], rows["source"], rows["turns"], domains, groups)]
+    systems = rows.get("system") or [None] * n
+    replies = rows.get("replies") or [None] * n
+    prompts = [Prompt(i, s, tuple(t or ()), d or domain_of_source(s), g, sy, tuple(r or ()))
+               for i, s, t, d, g, sy, r in zip(rows["id"], rows["source"], rows["turns"], domains, groups, systems,
+                                               replies)]
     bad = next((p for p in prompts if not p.turns or not all(isinstance(t, str) and t.strip() for t in p.turns)), None)
     if bad is not None:
         what = "an empty 'turns' list" if not bad.turns else f"an empty turn ({list(bad.turns)[:3]!r})"
