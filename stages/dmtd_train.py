@@ -1,7 +1,7 @@
 """DVC stage `dmtd_train@<variant>`: fine-tune the target as a Parallel DMTD model of one variant.
 
     python stages/dmtd_train.py --variant bidir_refresh
-    # dmtd_train.nproc_per_node > 1: re-launches itself under torchrun (see stages/train.py)
+    # dmtd_train.nproc_per_node > 1 or nnodes > 1: re-launches itself under torchrun (see stages/train.py)
 """
 
 import sys
@@ -16,7 +16,8 @@ from dspark_core.errors import run_stage
 
 def main(variant: str = typer.Option(..., help="one of dmtd.variants in params.yaml"),
          params: Path = typer.Option(Path("params.yaml"), help="params file")) -> None:
-    relaunch_under_torchrun(dmtd_configs(params, variant)[1].nproc_per_node, sys.argv)
+    cfg = dmtd_configs(params, variant)[1]
+    relaunch_under_torchrun(cfg.nproc_per_node, sys.argv, cfg.nodes("dmtd_train"))
     try:
         run_dmtd_train_stage(params, variant)
     finally:

@@ -211,6 +211,31 @@ def with_draft(call: Callable[[], Any], target: str | None = None, **over: Any):
     return setup
 
 
+TWO_NODES = {"nnodes": 2, "rdzv_endpoint": "127.0.0.1:29500", "global_batch_size": 4}
+
+
+def node_rank_env(env: dict[str, str] | None):
+    """``python stages/train.py`` on one of 2 nodes whose rank neither params nor the environment give right:
+    ``env`` holds the node-rank variables set (the others unset) while it runs; refused before torchrun starts."""
+    from dspark_core.dist import NODE_RANK_ENV
+
+    def setup(p: Project) -> Callable[[], Any]:
+        p.params(train=TWO_NODES)
+        stage = cli("train", "--variant", "baseline")
+
+        def run() -> None:
+            saved = {k: os.environ.pop(k) for k in NODE_RANK_ENV + ("LOCAL_RANK",) if k in os.environ}
+            os.environ.update(env or {})
+            try:
+                stage()
+            finally:
+                for k in NODE_RANK_ENV:
+                    os.environ.pop(k, None)
+                os.environ.update(saved)
+        return run
+    return setup
+
+
 def foreign_target_for_cache(p: Project):
     p.put("other_target", "data/target")
     return train()
@@ -553,8 +578,27 @@ CASES = [
     Case("params/odd_head_dim", params_then(train(), draft={"head_dim": 7}),
          r"params.yaml: draft.head_dim must be even \(RoPE rotates pairs of dimensions\); got 7", TRAIN_OUT),
     Case("params/batch_arithmetic", params_then(train(), train={"global_batch_size": 3}),
-         r"params.yaml: train.global_batch_size=3 is not a multiple of nproc_per_node x micro_batch_size = 1 x 2",
+         r"params.yaml: train.global_batch_size=3 is not a multiple of nnodes x nproc_per_node x micro_batch_size = "
+         r"1 x 1 x 2", TRAIN_OUT),
+    Case("params/batch_arithmetic_of_nodes", params_then(train(), train={**TWO_NODES, "global_batch_size": 2}),
+         r"params.yaml: train.global_batch_size=2 is not a multiple of nnodes x nproc_per_node x micro_batch_size = "
+         r"2 x 1 x 2", TRAIN_OUT),
+    Case("params/no_nodes", params_then(train(), train={"nnodes": 0}), r"params.yaml: train.nnodes must be > 0; got 0",
          TRAIN_OUT),
+    Case("params/node_rank_past_the_nodes", params_then(train(), train={**TWO_NODES, "node_rank": 2}),
+         r"params.yaml: train.node_rank must be in \[0, nnodes=2\) or null \(from the environment: NODE_RANK, "
+         r"PET_NODE_RANK, SLURM_NODEID\); got 2", TRAIN_OUT),
+    Case("params/no_rdzv_endpoint", params_then(train(), train={"nnodes": 2, "global_batch_size": 4}),
+         r"params.yaml: train.rdzv_endpoint is null but nnodes=2: give node 0's host:port", TRAIN_OUT),
+    Case("params/rdzv_endpoint_without_port", params_then(train(), train={**TWO_NODES, "rdzv_endpoint": "10.0.0.1"}),
+         r"params.yaml: train.rdzv_endpoint must be node 0's host:port \(e.g. 10.0.0.1:29500\); got '10.0.0.1'",
+         TRAIN_OUT),
+    Case("params/node_rank_nowhere", node_rank_env(None),
+         r"train.node_rank is null and none of NODE_RANK, PET_NODE_RANK, SLURM_NODEID is set: this host cannot tell "
+         r"its rank among the 2 nodes; export NODE_RANK=<0..1>", TRAIN_OUT),
+    Case("params/node_rank_env_not_a_rank", node_rank_env({"SLURM_NODEID": "2"}),
+         r"SLURM_NODEID='2' \(this host's node rank\) must be an integer in \[0, 2\) for 2 nodes; fix the variable, "
+         r"or set train.node_rank", TRAIN_OUT),
     Case("variant/unknown_kind", params_then(train("small"), variants={"small": {"draft": {"kind": "foo"}}}),
          r"params.yaml: variants.small.draft.kind must be one of baseline, .*; got 'foo'",
          ("data/train/small", "reports/train")),

@@ -13,6 +13,12 @@ starts over, naming what changed. (DVC reruns a finished stage only when a param
 without the code hash a code change would restore the finished checkpoint and train nothing.) A run that
 fails before its first checkpoint (bad data, a bad setting found in the first step) removes the output folder
 and a report folder it created: nothing half-written is left where the stage's outputs go.
+
+Under several processes, on one host or several (``nnodes``), global rank 0 alone reads and writes the outputs:
+``run_config.json``, checkpoints, ``final/`` and the report folder (curves, ``metrics.json``; the stage's
+``model.json``). The other ranks write nothing and read no output (a resumed run's state reaches them by
+broadcast, ``TrainRun._resume``), so the other hosts need the stage's inputs only; their processes must agree with
+rank 0 on the run configuration (checked before anything is written).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark_core.checkpoint import verify_latest_checkpoint
+from dspark_core.dist import Dist, on_main
 from dspark_core.errors import UserError
 from dspark_core.io import atomic_path, read_json, sha256_json, write_json
 from dspark_core.train.trainer import TrainConfig, TrainResult, TrainRun
@@ -122,10 +129,12 @@ def run_training(task: Any, cfg: TrainConfig, run_config: dict[str, Any], report
     # settings that need the target (a vocabulary, a head count, the batch arithmetic) fail here, before an
     # older run's outputs are cleared
     run = TrainRun(task, cfg, time_budget_s=time_budget_s)
+    _check_same_run(d, run_config)  # before rank 0 clears an older run's outputs
     made = [_new_root(out_dir) or out_dir, _new_root(report_dir)]  # what a failed fresh run removes again
-    resume = _prepare_out_dir(out_dir, run_config) if d.is_main else True
+    # global rank 0 alone reads and writes the outputs (the other hosts need not hold them)
+    resume = on_main(d, lambda: _prepare_out_dir(out_dir, run_config))
     if resume:  # a damaged checkpoint is refused before the curves or the report folder are touched
-        verify_latest_checkpoint(out_dir / "checkpoints")
+        on_main(d, lambda: verify_latest_checkpoint(out_dir / "checkpoints"))
     try:
         return _run(run, run_config, out_dir, report_dir, resume, log_step_offset)
     except BaseException:
@@ -137,6 +146,24 @@ def run_training(task: Any, cfg: TrainConfig, run_config: dict[str, Any], report
                 if path is not None:
                     shutil.rmtree(path, ignore_errors=True)
         raise
+
+
+def _check_same_run(d: Dist, run_config: dict[str, Any]) -> None:
+    """Refuse, on every rank, a run whose processes disagree on what they train: each host reads its own copy of
+    the inputs, params and code, and a host whose target, cache, params or code differ from node 0's would train
+    silently wrong steps. Names the first rank that differs and its differing keys of the run configuration."""
+    if d.world_size == 1:
+        return
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * d.world_size
+    dist.all_gather_object(every, run_config)
+    for rank, other in enumerate(every):
+        changed = sorted(k for k in set(other) | set(every[0]) if other.get(k) != every[0].get(k))
+        if changed:
+            raise UserError(f"train: global rank {rank} differs from global rank 0 in {', '.join(changed)} (each "
+                            "host reads its own copy): give every node node 0's code and params (the same git "
+                            "commit) and inputs (`dvc pull` of the stage's deps), then rerun")
 
 
 def _checkpoint_step(out_dir: Path) -> int:

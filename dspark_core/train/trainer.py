@@ -7,8 +7,10 @@ checkpoint) continues bit-identically. Loss normalisation is global (see ``train
 ``data_workers`` > 0 prepares the next steps' batches in DataLoader worker processes (the same batches,
 made ahead; on GPU pinned for the host-to-device copy), so reading and collating overlap the steps.
 
-Launch on several processes with ``torchrun --nproc_per_node N stages/train.py ...``: the trainer reads
-``WORLD_SIZE``/``RANK``/``LOCAL_RANK``, uses NCCL on GPU and gloo on CPU, and wraps the model in DDP.
+Launch on several processes with ``torchrun --nproc_per_node N stages/train.py ...`` (the stage does it itself for
+``nproc_per_node`` / ``nnodes`` > 1, see ``dspark_core.dist``): the trainer reads ``WORLD_SIZE``/``RANK``/
+``LOCAL_RANK``, uses NCCL on GPU and gloo on CPU, and wraps the model in DDP. Global rank 0 alone reads and writes
+checkpoints; a resumed run's state reaches the other ranks by broadcast, so hosts need not share a file system.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch import nn
 
 from dspark_core.checkpoint import checkpoint_clock, load_checkpoint, save_checkpoint
 from dspark_core.config import Section, non_negative, one_of, positive, require
-from dspark_core.dist import Dist, init_distributed  # noqa: F401 (init_distributed: re-exported)
+from dspark_core.dist import NODE_RANK_ENV, Dist, Nodes, broadcast_tree, init_distributed, on_main
 from dspark_core.errors import UserError
 from dspark_core.train.optim import OPTIMIZER_KERNELS, TritonAdamW, optimizer_kernel
 from dspark_core.train.task import TrainTask
@@ -65,13 +67,16 @@ class TrainConfig(Section):
     # How the run executes, not what it learns (left out of the resume identity, see identity_dict):
     time_budget_s: float | None = None   # stop (checkpoint + export) after the step that passes this many seconds
     nproc_per_node: int = 1              # > 1: the stage re-launches itself under torchrun with this many processes
+    nnodes: int = 1                      # hosts; > 1: each runs the stage, joined by torchrun at rdzv_endpoint
+    node_rank: int | None = None         # this host's rank; null: from the environment (dist.NODE_RANK_ENV)
+    rdzv_endpoint: str | None = None     # node 0's host:port (torchrun's static rendezvous; nnodes > 1)
     loss_kernel: str = "auto"            # the draft loss's chunk math: auto | triton | compile | torch (same numbers)
     attention_kernel: str = "triton"     # the draft's flex attention on GPU: triton | flash (FlashAttention-4)
     optimizer_kernel: str = "torch"      # the AdamW step: torch | triton (train/optim.py; same numbers)
     group_by_length: bool = True         # a step's samples go to its micro-batches by length (same step gradient)
 
-    EXECUTION_KEYS = ("time_budget_s", "nproc_per_node", "loss_kernel", "attention_kernel", "optimizer_kernel",
-                      "group_by_length")
+    EXECUTION_KEYS = ("time_budget_s", "nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "loss_kernel",
+                      "attention_kernel", "optimizer_kernel", "group_by_length")
 
     def validate(self) -> None:
         positive("lr", self.lr)
@@ -100,10 +105,38 @@ class TrainConfig(Section):
         if self.time_budget_s is not None:
             positive("time_budget_s", self.time_budget_s)
         positive("nproc_per_node", self.nproc_per_node)
-        per_step = self.nproc_per_node * self.micro_batch_size
+        self._validate_nodes()
+        per_step = self.nnodes * self.nproc_per_node * self.micro_batch_size
         require(self.global_batch_size % per_step == 0,
-                f"global_batch_size={self.global_batch_size} is not a multiple of nproc_per_node x "
-                f"micro_batch_size = {self.nproc_per_node} x {self.micro_batch_size}")
+                f"global_batch_size={self.global_batch_size} is not a multiple of nnodes x nproc_per_node x "
+                f"micro_batch_size = {self.nnodes} x {self.nproc_per_node} x {self.micro_batch_size}")
+
+    def _validate_nodes(self) -> None:
+        positive("nnodes", self.nnodes)
+        if self.node_rank is not None:
+            require(0 <= self.node_rank < self.nnodes,
+                    f"node_rank must be in [0, nnodes={self.nnodes}) or null (from the environment: "
+                    f"{', '.join(NODE_RANK_ENV)}); got {self.node_rank}")
+        if self.rdzv_endpoint is not None:
+            self._endpoint()
+        require(self.nnodes == 1 or self.rdzv_endpoint is not None,
+                f"rdzv_endpoint is null but nnodes={self.nnodes}: give node 0's host:port (an address the other "
+                "hosts reach and a free port, e.g. 10.0.0.1:29500)")
+
+    def _endpoint(self) -> tuple[str, int]:
+        """``rdzv_endpoint`` as (host, port); a bracketed IPv6 host keeps its brackets, as torchrun takes it."""
+        host, _, port = (self.rdzv_endpoint or "").strip().rpartition(":")
+        require(bool(host) and port.isdigit() and 0 < int(port) < 65536,
+                f"rdzv_endpoint must be node 0's host:port (e.g. 10.0.0.1:29500); got {self.rdzv_endpoint!r}")
+        return host, int(port)
+
+    def nodes(self, section: str = "train") -> Nodes:
+        """The hosts a torchrun launch of this run spans (:func:`dspark_core.dist.relaunch_under_torchrun`): this
+        host's rank is ``node_rank``, or when null the environment's, read at the launch
+        (:func:`dspark_core.dist.node_rank_from_env`; ``section`` names the params section in its error)."""
+        if self.nnodes == 1:
+            return Nodes()
+        return Nodes(self.nnodes, self.node_rank, *self._endpoint(), field=f"{section}.node_rank")
 
     @property
     def stop_step(self) -> int:
@@ -114,7 +147,8 @@ class TrainConfig(Section):
         if self.global_batch_size % per_step:
             raise UserError(
                 f"global_batch_size={self.global_batch_size} is not a multiple of the {world_size} processes x "
-                f"micro_batch_size {self.micro_batch_size} (torchrun's process count; nproc_per_node in params)"
+                f"micro_batch_size {self.micro_batch_size} (torchrun's process count; nnodes x nproc_per_node in "
+                "params)"
             )
         return self.global_batch_size // per_step
 
@@ -399,11 +433,11 @@ class TrainRun:
         self.history: list[dict[str, float]] = []
 
     def _resume(self) -> None:
-        """Restore the last checkpoint (model, optimiser, schedule, a time schedule's clock) and wrap for DDP."""
+        """Restore the last checkpoint (model, optimiser, schedule, RNG, a time schedule's clock) and wrap for DDP.
+        Only global rank 0 reads it: the checkpoints are on its host (no file system is assumed shared between
+        hosts), and the other ranks receive what it restored (:meth:`_restore`)."""
         cfg, d = self.cfg, self.d
-        self.start = load_checkpoint(self.ckpt_root, self.model, self.opt, self.sched, cfg.total_steps) \
-            if self.checkpoints else 0
-        resumed = checkpoint_clock(self.ckpt_root) if self.checkpoints and self.by_time else {}
+        self.start, resumed = self._restore() if self.checkpoints else (0, {})
         self.spent0, self.origin = resumed.get("spent_s", 0.0), resumed.get("origin_s")  # steps: the whole budget
         spent_out = self.by_time and self.spent0 >= self.budget
         self.stop_step = self.start if spent_out else cfg.stop_step  # a spent budget: nothing to do
@@ -414,6 +448,37 @@ class TrainRun:
         if self.start < self.stop_step and len(self.task.train_dataset()) <= 0:
             raise UserError("the training dataset is empty")
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # batch copies
+
+    def _restore(self) -> tuple[int, dict[str, float]]:
+        """The step to continue from and a time schedule's clock (``checkpoint_clock``), both read by rank 0, which
+        restores the latest checkpoint (``load_checkpoint``); a damaged one is refused on every rank. With a
+        checkpoint, rank 0 then broadcasts the state it restored -- trainable weights, optimiser, scheduler, RNG
+        states -- so every rank continues exactly as after a load of the same files."""
+        def read() -> tuple[int, dict[str, float]]:
+            step = load_checkpoint(self.ckpt_root, self.model, self.opt, self.sched, self.cfg.total_steps)
+            return step, (checkpoint_clock(self.ckpt_root) if self.by_time else {})
+
+        start, clock = on_main(self.d, read)
+        if start > 0 and self.d.world_size > 1:
+            self._receive_state()
+        return start, clock
+
+    def _receive_state(self) -> None:
+        """Rank 0's restored state on every rank (:func:`dspark_core.dist.broadcast_tree`), loaded where it came."""
+        d, model = self.d, self.model
+        state = broadcast_tree(
+            {"weights": {k: p.detach() for k, p in model.named_parameters() if p.requires_grad},
+             "scheduler": self.sched.state_dict(), "optimizer": self.opt.state_dict(), "rng": _rng_states()}
+            if d.is_main else None, d, self.device)
+        if d.is_main:
+            return
+        with torch.no_grad():
+            for k, p in model.named_parameters():
+                if p.requires_grad:
+                    p.copy_(state["weights"][k])
+        self.sched.load_state_dict(state["scheduler"])  # load_checkpoint's order: the optimiser's lrs win
+        self.opt.load_state_dict(state["optimizer"])
+        _set_rng_states(state["rng"])
 
     def loop(self, *, live: Any = None, on_step: Callable[[int, dict[str, float]], None] | None = None,
              progress: bool = True, log_step_offset: int = 0) -> TrainResult:
@@ -534,6 +599,24 @@ class TrainRun:
                             clock={"spent_s": spent, "origin_s": self.origin} if self.by_time else None)
         if self.d.world_size > 1:
             dist.barrier()
+
+
+def _rng_states() -> dict[str, Any]:
+    """This process's RNG states (torch, Python, numpy, every CUDA device's): what a checkpoint restores."""
+    states = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    """Set :func:`_rng_states`' states (CUDA: on the devices this host has of the sender's)."""
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    if torch.cuda.is_available():
+        for i, st in enumerate(states.get("cuda", [])[:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(st, i)
 
 
 def _check_finite(rec: _Enqueued, loss: float, norm: float, cfg: TrainConfig) -> None:
