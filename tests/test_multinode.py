@@ -136,8 +136,12 @@ def _weights(root: Path) -> dict[str, torch.Tensor]:
 
 def _decoy(node: Path) -> None:
     """A damaged checkpoint where node 1 would find one if it read its own disk: any read refuses it."""
-    (node / CKPTS).mkdir(parents=True)
-    (node / CKPTS / "latest.json").write_text("{not json")
+    _decoy_at(node / CKPTS)
+
+
+def _decoy_at(ckpt_root: Path) -> None:
+    ckpt_root.mkdir(parents=True)
+    (ckpt_root / "latest.json").write_text("{not json")
 
 
 @pytest.fixture(scope="module")
@@ -317,3 +321,65 @@ def test_on_main_and_broadcast_tree_give_rank_0s_result_and_errors_to_every_rank
     assert torch.equal(got["opt"][0], sent["opt"][0]) and got["opt"][1:] == [2.5, "adamw"]
     assert isinstance(got["flags"], tuple) and torch.equal(got["flags"][0], sent["flags"][0]) and got["flags"][1] is None
     assert got["rng"] == sent["rng"] and got["empty"] == {}
+
+
+def _noisy_task():
+    """test_trainer's ToyTask whose forward adds noise drawn from torch's global generator (as dropout would): a
+    rank that resumed with other RNG states than the checkpoint's trains other steps."""
+    from test_trainer import ToyTask
+
+    class NoisyTask(ToyTask):
+        def forward_sums(self, model, batch):
+            return super().forward_sums(model, {**batch, "x": batch["x"] + 0.05 * torch.randn(batch["x"].shape)})
+
+    return NoisyTask()
+
+
+def _timed_resume(rank: int, port: int, root: str) -> None:
+    """One of 2 gloo processes, each in a folder of its own (rank 1's holds a damaged checkpoint where it would look
+    if it read its own disk): a time-scheduled run killed during step 12 (the last checkpoint 10) and resumed, and an
+    uninterrupted one; every rank's lrs and weights saved."""
+    from test_trainer import _cfg, _FakeClock, _params
+
+    from dspark_core.train import trainer
+
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    os.chdir(Path(root) / f"rank{rank}")
+    cfg = {name: _cfg(Path(name), total_steps=100, checkpoint_every=5, lr_schedule="time", time_budget_s=42.0)
+           for name in ("full", "killed")}
+    trainer._now = _FakeClock()
+    full = trainer.train(_noisy_task(), cfg["full"], progress=False)
+    trainer._now = _FakeClock(crash_at=26)  # during step 12, on both ranks
+    try:
+        trainer.train(_noisy_task(), cfg["killed"], progress=False)
+    except KeyboardInterrupt:
+        pass
+    trainer._now = _FakeClock()
+    rest = trainer.train(_noisy_task(), cfg["killed"], progress=False)
+    torch.save({run: {"lr": [h["lr"] for h in res.history], "params": _params(res.model)}
+                for run, res in (("full", full), ("rest", rest))}, "result.pt")
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def test_time_scheduled_run_resumes_on_two_processes_from_rank_0s_checkpoint(tmp_path):
+    """The resumed state reaches rank 1 by broadcast, with the time schedule's clock (seconds spent, its origin) and
+    the RNG states (the task draws noise from them): both ranks continue at step 10 with the uninterrupted run's
+    lrs and end with its weights, rank 1 never having read a checkpoint of its own."""
+    import torch.multiprocessing as mp
+
+    for r in range(2):
+        (tmp_path / f"rank{r}").mkdir()
+    _decoy_at(tmp_path / "rank1" / "killed" / "checkpoints")
+    mp.start_processes(_timed_resume, args=(_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    ranks = [torch.load(tmp_path / f"rank{r}" / "result.pt") for r in range(2)]
+    want = ranks[0]["full"]["lr"]
+    assert len(want) == 21 and ranks[0]["rest"]["lr"] == ranks[1]["rest"]["lr"] == want[10:]
+    for run in ranks:
+        for k, v in ranks[0]["full"]["params"].items():
+            assert torch.equal(run["rest"]["params"][k], v), k
+    assert not (tmp_path / "rank1" / "full").exists()  # rank 1 wrote no checkpoint
+    assert sorted(p.name for p in (tmp_path / "rank1" / "killed").rglob("*")) == ["checkpoints", "latest.json"]
