@@ -383,3 +383,33 @@ def test_time_scheduled_run_resumes_on_two_processes_from_rank_0s_checkpoint(tmp
             assert torch.equal(run["rest"]["params"][k], v), k
     assert not (tmp_path / "rank1" / "full").exists()  # rank 1 wrote no checkpoint
     assert sorted(p.name for p in (tmp_path / "rank1" / "killed").rglob("*")) == ["checkpoints", "latest.json"]
+
+
+def test_each_host_gets_torchruns_static_rendezvous_with_its_node_rank(monkeypatch):
+    """The torchrun command of a host (parsed by torchrun's own parser): node 0's endpoint, this host's rank from
+    train.node_rank, else NODE_RANK, PET_NODE_RANK, SLURM_NODEID in this order; one host stays --standalone."""
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    from dspark_core.train.trainer import TrainConfig
+
+    for k in NODE_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "2"))  # torchrun's parse sets it
+    cfg = TrainConfig.from_dict({"nnodes": 2, "nproc_per_node": 4, "rdzv_endpoint": "10.0.0.1:29500",
+                                 "micro_batch_size": 1, "global_batch_size": 8})
+    monkeypatch.setenv("SLURM_NODEID", "0")
+    monkeypatch.setenv("PET_NODE_RANK", "1")
+    assert cfg.nodes().resolved() == Nodes(2, 1, "10.0.0.1", 29500, "train.node_rank")
+    assert cfg.replace(node_rank=0).nodes().resolved().rank == 0  # an explicit rank wins
+    monkeypatch.setenv("NODE_RANK", "0")
+    cmd = torchrun_command(4, ["stages/train.py", "--variant", "baseline"], cfg.nodes().resolved())
+    assert cmd[:2] == ["-m", "torch.distributed.run"]
+    args = get_args_parser().parse_args(cmd[2:])
+    config, script, script_args = config_from_args(args)
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 2, 4)
+    assert (config.rdzv_backend, config.rdzv_endpoint, config.rdzv_configs["rank"]) == ("static", "10.0.0.1:29500", 0)
+    assert script_args[-3:] == ["stages/train.py", "--variant", "baseline"]  # after `python -u`
+    assert torchrun_command(2, ["x.py"]) == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                                             "x.py"]
+    ipv6 = cfg.replace(rdzv_endpoint="[fd00::1]:29500").nodes()
+    assert (ipv6.host, ipv6.port) == ("[fd00::1]", 29500)
