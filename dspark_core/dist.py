@@ -93,8 +93,9 @@ def init_distributed() -> Dist:
 def torchrun_command(nproc_per_node: int, argv: list[str], nodes: Nodes = Nodes()) -> list[str]:
     """The torchrun command line (after the interpreter) that runs ``argv`` as ``nproc_per_node`` processes on this
     host: ``--standalone`` on one host; on several, torchrun's static rendezvous at node 0's endpoint with this
-    host's rank, so the global ranks are ``node rank x nproc_per_node + local rank`` (global rank 0 on node 0)."""
-    cmd = ["-m", "torch.distributed.run"]
+    host's rank (:meth:`Nodes.resolved`), so the global ranks are ``node rank x nproc_per_node + local rank``
+    (global rank 0 on node 0)."""
+    nodes, cmd = nodes.resolved(), ["-m", "torch.distributed.run"]
     if nodes.count == 1:
         cmd.append("--standalone")
     else:
@@ -113,7 +114,7 @@ def relaunch_under_torchrun(nproc_per_node: int, argv: list[str], nodes: Nodes =
         return
     import sys
 
-    cmd = [sys.executable, *torchrun_command(nproc_per_node, argv, nodes.resolved())]
+    cmd = [sys.executable, *torchrun_command(nproc_per_node, argv, nodes)]
     print("relaunch: " + " ".join(cmd[1:]), flush=True)
     os.execv(sys.executable, cmd)  # does not return
 
