@@ -89,14 +89,42 @@ def _env(node_rank: int | None = None) -> dict[str, str]:
 
 
 def _start(cwd: Path, argv: list[str], node_rank: int | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *argv], cwd=cwd, env=_env(node_rank), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    """``python ARGV`` in ``cwd``, its output to ``<cwd>.out`` beside it (no pipe to fill)."""
+    with (cwd.parent / f"{cwd.name}.out").open("w") as out:
+        proc = subprocess.Popen([sys.executable, *argv], cwd=cwd, env=_env(node_rank), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    proc.out = cwd.parent / f"{cwd.name}.out"  # type: ignore[attr-defined]
+    return proc
 
 
-def _finish(procs: list[subprocess.Popen], timeout: float = 300) -> None:
-    for i, p in enumerate(procs):
-        out, _ = p.communicate(timeout=timeout)
+def _finish(procs: list[subprocess.Popen]) -> None:
+    """Wait for ``procs``; each must succeed."""
+    for i, (p, out) in enumerate(zip(procs, _wait(procs))):
         assert p.returncode == 0, f"process {i} failed ({p.returncode}):\n{out[-4000:]}"
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float = 300) -> list[str]:
+    """The output of each of ``procs`` once it has ended; past ``timeout`` every process of theirs is killed."""
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        outs = _kill(procs)
+    return outs
+
+
+def _kill(procs: list[subprocess.Popen]) -> list[str]:
+    """SIGKILL to every process of ``procs`` still running and their descendants (torchrun starts its workers in
+    sessions of their own); their outputs."""
+    for pid in [pid for p in procs if p.poll() is None for pid in _process_tree(p.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for p in procs:
+        p.wait()
+    return [p.out.read_text() for p in procs]
 
 
 STAGE = [str(REPO / "stages" / "train.py"), "--variant", "baseline"]  # dvc.yaml's command
@@ -209,15 +237,12 @@ def _held_two_nodes(node0: Path, node1: Path, marker: Path) -> None:
     procs = [_start(node, torchrun_command(1, held, Nodes(2, rank, "127.0.0.1", port)))
              for rank, node in ((0, node0), (1, node1))]
     deadline = time.monotonic() + 300
-    while not marker.exists():
-        assert all(p.poll() is None for p in procs), [p.communicate()[0][-3000:] for p in procs]
-        assert time.monotonic() < deadline, "node 0 never reached its second checkpoint"
-        time.sleep(0.2)
-    pids = [pid for p in procs for pid in _process_tree(p.pid)]  # torchrun starts its workers in sessions of their own
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    for p in procs:
-        p.communicate()
+    try:
+        while not marker.exists() and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            time.sleep(0.2)
+    finally:
+        outs = _kill(procs)
+    assert marker.exists(), [out[-3000:] for out in outs]  # node 0 reached its second checkpoint
 
 
 def _process_tree(pid: int) -> list[int]:
@@ -270,8 +295,7 @@ def test_nodes_that_disagree_on_the_run_both_refuse_it(tmp_path, inputs):
     node1 = _project(tmp_path / "node1", inputs, nnodes=2, rdzv_endpoint=f"127.0.0.1:{port}")
     before = [_files(node0), _files(node1)]
     procs = [_start(node0, STAGE, node_rank=0), _start(node1, STAGE, node_rank=1)]
-    for p in procs:
-        out, _ = p.communicate(timeout=300)
+    for p, out in zip(procs, _wait(procs)):
         errors = [line for line in out.splitlines() if line.startswith("error:")]
         assert p.returncode != 0 and errors == [
             "error: train: global rank 1 differs from global rank 0 in train (each host reads its own copy): give "
