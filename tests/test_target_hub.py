@@ -311,3 +311,20 @@ def test_config_validation():
         TargetConfig.from_dict({"source": "hf_hub", "model": REPO_ID, "trust_remote_code": "yes"})
     cfg = TargetConfig.from_dict({"source": "hf_hub", "model": "Qwen/Qwen3-8B"})
     assert (cfg.revision, cfg.trust_remote_code) == ("main", False)
+
+
+def test_vllm_reads_the_weights_from_the_snapshot(srcs, hub_cache, tmp_path, monkeypatch):
+    import _fake_vllm
+    from dspark_core.data.backends import SamplingSpec
+    from dspark_core.data.backends.vllm_backend import VLLMBackend
+
+    built = _fake_vllm.install(monkeypatch)
+    commit = save_hub_repo(hub_cache, REPO_ID, srcs["a"])
+    off, on = tmp_path / "off", tmp_path / "on"
+    _stage(off)
+    _stage(on, trust_remote_code=True)
+    for out in (off, on):
+        VLLMBackend(out, SamplingSpec(0.0, 1.0, 0, 4))
+    snap = str(hub_cache / SNAPSHOTS / commit)
+    assert [(kw["model"], kw["tokenizer"], kw.get("trust_remote_code")) for kw in built] == [
+        (snap, str(off), None), (snap, str(on), True)]
