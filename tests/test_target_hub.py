@@ -154,6 +154,25 @@ def test_a_weights_file_of_another_size_is_refused(srcs, hub_cache, tmp_path):
             load(out)
 
 
+def test_weights_missing_from_the_cache_are_named(srcs, hub_cache, tmp_path):
+    """data/target without the weights in this machine's hub cache (e.g. after `dvc pull data/target` elsewhere):
+    offline, one line saying how to get them; once they are there, every reader finds them."""
+    commit = save_hub_repo(hub_cache, REPO_ID, srcs["a"])
+    out = tmp_path / "target"
+    fp = _stage(out)
+    load_frozen_target(out)
+    moved = tmp_path / "elsewhere"
+    hub_cache.rename(moved)
+    want = (f"{out}: {REPO_ID} (revision {commit}) is not in the hub cache {hub_cache} and HF_HUB_OFFLINE=1 forbids "
+            f"downloading it; download it first (`hf download {REPO_ID} --revision {commit}`) or unset HF_HUB_OFFLINE")
+    for load in (load_target, load_frozen_target, read_fingerprint):
+        with pytest.raises(UserError) as info:
+            load(out)
+        assert str(info.value) == want
+    moved.rename(hub_cache)
+    assert read_fingerprint(out) == fp and target_weights_dir(out) == hub_cache / SNAPSHOTS / commit
+
+
 def test_missing_repository_offline_is_one_line(hub_cache, tmp_path):
     out = tmp_path / "target"
     with pytest.raises(UserError) as info:
