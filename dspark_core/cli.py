@@ -109,7 +109,8 @@ def export_cmd(draft_dir: Path, out_dir: Path,
                dtype: str = typer.Option("bfloat16", help="bfloat16 | float16 | float32"),
                target: Path = typer.Option(Path("data/target"), help="the target the draft was trained on"),
                verifier: str = typer.Option(None, help="the target's name recorded in the export (speculators' "
-                                            "verifier, the serve command), e.g. its hub id; default: --target")
+                                            "verifier, the serve command), e.g. its hub id; default: a hub target's id, "
+                                            "else --target")
                ) -> None:
     """Write a trained draft as config.json + model.safetensors + README.md (the serve command) in LAYOUT."""
     from dspark_core.export.run import export_dir

@@ -24,7 +24,7 @@ from torch import nn
 
 from dspark_core.errors import UserError
 from dspark_core.target import (SUPPORTED_MODEL_TYPES, check_target_dir, load_target, resolve_dtype,
-                                verify_target_weights)
+                                target_weights_dir, verify_target_weights)
 
 # config.json fields the draft reads; a config without one of them goes through transformers' defaults
 REQUIRED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -63,11 +63,13 @@ def read_model_config(path: str | Path) -> ModelConfig | None:
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (one file, or a sharded index)."""
+    """Tensor name -> the safetensors file holding it (one file, or a sharded index), in the folder
+    :func:`~dspark_core.target.target_weights_dir` gives (a hub target's snapshot in the hub cache)."""
+    weights = target_weights_dir(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    single = path / "model.safetensors"
+        return {k: weights / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    single = weights / "model.safetensors"
     if not single.is_file():
         raise UserError(f"{path}: no model.safetensors or model.safetensors.index.json; rebuild the target stage")
     from safetensors import safe_open

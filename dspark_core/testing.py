@@ -138,3 +138,32 @@ def write_regen(path: str | Path, lengths: list[tuple[int, int]], seed: int = 0,
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(rows, schema=schema), path, write_page_checksum=True)
     return path
+
+
+def save_hub_repo(cache_dir: str | Path, repo_id: str, src_dir: str | Path, ref: str = "main",
+                  commit: str | None = None) -> str:
+    """Lay the files of ``src_dir`` (a tiny target's HF dir) out as huggingface_hub's cache holds a downloaded
+    repository, so that hub targets are tested offline: ``<cache_dir>/models--org--name/blobs/<sha256>``,
+    ``snapshots/<commit>/<file>`` as relative symlinks to those blobs, ``refs/<ref>`` holding the commit (default:
+    a 40-hex hash of the files). Several calls add commits to one repository; returns the commit."""
+    import hashlib
+    import os
+
+    src = Path(src_dir)
+    repo = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+    files = sorted(f for f in src.rglob("*") if f.is_file())
+    digests = {f.relative_to(src).as_posix(): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+    commit = commit or hashlib.sha1(repr(sorted(digests.items())).encode()).hexdigest()
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    for rel, digest in digests.items():
+        blob = repo / "blobs" / digest
+        if not blob.exists():
+            blob.write_bytes((src / rel).read_bytes())
+        link = repo / "snapshots" / commit / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / ref).write_text(commit)
+    return commit

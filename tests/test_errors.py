@@ -17,6 +17,7 @@ The table ``CASES`` is the catalogue: (name, setup, message regex, paths absent 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -44,7 +45,7 @@ from dspark_core.bench.online import run_bench_online_stage
 from dspark_core.draft import DraftConfig, DSparkDraft
 from dspark_core.draft.stage import run_eval_offline_stage, run_train_stage
 from dspark_core.target import TargetConfig, load_target, read_fingerprint, run_target
-from dspark_core.testing import NAN_TOKEN, save_tiny_target, write_regen
+from dspark_core.testing import NAN_TOKEN, save_hub_repo, save_tiny_target, write_regen
 from dspark_core.variants import merge
 
 REPO = Path(__file__).resolve().parents[1]
@@ -431,6 +432,66 @@ def target_stage_missing_source(p: Project):
     return lambda: run_target(TargetConfig.load("params.yaml", "target"))
 
 
+HUB = "org/tiny"
+
+
+@contextlib.contextmanager
+def hub_cache(p: Project):
+    """huggingface_hub's cache beside the project (``hf_hub``), offline, while the block runs."""
+    from huggingface_hub import constants
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(constants, "HF_HUB_CACHE", str(p.root.parent / "hf_hub"))
+        m.setattr(constants, "HF_HUB_OFFLINE", True)
+        yield
+
+
+def with_hub(p: Project, call: Callable[[], Any]) -> Callable[[], Any]:
+    def run() -> Any:
+        with hub_cache(p):
+            return call()
+    return run
+
+
+def _marker(p: Project) -> Path:
+    return p.root.parent / "marker"
+
+
+def hub_target_stage(model: str, remote_code: bool = False):
+    """The target stage on hub id ``model`` (data/target removed first): the tiny target laid out in the hub cache as
+    ``org/tiny`` (``remote_code``: its config's auto_map names a .py of the repository that writes a marker file when
+    imported); nothing cached for any other id."""
+    def setup(p: Project):
+        shutil.rmtree(p.root / "data" / "target")
+        src = p.assets["target"]
+        if remote_code:
+            src = shutil.copytree(src, p.root.parent / "remote_src")
+            cfg = json.loads((src / "config.json").read_text())
+            (src / "config.json").write_text(json.dumps({**cfg, "auto_map": {"AutoConfig": "marker_code.Config"}}))
+            (src / "marker_code.py").write_text(f"open({str(_marker(p))!r}, 'w').write('ran')\n")
+        save_hub_repo(p.root.parent / "hf_hub", HUB, src)
+        p.params(target={"source": "hf_hub", "model": model})
+        return with_hub(p, lambda: run_target(TargetConfig.load("params.yaml", "target")))
+    return setup
+
+
+def no_marker(p: Project) -> None:
+    assert not _marker(p).exists(), "the repository's code ran"
+
+
+def hub_weights_truncated(call: Callable[[], Any]):
+    """data/target made by the target stage from ``org/tiny`` in the hub cache, then the weights blob there cut short."""
+    def setup(p: Project):
+        save_hub_repo(p.root.parent / "hf_hub", HUB, p.assets["target"])
+        shutil.rmtree(p.root / "data" / "target")
+        with hub_cache(p):
+            run_target(TargetConfig(source="hf_hub", model=HUB, out_dir="data/target"))
+        blob = next((p.root.parent / "hf_hub").rglob("model.safetensors")).resolve()
+        blob.write_bytes(blob.read_bytes()[:-100])
+        return with_hub(p, call)
+    return setup
+
+
 def draft_on(target: str):
     """load_draft of the baseline draft on another target (the library call bench_online / eval_offline make)."""
     def setup(p: Project):
@@ -536,6 +597,14 @@ CASES = [
          r"params.yaml: bench_online.max_new_tokens must be > 0; got 0", BENCH_OUT),
     Case("params/bench_small_gemm", with_draft(bench(), bench_online={"small_gemm": "tensor"}),
          r"params.yaml: bench_online.small_gemm must be mma, fma or null; got 'tensor'", BENCH_OUT),
+    Case("params/regenerate_vllm_both_ways", params_then(regenerate(), regenerate={"backend": "vllm",
+                                                                                  "vllm": {"dtype": "bfloat16"}}),
+         r"params.yaml: regenerate.vllm.dtype is given both ways, as regenerate.vllm.dtype and by regenerate.dtype; "
+         r"drop it from regenerate.vllm", ("data/regen/parts", "reports/regenerate_stats.json")),
+    Case("params/regenerate_vllm_data_parallel",
+         params_then(regenerate(), regenerate={"backend": "vllm", "vllm": {"data_parallel_size": 8}}),
+         r"params.yaml: regenerate.vllm.data_parallel_size: 8: vLLM's offline engine \(vllm.LLM\) runs one "
+         r"data-parallel rank per process", ("data/regen/parts", "reports/regenerate_stats.json")),
     Case("params/cache_type", params_then(cache(), cache={"chunk_tokens": "big"}),
          r"params.yaml: cache.chunk_tokens must be an integer, got 'big'", CACHE_OUT),
     Case("layers/final_layer", params_then(cache(), cache={"aux_layer_ids": [1, 5]}),
@@ -686,6 +755,18 @@ CASES = [
          r"data/target: its weights \(model.safetensors\) no longer hash", CACHE_OUT),
     Case("target/stage_source_missing", target_stage_missing_source, r"target.path: \S*no/such/hf_dir is not a "
          r"directory", ("data/target",)),
+    Case("target/hub_not_in_cache", hub_target_stage("org/none"),
+         r"^target.model: org/none \(revision main\) is not in the hub cache \S+ and HF_HUB_OFFLINE=1 forbids "
+         r"downloading it; download it first \(`hf download org/none --revision main`\)", ("data/target",)),
+    Case("target/hub_remote_code", hub_target_stage(HUB, remote_code=True),
+         r"config.json: the model needs its repository's own code \(auto_map \['AutoConfig'\]\), which dspark runs "
+         r"only with target.trust_remote_code: true", ("data/target",), after=no_marker),
+    Case("target/hub_weights_truncated_train", hub_weights_truncated(train()),
+         r"^data/target: weights file model.safetensors in the hub cache \(\S+\) has \d+ bytes, target_info.json "
+         r"records \d+ \(a damaged or partial download\); fetch it again with `hf download org/tiny "
+         r"model.safetensors --revision [0-9a-f]{40} --force-download`", TRAIN_OUT),
+    Case("target/hub_weights_truncated_cache", hub_weights_truncated(cache()),
+         r"^data/target: weights file model.safetensors in the hub cache", CACHE_OUT),
     # 8. a draft trained for another target: name both fingerprints and paths
     Case("draft/other_target_bench", with_draft(bench(), target="other_target"),
          rf"data/train/baseline/final/config.json: draft trained on target fingerprint {FP}, the given target "

@@ -100,7 +100,7 @@ def test_config_validation():
     with pytest.raises(ParamsError, match="dtype must be one of"):
         TargetConfig.from_dict({"dtype": "int3"})
     with pytest.raises(ParamsError, match="not a known parameter"):
-        TargetConfig.from_dict({"model": "x"})
+        TargetConfig.from_dict({"modle": "x"})
     with pytest.raises(ParamsError, match="hf_dir_link must be one of"):
         TargetConfig.from_dict({"hf_dir_link": "move"})
     with pytest.raises(ParamsError, match="path must name a .gguf file"):

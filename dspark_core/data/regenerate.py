@@ -48,7 +48,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from dspark_core.config import Section, device_name, non_negative, one_of, positive, require, resolve_device
 from dspark_core.data.backends import (BACKENDS, Backend, Generation, Request, SamplingSpec, finalize_response,
@@ -85,7 +85,9 @@ class RegenerateConfig(Section):
     threads: int | None = None           # hf backend CPU threads (null: torch's default)
     vllm_gpu_memory_utilization: float = 0.25
     vllm_enforce_eager: bool = False     # skip vLLM's torch.compile warm-up
-    openai_base_url: str = "http://127.0.0.1:8000/v1"
+    vllm: dict[str, Any] = dataclasses.field(default_factory=dict)  # more vllm.LLM engine arguments, as they are
+    openai_base_url: str | tuple[str, ...] = "http://127.0.0.1:8000/v1"  # one server or a list (spread over them)
+    openai_concurrency: int = 32         # requests in flight per server
     openai_model: str | None = None      # null: the first model the server lists
     openai_api_key_env: str = "OPENAI_API_KEY"  # env var holding the key, if the server wants one
     openai_timeout_s: float = 600.0
@@ -110,6 +112,15 @@ class RegenerateConfig(Section):
         require(0.0 < self.vllm_gpu_memory_utilization <= 1.0,
                 f"vllm_gpu_memory_utilization must be in (0, 1]; got {self.vllm_gpu_memory_utilization!r}")
         positive("openai_timeout_s", self.openai_timeout_s)
+        positive("openai_concurrency", self.openai_concurrency)
+        urls = self.openai_urls
+        require(len(urls) > 0, "openai_base_url must name at least one server")
+        for url in urls:
+            require(url.startswith(("http://", "https://")),
+                    f"openai_base_url: {url!r} is not an http(s) URL (e.g. http://127.0.0.1:8000/v1)")
+        dup = sorted({u for u in urls if urls.count(u) > 1})
+        require(not dup, f"openai_base_url names {dup[:1]} more than once")
+        check_vllm_args(self.vllm)
         if self.threads is not None:
             positive("threads", self.threads)
         require(len(self.splits) > 0, "splits must not be empty")
@@ -122,6 +133,36 @@ class RegenerateConfig(Section):
     @property
     def sampling(self) -> SamplingSpec:
         return SamplingSpec(self.temperature, self.top_p, self.top_k, self.max_new_tokens)
+
+    @property
+    def openai_urls(self) -> tuple[str, ...]:
+        """``openai_base_url`` as a tuple of server URLs (one or several)."""
+        url = self.openai_base_url
+        return (url,) if isinstance(url, str) else tuple(url)
+
+
+# engine arguments dspark sets itself: regenerate.vllm may not hold them (where each is given instead)
+VLLM_OWN_ARGS = {"dtype": "regenerate.dtype", "seed": "regenerate.seed",
+                 "gpu_memory_utilization": "regenerate.vllm_gpu_memory_utilization",
+                 "enforce_eager": "regenerate.vllm_enforce_eager",
+                 "max_model_len": "the stage itself (the longest prompt + regenerate.max_new_tokens)",
+                 "model": "the target (params.yaml target, data/target)", "tokenizer": "the target (data/target)",
+                 "revision": "target.revision", "tokenizer_revision": "target.revision",
+                 "trust_remote_code": "target.trust_remote_code"}
+
+
+def check_vllm_args(args: dict[str, Any]) -> None:
+    """``regenerate.vllm``: no key dspark sets itself (named with where it is set), and no data parallelism inside
+    one offline engine (vLLM's ``LLM`` refuses ``data_parallel_size`` > 1: one rank per process)."""
+    for key in args:
+        require(isinstance(key, str) and bool(key), f"vllm: keys must be vLLM engine argument names; got {key!r}")
+        require(key not in VLLM_OWN_ARGS, f"vllm.{key} is given both ways, as regenerate.vllm.{key} and by "
+                                          f"{VLLM_OWN_ARGS.get(key)}; drop it from regenerate.vllm")
+    dp = args.get("data_parallel_size", 1)
+    require(not isinstance(dp, int) or dp <= 1,
+            f"vllm.data_parallel_size: {dp}: vLLM's offline engine (vllm.LLM) runs one data-parallel rank per "
+            f"process; use tensor_parallel_size here, or serve the target (`vllm serve ... --data-parallel-size "
+            f"{dp}`, or several servers) and set regenerate.backend: openai with openai_base_url")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,12 +305,18 @@ def make_backend(cfg: RegenerateConfig, tok, eos_ids: Sequence[int], max_model_l
 
         return VLLMBackend(cfg.target_dir, cfg.sampling, dtype=cfg.dtype, seed=cfg.seed,
                            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, max_model_len=max_model_len,
-                           enforce_eager=cfg.vllm_enforce_eager)
+                           enforce_eager=cfg.vllm_enforce_eager, engine_args=cfg.vllm)
     from dspark_core.data.backends.openai_backend import OpenAIBackend
 
-    return OpenAIBackend(cfg.openai_base_url, cfg.openai_model, cfg.sampling, tok,
-                         api_key_env=cfg.openai_api_key_env, timeout_s=cfg.openai_timeout_s,
-                         send_token_ids=cfg.openai_send_token_ids, concurrency=cfg.batch_size)
+    backend = OpenAIBackend(cfg.openai_urls, cfg.openai_model, cfg.sampling, tok,
+                            api_key_env=cfg.openai_api_key_env, timeout_s=cfg.openai_timeout_s,
+                            send_token_ids=cfg.openai_send_token_ids, concurrency=cfg.openai_concurrency)
+    in_flight = len(backend.servers) * cfg.openai_concurrency
+    if cfg.batch_size < in_flight:
+        log.warning("regenerate: batch_size %d < openai_concurrency x servers = %d: at most %d requests in flight "
+                    "(a batch is answered whole before the next starts); raise regenerate.batch_size",
+                    cfg.batch_size, in_flight, cfg.batch_size)
+    return backend
 
 
 # ----------------------------------------------------------------------------------------------

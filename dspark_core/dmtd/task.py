@@ -37,10 +37,12 @@ class DMTDTask:
     def _target_config(self):
         from transformers import AutoConfig
 
+        from dspark_core.target import remote_code_kwargs
+
         path = Path(self.cfg.target_dir)
         if not (path / "config.json").is_file():
             raise UserError(f"dmtd.target_dir={path}: no config.json; run the target stage first or fix the path")
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+        return AutoConfig.from_pretrained(path, local_files_only=True, **remote_code_kwargs(path))
 
     def build_model(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
         from dspark_core.target import load_target

@@ -32,7 +32,7 @@ def export_dir(draft_dir: str | Path, out_dir: str | Path, layouts: Sequence[str
     (``subdirs``; else ``out_dir`` itself, for one layout). ``unsupported="skip"``: a layout that cannot run
     the draft (``check_exportable``) gets ``<layout>/SKIPPED.txt`` with the reason instead, printed too.
     ``verifier``: the target's name as the export records it (speculators' ``verifier.name_or_path``, the
-    README's serve command); None: ``target_dir`` as given."""
+    README's serve command); None: :func:`default_verifier`."""
     if not subdirs and len(layouts) != 1:
         raise ValueError(f"export_dir: subdirs=False needs one layout; got {list(layouts)}")
     target_dir = Path(target_dir)
@@ -48,8 +48,17 @@ def export_dir(draft_dir: str | Path, out_dir: str | Path, layouts: Sequence[str
         except UserError as err:
             written.append(_skip(dest, str(err)))
             continue
-        written.append(export_draft(draft, dest, layout, dtype, verifier or str(target_dir), variant))
+        written.append(export_draft(draft, dest, layout, dtype, verifier or default_verifier(target_dir), variant))
     return written
+
+
+def default_verifier(target_dir: str | Path) -> str:
+    """The target's name an export records when none is given: a hub target's id (what ``vllm serve`` and
+    speculators load), else ``target_dir`` as given."""
+    from dspark_core.target import hub_record
+
+    rec = hub_record(target_dir)
+    return str(rec["model"]) if rec is not None else str(target_dir)
 
 
 def _skip(dest: Path, reason: str) -> Path:
@@ -72,7 +81,8 @@ class ExportConfig(Section):
     layouts: tuple[str, ...] = ("deepspec", "speculators")
     dtype: str = "bfloat16"
     unsupported: str = "skip"  # a layout that cannot run this draft: skip (SKIPPED.txt says why) | error
-    verifier: str | None = None  # the target's name in the export (speculators' verifier); None: data/target
+    verifier: str | None = None  # the target's name in the export (speculators' verifier); None: a hub target's
+    #                              id, else data/target
 
     def validate(self) -> None:
         from dspark_core.export import LAYOUTS
