@@ -314,7 +314,7 @@ def run_length(args, precision: str, model, opt, params, length: int, device: to
     row["model_tflop"] = step_tflop(target_config(args.tiny), model.draft, length, args.anchors, args.teacher_vocab)
     if device.type == "cuda" and args.peak_tflops:
         row["mfu"] = (row["model_tflop"] + row.get("target_tflop", 0.0)) / step_s / args.peak_tflops
-    if not args.tiny:
+    if not args.tiny and target is None:  # the peers' reference steps are draft steps: beside the cache rows only
         add_reference(row, args.reference)
     return row
 

@@ -228,6 +228,7 @@ def test_consumer_hidden_states_reads_each_splits_consumer(tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"train": {"hidden_states": "online"}, "eval_offline": {}}))
     assert consumer_hidden_states(params) == {"train": "online", "eval": "cache"}
+    assert "hidden_states" not in TrainConfig(hidden_states="online").identity_dict()  # a run resumes across it
     params.write_text(yaml.safe_dump({"train": {}, "eval_offline": {"hidden_states": "disk"}}))
     with pytest.raises(ParamsError, match=r"params.yaml: eval_offline.hidden_states must be one of cache, online; "
                                           r"got 'disk'"):
@@ -286,12 +287,12 @@ def test_cache_stage_refuses_to_start_without_the_disk_space(tmp_path, target, r
 DRAFT = dict(num_draft_layers=1, block_size=4, mask_token_id=259, num_anchors=8, markov_rank=8)
 
 
-def _run(target, store, hidden_states, tmp_path, precision="fp32", **draft):
+def _run(target, store, hidden_states, tmp_path, precision="fp32", data_workers=0, **draft):
     cfg = DraftConfig(**{**DRAFT, **draft})
     task = task_class(cfg.kind).from_paths(cfg, LossConfig(), target, store, hidden_states=hidden_states)
     tcfg = TrainConfig(lr=3e-3, warmup_ratio=0.0, total_steps=3, micro_batch_size=2, global_batch_size=4,
                        checkpoint_every=100, log_every=1, seed=3, precision=precision, out_dir=str(tmp_path / "run"),
-                       hidden_states=hidden_states)
+                       hidden_states=hidden_states, data_workers=data_workers if hidden_states == "online" else 0)
     return train(task, tcfg, progress=False, checkpoints=False)
 
 
@@ -316,10 +317,10 @@ def _engram_table(tmp_path, target, store) -> dict:
 def test_training_online_is_training_on_the_cache(tmp_path, target, stores, case, one_thread):
     """Three optimiser steps of two micro-batches from the same seed: the same loss, metrics and weights, bit for
     bit, whether the hidden states come from the cache store or from the target run in the trainer (bf16 autocast
-    on: it does not reach the target; packed rows; Draft Memory's stage 1 reads the filled states; a frozen
-    Engram table; fp8 aux)."""
+    on: it does not reach the target; packed rows, collated online by a DataLoader worker; Draft Memory's stage 1
+    reads the filled states; a frozen Engram table; fp8 aux)."""
     store = stores["fp8_e4m3" if case == "fp8" else "bf16"]
-    kw = {"baseline_bf16_autocast": {"precision": "bf16"}, "packed": {"packed_length": 160},
+    kw = {"baseline_bf16_autocast": {"precision": "bf16"}, "packed": {"packed_length": 160, "data_workers": 1},
           "draft_memory": {"kind": "draft_memory"}, "engram_markov": _engram_table(tmp_path, target, store),
           "fp8": {}}[case]
     cached = _run(target, store, "cache", tmp_path / "c", **kw)
