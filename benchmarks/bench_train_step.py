@@ -19,6 +19,14 @@ the step is bound by the host's launches; well below it, by the GPU's work.
 Precision modes: ``amp`` (what the shared trainer does: fp32 weights + AdamW state, bf16 autocast,
 frozen LM head kept in bf16) and ``bf16`` (bf16 weights and AdamW state, no autocast).
 
+Where the hidden states come from (``--hidden-states cache online``, ``train.hidden_states``): ``cache`` (the
+default) gives the step its aux / last states as a cache read would, already in memory; ``online`` builds a random
+target of the same shapes (36 layers, Qwen3-4B's widths; on the GPU in bf16, where it runs) and the step first
+fills the batch with its states (``cache/online.py``: ``OnlineTarget.fill``, one target forward, autocast off, no
+host read), as the trainer's ``prepare_step`` does. Online rows add ``target_forward_s`` (that fill alone, timed
+after the steps) and ``target_share`` (its share of the online step), ``target_tflop`` (its forward's matrix work;
+``mfu`` then counts both); each row says ``hidden_states``, and the rows of one length are side by side.
+
     python benchmarks/bench_train_step.py    # H200: amp + bf16, L = 2048, 4096 -> reports/bench/train_step.json
     python benchmarks/bench_train_step.py --precision amp --recompute --profile   # one mode, layer recompute, kernels
     python benchmarks/bench_train_step.py --tiny --out /tmp/x.json   # CPU smoke run on tiny shapes
@@ -30,6 +38,8 @@ frozen LM head kept in bf16) and ``bf16`` (bf16 weights and AdamW state, no auto
         # over all 151,936; the batch's tokens are drawn from those 32,000 (the ranking's full coverage)
     python benchmarks/bench_train_step.py --vocab-size 32000 --teacher-vocab draft --out reports/bench/train_step_v32k_td.json
         # loss.teacher_vocab: draft, the teacher over the 32,000 only and renormalised (speculators' 32k teacher)
+    python benchmarks/bench_train_step.py --precision amp --hidden-states cache online \
+        --out reports/bench/train_step_online.json   # training without a cache: the target's forward in the step
 
 ``--profile`` profiles one more step after the timed ones (at the last length) and writes its tables beside the
 JSON (``<out stem>.profile_<precision>.txt``): the device time by part (the chunked loss = LM-head GEMMs + chunk
@@ -68,7 +78,7 @@ from dspark_core.draft.anchors import add_anchor_fields  # noqa: E402
 from dspark_core.draft.config import DraftConfig, LossConfig  # noqa: E402
 from dspark_core.draft.loss import PROFILE_RANGE  # noqa: E402
 from dspark_core.draft.model import DSparkDraft  # noqa: E402
-from dspark_core.draft.packing import collate_packed  # noqa: E402
+from dspark_core.draft.packing import collate_packed, sample_places  # noqa: E402
 from dspark_core.draft.synthetic import random_item  # noqa: E402
 from dspark_core.draft.task import DSparkTrainModel, draft_denominators  # noqa: E402
 from dspark_core.errors import UserError  # noqa: E402
@@ -111,26 +121,61 @@ def build(args, precision: str,
     return model, opt, params
 
 
-def make_batch(args, length: int, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+def build_target(args, device: torch.device):
+    """The online rows' frozen target: a random Qwen3 of ``target_config``'s shapes (36 layers), built on ``device``
+    in its compute dtype (bf16 on a GPU, float32 on the CPU), as the trainer's ``OnlineTarget`` over the draft's
+    aux layers (its states rounded as a bf16 store would hold them)."""
+    from transformers import AutoModelForCausalLM
+
+    from dspark_core.cache.online import OnlineTarget
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(1)
+    with torch.device(device):  # the weights made where they run, in their dtype
+        model = AutoModelForCausalLM.from_config(target_config(args.tiny), dtype=dtype, attn_implementation="sdpa")
+    return OnlineTarget(model, AUX_LAYERS, "bf16", dtype)
+
+
+def online_batch(batch: dict, items: list[dict], places: list[tuple[int, int]]) -> dict:
+    """``batch`` without its hidden states, plus the target forwards that fill it (each sample at its own length:
+    the bench has no cache batch plan)."""
+    from dspark_core.cache.online import PLAN_KEY, target_forwards
+
+    marked = [{**it, "forward_width": len(it["input_ids"]), "forward_padded": False} for it in items]
+    out = {k: v for k, v in batch.items() if k not in ("aux_hidden", "last_hidden")}
+    out[PLAN_KEY] = target_forwards(marked, places)
+    return out
+
+
+def make_batch(args, length: int, device: torch.device, seed: int, online: bool = False) -> dict[str, torch.Tensor]:
     tc = target_config(args.tiny)
     g = torch.Generator().manual_seed(seed)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     vocab = args.vocab_size or tc.vocab_size  # token ids drawn from the draft vocabulary when it is reduced
     if args.mixed:  # N samples of L/8 .. L tokens: one a row (padded to the longest), or packed into rows of L
-        # the same sample lengths in every batch (contents differ by seed): one compiled shape, not one per batch
-        lens = torch.randint(max(8, length // 8), length + 1, (args.mixed,),
-                             generator=torch.Generator().manual_seed(length)).tolist()
+        lens = mixed_lengths(args, length)
         items = [random_item(n, vocab, len(AUX_LAYERS), tc.hidden_size, prompt_len=max(1, n // 16),
                              generator=g, dtype=dtype) for n in lens]
-        batch = collate_packed(items, args.anchors, 7, (args.packed_length or length) if args.packed else 1, g,
-                               compact=args.slots == "compact")
+        row_length = (args.packed_length or length) if args.packed else 1
+        batch = collate_packed(items, args.anchors, 7, row_length, g, compact=args.slots == "compact")
+        if online:
+            batch = online_batch(batch, items, sample_places(lens, row_length))
         return to_device(batch, device)
     item = random_item(length, vocab, len(AUX_LAYERS), tc.hidden_size, prompt_len=max(1, length // 16),
                        generator=g, dtype=dtype)
     batch = {k: v.unsqueeze(0) for k, v in item.items()}
     batch["lengths"] = torch.tensor([length])
     batch = add_anchor_fields(batch, args.anchors, 7, g, compact=args.slots == "compact")
+    if online:
+        batch = online_batch(batch, [item], [(0, 0)])
     return to_device(batch, device)
+
+
+def mixed_lengths(args, length: int) -> list[int]:
+    """``--mixed N``: the N sample lengths of L/8 .. L, the same in every batch (contents differ by seed): one
+    compiled shape, not one per batch."""
+    return torch.randint(max(8, length // 8), length + 1, (args.mixed,),
+                         generator=torch.Generator().manual_seed(length)).tolist()
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -145,12 +190,13 @@ def draft_config(args, tc) -> DraftConfig:
                        anchor_slots=args.slots)
 
 
-def run_trainer(args, length: int, device: torch.device) -> dict:
+def run_trainer(args, length: int, device: torch.device, target=None) -> dict:
     """The shared trainer's own loop (``train.trainer.train``: batches collated in the loop or by
     ``--trainer-workers`` processes, moved to the device, clip + AdamW, its per-step logging) on 3 random samples of
     ``length`` tokens: fp32 weights with bf16 autocast (``train.param_dtype: float32``), or with ``--precision bf16``
     bf16 weights and AdamW state (``bfloat16``); time per step between the step callbacks of the timed steps, and
-    peak memory."""
+    peak memory. ``target`` (online rows): the items carry tokens only and the trainer's ``prepare_step`` runs the
+    target on each step (``train.hidden_states: online``)."""
     import tempfile
 
     from dspark_core.draft.task import DSparkTask
@@ -162,8 +208,13 @@ def run_trainer(args, length: int, device: torch.device) -> dict:
     lm = torch.randn(tc.vocab_size, tc.hidden_size, generator=g).mul_(0.02)  # tied embedding / LM head
     items = [random_item(length, args.vocab_size or tc.vocab_size, len(AUX_LAYERS), tc.hidden_size,
                          prompt_len=max(1, length // 16), generator=g, dtype=dtype) for _ in range(3)]
+    online = {}
+    if target is not None:  # tokens only; the plan's widths: each sample's own length
+        items = [{"input_ids": it["input_ids"], "loss_mask": it["loss_mask"], "forward_width": length,
+                  "forward_padded": False} for it in items]
+        online = {"online_target": lambda dev: target}
     task = DSparkTask(draft_config(args, target_config(args.tiny)), loss_config(args, args.chunk[0]), target_config=tc,
-                      embed_weight=lm, lm_head_weight=lm, aux_layer_ids=AUX_LAYERS, train_data=items)
+                      embed_weight=lm, lm_head_weight=lm, aux_layer_ids=AUX_LAYERS, train_data=items, **online)
     stamps: list[float] = []
     total = args.warmup + args.steps
     bf16 = args.precision == ["bf16"]
@@ -182,10 +233,13 @@ def run_trainer(args, length: int, device: torch.device) -> dict:
            "trainable_params": sum(p.numel() for p in result.model.parameters() if p.requires_grad),
            "chunk": args.chunk[0], "L": length, "draft_vocab_size": args.vocab_size, "teacher_vocab": args.teacher_vocab,
            "step_s": step_s, "tokens_per_s": length / step_s, "peak_gib": peak, "loss": result.history[-1]["loss"],
-           "warmup_s": stamps[args.warmup - 1] - stamps[0], "world_size": 1}
+           "warmup_s": stamps[args.warmup - 1] - stamps[0], "world_size": 1,
+           "hidden_states": "cache" if target is None else "online"}
     row["model_tflop"] = step_tflop(tc, result.model.draft, length, args.anchors, args.teacher_vocab)
+    if target is not None:
+        row["target_tflop"] = target_tflop(tc, [length])
     if device.type == "cuda" and args.peak_tflops:
-        row["mfu"] = row["model_tflop"] / step_s / args.peak_tflops
+        row["mfu"] = (row["model_tflop"] + row.get("target_tflop", 0.0)) / step_s / args.peak_tflops
     return row
 
 
@@ -209,15 +263,19 @@ def sync(device: torch.device) -> None:
 
 
 def run_length(args, precision: str, model, opt, params, length: int, device: torch.device, forward,
-               d: Dist = Dist()) -> dict:
-    batches = [make_batch(args, length, device, seed + 1000 * d.rank) for seed in range(3)]  # [rank's samples]
+               d: Dist = Dist(), target=None) -> dict:
+    """The timed steps at ``length``; ``target`` (online rows): each step first fills its batch with the target's
+    states (``OnlineTarget.fill``), then the fill alone is timed."""
+    batches = [make_batch(args, length, device, seed + 1000 * d.rank, online=target is not None)
+               for seed in range(3)]  # [rank's samples]
+    fill = target.fill if target is not None else (lambda batch: batch)
     amp = precision == "amp" and device.type == "cuda"
     say = (lambda msg: print(f"  L {length}: {msg}", file=sys.stderr, flush=True)) if d.is_main else (lambda msg: None)
     say(f"{int(batches[0]['input_ids'].shape[0])} row(s) of {int(batches[0]['input_ids'].shape[1])} tokens, "
         f"{int(batches[0]['anchors'].shape[1])} anchor slots a row; warm-up ({args.warmup} steps, compiles)")
     t0 = time.perf_counter()
     for i in range(args.warmup):
-        train_step(model, opt, params, batches[i % len(batches)], amp, forward)
+        train_step(model, opt, params, fill(batches[i % len(batches)]), amp, forward)
         sync(device)
         say(f"warm-up step {i + 1} done at {time.perf_counter() - t0:.1f} s")
     warm_s = time.perf_counter() - t0
@@ -228,12 +286,22 @@ def run_length(args, precision: str, model, opt, params, length: int, device: to
     t0 = time.perf_counter()
     loss = torch.zeros(())
     for i in range(args.steps):
-        loss = train_step(model, opt, params, batches[i % len(batches)], amp, forward)
+        loss = train_step(model, opt, params, fill(batches[i % len(batches)]), amp, forward)
     host_s = (time.perf_counter() - t0) / args.steps  # the host's time to queue a step (no sync inside)
     sync(device)
     loss = float(loss)
     step_s = slowest((time.perf_counter() - t0) / args.steps, d)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    online = {"hidden_states": "cache"}
+    if target is not None:  # the target's forward alone, as many times
+        t0 = time.perf_counter()
+        for i in range(args.steps):
+            fill(batches[i % len(batches)])
+        sync(device)
+        forward_s = slowest((time.perf_counter() - t0) / args.steps, d)
+        online = {"hidden_states": "online", "target_forward_s": forward_s, "target_share": forward_s / step_s,
+                  "target_tflop": target_tflop(target_config(args.tiny),
+                                               mixed_lengths(args, length) if args.mixed else [length])}
     tokens = int(batches[0]["lengths"].sum()) if args.mixed else length  # a step's real tokens (first batch)
     row = {"precision": precision, "chunk": model.loss_cfg.vocab_chunk_slots, "L": length,
            "draft_vocab_size": args.vocab_size, "teacher_vocab": args.teacher_vocab, "step_s": step_s,
@@ -242,11 +310,11 @@ def run_length(args, precision: str, model, opt, params, length: int, device: to
            "mixed": args.mixed, "packed": args.packed,
            "packed_length": (args.packed_length or length) if args.packed else None, "rows": int(batches[0]["input_ids"].shape[0]),
            "warmup_s": warm_s, "valid_slots": int(batches[0]["slot_valid"].sum()),
-           "anchor_width": int(batches[0]["anchors"].shape[1]), "world_size": d.world_size}
+           "anchor_width": int(batches[0]["anchors"].shape[1]), "world_size": d.world_size, **online}
     row["model_tflop"] = step_tflop(target_config(args.tiny), model.draft, length, args.anchors, args.teacher_vocab)
     if device.type == "cuda" and args.peak_tflops:
-        row["mfu"] = row["model_tflop"] / step_s / args.peak_tflops
-    if not args.tiny:
+        row["mfu"] = (row["model_tflop"] + row.get("target_tflop", 0.0)) / step_s / args.peak_tflops
+    if not args.tiny and target is None:  # the peers' reference steps are draft steps: beside the cache rows only
         add_reference(row, args.reference)
     return row
 
@@ -309,22 +377,26 @@ def add_scaling(rows: list[dict], baseline: Path) -> None:
         r["scaling_efficiency"] = ref[key] / r["step_s"]
 
 
-def profile_step(args, precision: str, model, opt, params, length: int, device: torch.device, forward) -> Path:
-    """Profile one step at ``length``; its tables go to ``<out stem>.profile_<precision>.txt`` (returned)."""
+def profile_step(args, precision: str, model, opt, params, length: int, device: torch.device, forward,
+                 target=None) -> Path:
+    """Profile one step at ``length`` (``target``: an online step, its fill included); its tables go to
+    ``<out stem>.profile_<precision>.txt`` (returned)."""
     from torch.profiler import ProfilerActivity, profile
 
-    batch = make_batch(args, length, device, 7)
+    batch = make_batch(args, length, device, 7, online=target is not None)
+    fill = target.fill if target is not None else (lambda b: b)
     amp = precision == "amp" and device.type == "cuda"
-    train_step(model, opt, params, batch, amp, forward)
+    train_step(model, opt, params, fill(batch), amp, forward)
     lines = [f"bench_train_step profile: precision {precision}, L {length}, draft vocab {args.vocab_size or 'full'}, "
-             f"teacher {args.teacher_vocab}, chunk {model.loss_cfg.vocab_chunk_slots}, recompute {args.recompute}"]
+             f"teacher {args.teacher_vocab}, chunk {model.loss_cfg.vocab_chunk_slots}, recompute {args.recompute}, "
+             f"hidden states {'online' if target is not None else 'cache'}"]
     if device.type == "cuda":  # every host<->device synchronisation of one step, with its caller
-        lines += sync_sites(lambda: train_step(model, opt, params, batch, amp, forward))
+        lines += sync_sites(lambda: train_step(model, opt, params, fill(batch), amp, forward))
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync(device)
     t0 = time.perf_counter()
     with profile(activities=acts) as prof:
-        train_step(model, opt, params, batch, amp, forward)
+        train_step(model, opt, params, fill(batch), amp, forward)
         sync(device)
     lines.append(f"profiled step wall {time.perf_counter() - t0:.4f} s")
     avg = prof.key_averages()
@@ -479,6 +551,10 @@ def main() -> None:
     ap.add_argument("--anchor-slots", choices=("compact", "fixed"), nargs="+", default=["compact"],
                     help="draft.anchor_slots: a row's anchor slots cut to its valid anchors (rounded up to "
                          "anchors / 8), or anchors per sample; several: one pass each per length (rows say which)")
+    ap.add_argument("--hidden-states", choices=("cache", "online"), nargs="+", default=["cache"],
+                    help="train.hidden_states: the step's states as read from a cache (in memory), and / or computed "
+                         "by a random target of the same shapes (36 layers; bf16 on the GPU) in the step; rows say "
+                         "hidden_states, online rows add target_forward_s and target_share")
     ap.add_argument("--trainer", action="store_true",
                     help="run the shared trainer's own loop instead of this script's (fp32 weights + bf16 autocast; "
                          "with --precision bf16 alone, train.param_dtype bfloat16); rows say loop: trainer")
@@ -527,12 +603,26 @@ def main() -> None:
         dist.destroy_process_group()
 
 
+_TARGETS: dict = {}  # (tiny, device) -> the online rows' target, built once a run
+
+
+def online_target(args, device, hidden: str):
+    """The random target of the online rows, built on first use and kept; None for cache rows."""
+    if hidden == "cache":
+        return None
+    key = (args.tiny, str(device))
+    if key not in _TARGETS:
+        _TARGETS[key] = build_target(args, device)
+    return _TARGETS[key]
+
+
 def bench_trainer(args, device, rows: list[dict]) -> int:
     """The trainer's own loop at each length (rows appended; returns the trainable parameter count)."""
     n_params = 0
-    for length, args.slots in [(n, s) for n in args.lengths for s in args.anchor_slots]:
-        rows.append({**run_trainer(args, length, device), "attention": attention.ATTENTION_KERNEL,
-                     "optimizer": args.opt_kernel, "anchor_slots": args.slots})
+    for length, args.slots, hidden in [(n, s, h) for n in args.lengths for s in args.anchor_slots
+                                       for h in args.hidden_states]:
+        rows.append({**run_trainer(args, length, device, online_target(args, device, hidden)),
+                     "attention": attention.ATTENTION_KERNEL, "optimizer": args.opt_kernel, "anchor_slots": args.slots})
         n_params = rows[-1]["trainable_params"]
         print(json.dumps(rows[-1]), flush=True)
     write_report(args, device, n_params, rows)
@@ -554,8 +644,10 @@ def bench_script(args, device, d, rows: list[dict]) -> int:
         forward = torch.compile(core) if args.compile else core
         for chunk in args.chunk:
             model.loss_cfg = loss_config(args, chunk)
-            for length, args.slots in [(n, s) for n in args.lengths for s in args.anchor_slots]:
-                rows.append({**run_length(args, precision, model, opt, params, length, device, forward, d),
+            for length, args.slots, hidden in [(n, s, h) for n in args.lengths for s in args.anchor_slots
+                                               for h in args.hidden_states]:
+                target = online_target(args, device, hidden)
+                rows.append({**run_length(args, precision, model, opt, params, length, device, forward, d, target),
                              "attention": attention.ATTENTION_KERNEL, "optimizer": args.opt_kernel,
                              "anchor_slots": args.slots})
                 if args.baseline is not None:
@@ -565,7 +657,8 @@ def bench_script(args, device, d, rows: list[dict]) -> int:
         if d.is_main:
             write_report(args, device, n_params, rows)  # after each mode, so a later failure keeps the numbers
         if args.profile:
-            profile_step(args, precision, model, opt, params, args.lengths[-1], device, forward)
+            profile_step(args, precision, model, opt, params, args.lengths[-1], device, forward,
+                         online_target(args, device, args.hidden_states[-1]))
         del model, opt, params, forward, core  # DDP torn down while its process group lives
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -620,6 +713,16 @@ def step_tflop(tc, draft: DSparkDraft, length: int, anchors: int, teacher_vocab:
     return work / 1e12
 
 
+def target_tflop(tc, lengths: list[int]) -> float:
+    """Matrix work of the online rows' target forward in TFLOP: each sample of n tokens through every decoder layer
+    (q / k / v / o projections and the gated MLP, 2 per multiply-add, over n tokens; causal attention scores and
+    values over n^2 / 2 pairs); no LM head (the forward stops at the final norm)."""
+    h, f, hq, hkv = tc.hidden_size, tc.intermediate_size, tc.num_attention_heads, tc.num_key_value_heads
+    dh = getattr(tc, "head_dim", None) or h // hq
+    layer = 2 * h * hq * dh + 2 * h * hkv * dh + 3 * h * f  # q, o, k, v, gate / up / down weights
+    return sum(2 * n * layer + 2 * n * n * hq * dh for n in lengths) * tc.num_hidden_layers / 1e12
+
+
 def write_report(args, device: torch.device, n_params: int, rows: list[dict]) -> dict:
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "opt_kernel"},
@@ -645,7 +748,7 @@ def print_table(report: dict) -> None:
     cfg = report["config"]
     print(f"device {report['device']}, torch {report['torch']}, anchors {cfg['anchors']}, recompute "
           f"{cfg['recompute']}, trainable params {report['trainable_params'] / 1e6:.1f}M")
-    print(f"{'loop':>7} {'attn':>6} {'adamw':>6} {'precision':>9} {'vocab':>7} {'teacher':>7} {'slots':>7} {'L':>6} {'step_s':>9} {'host_s':>7} {'tokens/s':>9} {'peak GiB':>9} {'TFLOP':>6} {'MFU':>5} "
+    print(f"{'loop':>7} {'attn':>6} {'adamw':>6} {'precision':>9} {'vocab':>7} {'teacher':>7} {'slots':>7} {'hidden':>6} {'L':>6} {'step_s':>9} {'host_s':>7} {'target':>6} {'tokens/s':>9} {'peak GiB':>9} {'TFLOP':>6} {'MFU':>5} "
           f"{'vs DeepSpec':>11} {'vs specul.':>10} {'mem vs spec.':>12}")
 
     def fmt(v, spec):
@@ -654,7 +757,7 @@ def print_table(report: dict) -> None:
     for r in report["results"]:
         vs_ref = r.get("speedup_vs_ref", r.get("speedup_vs_deepspec"))
         print(f"{r.get('loop', 'script'):>7} {r.get('attention', 'triton'):>6} {r.get('optimizer', 'torch'):>6} {r['precision']:>9} {fmt(r['draft_vocab_size'], 'd') if r['draft_vocab_size'] else 'full':>7} "
-              f"{r['teacher_vocab']:>7} {r.get('anchor_slots', 'fixed'):>7} {r['L']:>6} {r['step_s']:>9.4f} {fmt(r.get('host_s'), '.4f'):>7} {r['tokens_per_s']:>9.0f} {fmt(r['peak_gib'], '.2f'):>9} {r['model_tflop']:>6.1f} "
+              f"{r['teacher_vocab']:>7} {r.get('anchor_slots', 'fixed'):>7} {r.get('hidden_states', 'cache'):>6} {r['L']:>6} {r['step_s']:>9.4f} {fmt(r.get('host_s'), '.4f'):>7} {fmt(r.get('target_share'), '.0%'):>6} {r['tokens_per_s']:>9.0f} {fmt(r['peak_gib'], '.2f'):>9} {r['model_tflop'] + r.get('target_tflop', 0.0):>6.1f} "
               f"{fmt(r.get('mfu'), '.0%'):>5} {fmt(vs_ref, '.2f'):>11} {fmt(r.get('speedup_vs_speculators'), '.2f'):>10} "
               f"{fmt(r.get('peak_ratio_vs_speculators'), '.2f'):>12}")
 

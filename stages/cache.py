@@ -1,4 +1,7 @@
-"""DVC stage `cache`: one target forward per sample -> data/cache/{split}.zarr (+ reports/cache_stats.json)."""
+"""DVC stage `cache`: one target forward per sample -> data/cache/{split}.zarr (+ reports/cache_stats.json).
+
+A split whose consumer runs the target itself (train.hidden_states / eval_offline.hidden_states: online) gets a
+token-only store (no forward, no hidden states)."""
 
 import sys
 from pathlib import Path
@@ -6,6 +9,7 @@ from pathlib import Path
 import typer
 
 from dspark_core.cache import CacheConfig, run_cache
+from dspark_core.cache.build import consumer_hidden_states
 from dspark_core.dist import relaunch_under_torchrun, shutdown_distributed
 from dspark_core.errors import run_stage
 
@@ -18,9 +22,10 @@ def main(params: Path = typer.Option(Path("params.yaml"), help="params file"),
     # Under DVC a params change reruns this stage on its persisted output: rebuild what no longer matches,
     # resume what does (a killed run).
     cfg = CacheConfig.load(params, "cache")
+    hidden_states = consumer_hidden_states(params)  # {split: cache | online}: token-only stores for online
     relaunch_under_torchrun(cfg.nproc_per_node, sys.argv)  # cache.nproc_per_node > 1: one store shard a rank
     try:
-        run_cache(cfg, force=force, rebuild_stale=not keep_stale)
+        run_cache(cfg, force=force, rebuild_stale=not keep_stale, hidden_states=hidden_states)
     finally:
         shutdown_distributed()  # torchrun: leave the process group
 

@@ -100,6 +100,33 @@ def test_bench_train_step_teacher_vocab_and_profile_file(tmp_path):
     assert "teacher draft" in text and "dspark.chunked_distill" in text and "profiled step wall" in text
 
 
+def test_bench_train_step_online_rows(tmp_path):
+    """``--hidden-states cache online``: a cache row and an online row at each length, side by side (the script's
+    loop; then the trainer's, whose prepare_step runs the target); the online rows time the target's forward alone
+    and give its share of the step and its matrix work (a 36-layer forward of L tokens, by hand)."""
+    rows = []
+    for extra in ([], ["--trainer", "--trainer-workers", "0"]):
+        out = tmp_path / f"online{len(extra)}.json"
+        proc = subprocess.run([sys.executable, str(BENCH), "--tiny", "--steps", "1", "--warmup", "1", "--lengths", "40",
+                               "--precision", "amp", "--no-compile-layers", "--hidden-states", "cache", "online",
+                               *extra, "--out", str(out)], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert " online " in proc.stdout and " cache " in proc.stdout
+        rows += json.loads(out.read_text())["results"]
+    assert [(r.get("loop", "script"), r["hidden_states"]) for r in rows] == [
+        ("script", "cache"), ("script", "online"), ("trainer", "cache"), ("trainer", "online")]
+    tc = _bench_module().target_config(True)
+    layer = 2 * 64 * 4 * 16 + 2 * 64 * 2 * 16 + 3 * 64 * 128  # q, o, k, v, gate / up / down of the tiny target
+    for row in rows:
+        assert row["step_s"] > 0 and row["loss"] == row["loss"] and row["L"] == 40
+        if row["hidden_states"] == "online":
+            assert row["target_tflop"] == pytest.approx(36 * (2 * 40 * layer + 2 * 40 * 40 * 4 * 16) / 1e12)
+            assert tc.num_hidden_layers == 36
+    script = rows[1]
+    assert 0 < script["target_forward_s"] and script["target_share"] == script["target_forward_s"] / script["step_s"]
+    assert "target_forward_s" not in rows[0]
+
+
 def test_device_time_shares_attributes_kernels_to_the_loss_range():
     bench = _bench_module()
 

@@ -36,6 +36,7 @@ import torch
 import yaml
 
 from dspark_core.cache import CacheConfig, CacheDataset, build_store, run_cache
+from dspark_core.cache.build import build_token_store
 from dspark_core.cache.store import open_store
 from dspark_core.checkpoint import load_draft, save_draft
 from dspark_core.config import ParamsError
@@ -43,6 +44,7 @@ from dspark_core.data.prompts import PrepareConfig, Prompt, run_prepare, write_p
 from dspark_core.data.regenerate import RegenerateConfig, run_regenerate
 from dspark_core.bench.online import run_bench_online_stage
 from dspark_core.draft import DraftConfig, DSparkDraft
+from dspark_core.dmtd.stage import dmtd_configs
 from dspark_core.draft.stage import run_eval_offline_stage, run_train_stage
 from dspark_core.target import TargetConfig, load_target, read_fingerprint, run_target
 from dspark_core.testing import NAN_TOKEN, save_hub_repo, save_tiny_target, write_regen
@@ -92,6 +94,8 @@ def assets(tmp_path_factory) -> dict[str, Path]:
     cfg = CacheConfig.from_dict(PARAMS["cache"])
     a["store"] = root / "cache" / "train.zarr"
     build_store(model, fp, cfg, a["regen"], a["store"])
+    a["token_store"] = root / "token_cache" / "train.zarr"  # the same, token-only (hidden_states: online)
+    build_token_store(model.config, fp, cfg, a["regen"], a["token_store"])
     torch.manual_seed(0)
     draft = DSparkDraft(DraftConfig.from_dict(PARAMS["draft"]), model.config, model.get_input_embeddings().weight,
                         model.get_output_embeddings().weight, aux_layer_ids=LAYERS, target_fingerprint=fp)
@@ -345,6 +349,30 @@ def manifest_says_more(p: Project):
 def incomplete_store(p: Project):
     p.store().attrs.update({"complete": False, "committed_samples": 2})
     return train()
+
+
+def token_only_store(call: Callable[[], Any], split: str = "train", **over: Any):
+    """data/cache/<split>.zarr token-only (the cache stage ran with that split's consumer online), then params
+    changed by ``over`` (and the trained draft in place, for eval_offline)."""
+    def setup(p: Project):
+        p.put("token_store", f"data/cache/{split}.zarr")
+        if split == "eval":
+            p.put("draft", "data/train/baseline/final")
+        p.params(**over)
+        return call
+    return setup
+
+
+def little_disk_space(p: Project):
+    """No cache yet, and 10 kB free where the stores go: less than their hidden states take uncompressed."""
+    from unittest import mock
+
+    shutil.rmtree(p.root / "data" / "cache")
+
+    def run():
+        with mock.patch("shutil.disk_usage", lambda path: shutil._ntuple_diskusage(10**6, 0, 10**4)):
+            return cache()()
+    return run
 
 
 def no_cache(p: Project):
@@ -687,6 +715,28 @@ CASES = [
          r"num_attention_heads 3 is not a multiple"),  # nothing of the stopped run is cleared (no change at all)
     Case("params/no_params_file", lambda p: lambda: run_train_stage(Path("nope.yaml"), "baseline"),
          r"nope.yaml: params file not found", TRAIN_OUT),
+    Case("params/hidden_states", params_then(train(), train={"hidden_states": "disk"}),
+         r"params.yaml: train.hidden_states must be one of cache, online; got 'disk'", TRAIN_OUT),
+    Case("params/cache_stage_hidden_states", params_then(cli("cache"), eval_offline={"hidden_states": "ram"}),
+         r"params.yaml: eval_offline.hidden_states must be one of cache, online; got 'ram'", CACHE_OUT),
+    Case("params/dmtd_hidden_states",
+         params_then(lambda: dmtd_configs(Path("params.yaml"), "causal_refresh"), dmtd={},
+                     dmtd_train={"hidden_states": "online"}),
+         r"params.yaml: dmtd_train.hidden_states: DMTD fine-tunes the target on token ids and reads no cached hidden "
+         r"states; remove the key \(got 'online'\)"),
+    Case("cache/variant_reads_a_token_only_store",
+         token_only_store(train(), train={"hidden_states": "online"},
+                          variants={"baseline": {"train": {"hidden_states": "cache"}}}),
+         r"params.yaml: variants.baseline.train.hidden_states is cache, but data/cache/train.zarr is a token-only "
+         r"store \(the cache stage wrote it for train.hidden_states: online; .*set variants.baseline.train."
+         r"hidden_states: online, or set train.hidden_states: cache and rerun the cache stage", TRAIN_OUT),
+    Case("cache/eval_reads_a_token_only_store", token_only_store(eval_offline(), "eval"),
+         r"params.yaml: eval_offline.hidden_states is cache, but data/cache/eval.zarr is a token-only store .*set "
+         r"eval_offline.hidden_states: online, or", EVAL_OUT),
+    Case("cache/no_disk_space", little_disk_space,
+         r"cache: the hidden states of 298 tokens \(train\) take 115.9 kB uncompressed \(389 bytes a token\), but "
+         r"\S+ has 10.0 kB free; free some space, or train without a cache: set train.hidden_states: online",
+         ("data/cache",) + CACHE_OUT),
     Case("cache/damaged_store_metadata", damaged_metadata("zarr.json"),
          r"data/cache/train.zarr: cache store metadata is damaged \(JSONDecodeError.*rebuild the store with "
          r"`dvc repro -f cache`", TRAIN_OUT),

@@ -5,11 +5,18 @@ with the target in ``target_dir`` and writes ``stats_path`` (bytes/token, tokens
 killed run resumes at its first uncommitted sample; a store built with other settings, another model or
 another source file is refused (or rebuilt with ``force=True``).
 
+A split whose consumer runs the target itself (``train.hidden_states`` for ``train``,
+``eval_offline.hidden_states`` for ``eval``: ``online``) gets a token-only store instead: the same manifest and
+token arrays, no hidden arrays, no forward and no weights loaded (:func:`build_token_store`). Before any forward
+the stage prints what the hidden states will take on disk (``store.estimate_cache_bytes``) and refuses to start
+when the free space cannot hold it uncompressed.
+
 Shape legend: B batch, L tokens (padded), K aux layers, H hidden, T tokens of a store, N samples.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -25,14 +32,15 @@ from dspark_core.cache.capture import (
 )
 from dspark_core.cache.source import ON_TOO_LONG, TokenSamples, load_regen
 from dspark_core.cache.store import (
-    AUX_DTYPES, FORMAT_VERSION, HIDDEN_ARRAYS, HiddenWriter, commit, create_store, encode_hidden, is_store,
-    mismatches, open_store, remove_store, store_stats,
+    AUX_DTYPES, FORMAT_VERSION, HIDDEN_ARRAYS, HIDDEN_STATES, TOKEN_BYTES, HiddenWriter, cache_bytes_per_token,
+    commit, create_store, encode_hidden, estimate_cache_bytes, human_bytes, is_store, mismatches, open_store,
+    remove_store, store_stats,
 )
-from dspark_core.config import Section, device_name, one_of, positive, require, resolve_device
+from dspark_core.config import ParamsError, Section, device_name, one_of, positive, read_yaml, require, resolve_device
 from dspark_core.dist import Dist, init_distributed
 from dspark_core.errors import UserError
 from dspark_core.io import read_json, sha256_file, write_json
-from dspark_core.target import load_target, read_fingerprint, resolve_dtype
+from dspark_core.target import FINGERPRINT_FILE, check_target_dir, load_target, read_fingerprint, resolve_dtype
 
 MIN_CHUNK_TOKENS = 256
 
@@ -77,9 +85,30 @@ class CacheConfig(Section):
                 f"splits must be non-empty and distinct; got {list(self.splits)}")
 
 
+# The consumer of each split and the param that says whether it reads the hidden states from the store (cache) or
+# runs the target itself (online: the split's store is token-only). dvc.yaml lists both among the stage's params.
+SPLIT_CONSUMERS = {"train": "train.hidden_states", "eval": "eval_offline.hidden_states"}
+
+
+def consumer_hidden_states(params: str | Path) -> dict[str, str]:
+    """``{split: cache | online}`` from the consumers' params (:data:`SPLIT_CONSUMERS`; default cache), each value
+    checked, one line naming the field."""
+    doc = read_yaml(params)
+    out = {}
+    for split, field in SPLIT_CONSUMERS.items():
+        section, key = field.split(".")
+        value = (doc.get(section) or {}).get(key, "cache")
+        if value not in HIDDEN_STATES:
+            raise ParamsError(f"{params}: {field} must be one of {', '.join(HIDDEN_STATES)}; got {value!r}")
+        out[split] = value
+    return out
+
+
 def wanted_manifest(cfg: CacheConfig, model_config: Any, fingerprint: str, samples: TokenSamples,
-                    source: Path, source_sha256: str) -> dict[str, Any]:
-    """The manifest a store built now from ``source`` with ``cfg`` must carry."""
+                    source: Path, source_sha256: str, hidden_states: str = "cache") -> dict[str, Any]:
+    """The manifest a store built now from ``source`` with ``cfg`` must carry; a token-only store's (``hidden_states``
+    online) adds ``hidden_states: online`` (a store with hidden states leaves the key out)."""
+    token_only = {"hidden_states": "online"} if hidden_states == "online" else {}
     return {
         "format_version": FORMAT_VERSION, "model_fingerprint": fingerprint,
         "model_type": model_config.model_type, "aux_layer_ids": list(cfg.aux_layer_ids),
@@ -89,7 +118,7 @@ def wanted_manifest(cfg: CacheConfig, model_config: Any, fingerprint: str, sampl
         "batch_tokens": cfg.batch_tokens, "on_too_long": cfg.on_too_long, "source": str(source),
         "source_sha256": source_sha256, "order": "length_desc", "num_samples": len(samples.ids),
         "num_tokens": int(samples.offsets[-1]), "truncated_samples": samples.truncated,
-        "no_response_samples": samples.no_response,
+        "no_response_samples": samples.no_response, **token_only,
     }
 
 
@@ -158,6 +187,26 @@ def build_store(model: torch.nn.Module, fingerprint: str, cfg: CacheConfig, sour
     if group.attrs["complete"]:  # kept as it is (DVC's persist: a re-run whose store matches): nothing computed
         return store_stats(dest)
     return store_stats(dest, _fill(group, samples, model, cfg, dest.stem, on_commit))
+
+
+def build_token_store(model_config: Any, fingerprint: str, cfg: CacheConfig, source: str | Path, dest: str | Path,
+                      force: bool = False, rebuild_stale: bool = False, dist: Dist = Dist()) -> dict[str, Any]:
+    """A token-only store ``dest`` from the regen parquet ``source``: :func:`build_store`'s manifest (plus
+    ``hidden_states: online``) and token-level arrays, no hidden arrays, no forward (``model_config``: the target's
+    config.json, no weights). Complete once written; one of the same content is kept, one built otherwise refused
+    or rebuilt as :func:`open_for_build` decides. Under several processes rank 0 writes it. Returns
+    :func:`store_stats`."""
+    source, dest = Path(source), Path(dest)
+    samples = load_regen(source, cfg.max_length, cfg.on_too_long, vocab_size=model_config.vocab_size)
+    manifest = wanted_manifest(cfg, model_config, fingerprint, samples, source, sha256_file(source), "online")
+    seconds = None  # kept as it was: nothing written
+    if dist.is_main:
+        group = open_for_build(dest, manifest, samples, force, rebuild_stale)
+        if not group.attrs["complete"]:
+            commit(group, samples.offsets, int(samples.offsets[-1]), 0.0, complete=True)
+            seconds = 0.0
+    dist.barrier()  # complete before any rank reads it
+    return store_stats(dest, seconds)
 
 
 # -- one store, several processes ------------------------------------------------------------------
@@ -288,33 +337,118 @@ def _fill(group, samples: TokenSamples, model: torch.nn.Module, cfg: CacheConfig
     return seconds
 
 
-def run_cache(cfg: CacheConfig, force: bool = False, rebuild_stale: bool = False) -> dict[str, Any]:
+def run_cache(cfg: CacheConfig, force: bool = False, rebuild_stale: bool = False,
+              hidden_states: dict[str, str] | None = None) -> dict[str, Any]:
     """The `cache` stage: every split's store, then ``stats_path``. Returns the stats written.
 
-    Under ``torchrun`` each of the processes writes one shard of every store (rank 0 writes the stats); a
-    CUDA device is then ``cuda:LOCAL_RANK`` whatever ``device`` names."""
+    ``hidden_states``: ``{split: cache | online}`` (:func:`consumer_hidden_states`; default cache): an online
+    split gets a token-only store. Before any forward, :func:`check_disk_space`. Under ``torchrun`` each of the
+    processes writes one shard of every store (rank 0 writes the stats); a CUDA device is then
+    ``cuda:LOCAL_RANK`` whatever ``device`` names."""
+    modes = {s: (hidden_states or {}).get(s, "cache") for s in cfg.splits}
     sources = {s: Path(cfg.regen_dir) / f"{s}.parquet" for s in cfg.splits}
-    for src in sources.values():  # fail on a missing / empty input before loading a large model
-        load_regen(src, cfg.max_length, cfg.on_too_long)
+    samples = {s: load_regen(src, cfg.max_length, cfg.on_too_long)  # a missing / empty input fails first
+               for s, src in sources.items()}
     dist = init_distributed()
-    device = resolve_device(cfg.device, "cache.device")
-    if dist.world_size > 1 and device.type == "cuda":
-        device = torch.device("cuda", dist.local_rank)
-    fingerprint = read_fingerprint(cfg.target_dir)["fingerprint"]
-    model, _ = load_target(cfg.target_dir, dtype=cfg.dtype, device=device)
-    check_layer_ids(cfg.aux_layer_ids, model.config.num_hidden_layers)
-    per_split = {s: build_store(model, fingerprint, cfg, src, Path(cfg.out_dir) / f"{s}.zarr", force,
-                                 rebuild_stale=rebuild_stale, dist=dist)
-                 for s, src in sources.items()}
+    model_config = target_model_config(cfg.target_dir)
+    check_layer_ids(cfg.aux_layer_ids, model_config.num_hidden_layers)
+    cached = [s for s in cfg.splits if modes[s] == "cache"]
+    fingerprint = (read_fingerprint(cfg.target_dir) if cached else _stored_fingerprint(cfg.target_dir))["fingerprint"]
+    pending = {}  # tokens whose hidden states are still to be written, by split
+    for s in cached:
+        manifest = wanted_manifest(cfg, model_config, fingerprint, samples[s], sources[s], sha256_file(sources[s]))
+        written = 0 if force else _written_tokens(Path(cfg.out_dir) / f"{s}.zarr", manifest)
+        pending[s] = int(samples[s].offsets[-1]) - written
+    token_only = {s: int(samples[s].offsets[-1]) for s in cfg.splits if modes[s] == "online"}
+    check_disk_space(cfg, model_config, pending, token_only, announce=dist.is_main)
+    model = None
+    if cached:  # the target's weights only for the stores that hold hidden states
+        device = resolve_device(cfg.device, "cache.device")
+        if dist.world_size > 1 and device.type == "cuda":
+            device = torch.device("cuda", dist.local_rank)
+        model, _ = load_target(cfg.target_dir, dtype=cfg.dtype, device=device)
+    per_split = {}
+    for s, src in sources.items():
+        dest = Path(cfg.out_dir) / f"{s}.zarr"
+        per_split[s] = build_store(model, fingerprint, cfg, src, dest, force, rebuild_stale=rebuild_stale, dist=dist) \
+            if modes[s] == "cache" else build_token_store(model_config, fingerprint, cfg, src, dest, force,
+                                                          rebuild_stale=rebuild_stale, dist=dist)
     stats = combine_stats(per_split)
     if dist.is_main:
         write_json(cfg.stats_path, stats)
     return stats
 
 
+def target_model_config(target_dir: str | Path) -> Any:
+    """The target's config (model type, widths, layer count, vocabulary) from its config.json, weights unread."""
+    from dspark_core.frozen_target import read_model_config
+
+    check_target_dir(Path(target_dir))
+    config = read_model_config(target_dir)
+    if config is None:  # a field only transformers' config class fills in
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(target_dir, local_files_only=True)
+    return config
+
+
+def _stored_fingerprint(target_dir: str | Path) -> dict[str, str]:
+    """fingerprint.json as the target stage wrote it (a token-only store reads no weights, so they are not hashed
+    here: the consumer that loads them checks them), or the fingerprint computed when there is none."""
+    f = Path(target_dir) / FINGERPRINT_FILE
+    return read_json(f) if f.is_file() else read_fingerprint(target_dir)
+
+
+def _written_tokens(dest: Path, manifest: dict[str, Any]) -> int:
+    """Tokens whose hidden states a store of this content at ``dest`` already holds (a complete one: all; one being
+    built: its committed prefix); 0 when there is none (or one built otherwise, rebuilt or refused later)."""
+    if not is_store(dest):
+        return 0
+    try:
+        attrs = dict(open_store(dest).attrs)
+    except UserError:  # damaged: build_store says so
+        return 0
+    if not attrs.get("initialized") or mismatches(attrs, manifest):
+        return 0
+    return int(manifest["num_tokens"]) if attrs.get("complete") else int(attrs.get("committed_tokens", 0))
+
+
+def check_disk_space(cfg: CacheConfig, model_config: Any, pending: dict[str, int], token_only: dict[str, int],
+                     announce: bool = True) -> int:
+    """Print what each split's store will take (``pending``: tokens whose hidden states are still to be written, by
+    split; ``token_only``: tokens of the token-only stores) and refuse to start, in one line, when the free space
+    under ``out_dir`` (``shutil.disk_usage``) cannot hold the pending hidden states uncompressed. Returns those
+    bytes."""
+    k, h = len(cfg.aux_layer_ids), int(model_config.hidden_size)
+    per_token = cache_bytes_per_token(h, k, cfg.aux_dtype)
+    need = estimate_cache_bytes(h, k, cfg.aux_dtype, sum(pending.values()))
+    where = Path(cfg.out_dir)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if announce:
+        for split, tokens in pending.items():
+            print(f"cache {split}: {tokens:,} tokens to write, {human_bytes(tokens * per_token)} uncompressed "
+                  f"({per_token:,} bytes a token: {k} aux layers ({cfg.aux_dtype}) + the last layer of width {h}); "
+                  f"{human_bytes(free)} free on {where}")
+        for split, tokens in token_only.items():
+            print(f"cache {split}: token-only store ({SPLIT_CONSUMERS.get(split, split)}: online), {tokens:,} tokens, "
+                  f"{TOKEN_BYTES} bytes a token")
+    if need > free:
+        splits = ", ".join(s for s, tokens in pending.items() if tokens)
+        raise UserError(f"cache: the hidden states of {sum(pending.values()):,} tokens ({splits}) take "
+                        f"{human_bytes(need)} uncompressed ({per_token:,} bytes a token), but {where} has "
+                        f"{human_bytes(free)} free; free some space, or train without a cache: set "
+                        f"train.hidden_states: online (and eval_offline.hidden_states: online), and the cache stage "
+                        f"writes token-only stores")
+    return need
+
+
 def combine_stats(per_split: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Token-weighted totals over splits (bytes/token, ratio, tokens/s), with each split's own stats."""
+    """Token-weighted totals over splits (bytes/token, ratio, tokens/s: of the stores with hidden states), with each
+    split's own stats."""
     tokens = sum(s["num_tokens"] for s in per_split.values())
+    forwarded = sum(s["num_tokens"] for s in per_split.values() if s.get("hidden_states", "cache") == "cache")
     stored = sum(s["bytes_per_token"] * s["num_tokens"] for s in per_split.values())
     raw = sum(s["raw_bf16_bytes_per_token"] * s["num_tokens"] for s in per_split.values())
     hidden = sum(s["hidden_bytes_per_token"] * s["num_tokens"] for s in per_split.values())
@@ -322,8 +456,8 @@ def combine_stats(per_split: dict[str, dict[str, Any]]) -> dict[str, Any]:
     seconds = sum(s["compute_seconds"] for s in per_split.values())
     return {
         "bytes_per_token": stored / tokens, "raw_bf16_bytes_per_token": raw / tokens,
-        "compression_ratio": stored / raw, "hidden_compression_ratio": hidden / hidden_raw,
-        "tokens_per_s": tokens / seconds if seconds > 0 else None, "compute_seconds": seconds,
+        "compression_ratio": stored / raw, "hidden_compression_ratio": hidden / hidden_raw if hidden_raw else None,
+        "tokens_per_s": forwarded / seconds if seconds > 0 else None, "compute_seconds": seconds,
         "num_tokens": tokens, "num_samples": sum(s["num_samples"] for s in per_split.values()),
         "truncated_samples": sum(s["truncated_samples"] for s in per_split.values()),
         "no_response_samples": sum(s["no_response_samples"] for s in per_split.values()),

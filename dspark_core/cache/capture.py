@@ -110,13 +110,39 @@ def capture_batch(model: nn.Module, seqs: Sequence[torch.Tensor], layer_ids: Seq
 
     Positions past a sample's length hold padding garbage; callers slice ``[:len]``.
     """
-    base, _, _ = decoder_parts(model)
     device = next(model.parameters()).device
     ids, mask = pad_batch(seqs, pad_id)
+    padded = any(int(s.numel()) < ids.shape[1] for s in seqs)
+    return capture_padded(model, ids.to(device), mask.to(device).bool(), layer_ids, padded)
+
+
+def capture_padded(model: nn.Module, ids: torch.Tensor, valid: torch.Tensor, layer_ids: Sequence[int],
+                   padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of ``ids [B, W]`` (on the model's device; ``valid [B, W]`` bool: False on right padding) ->
+    ``(aux [B, W, K, H], last [B, W, H])``: what the cache stage's :func:`capture_batch` computes, and the online
+    path (``cache/online.py``) with it. Runs in the caller's grad mode; reads nothing back to the host.
+
+    ``padded``: whether the batch the cache stage forwarded held padding, which decides the attention path as
+    transformers decides it for a 2-D mask (an explicit mask when any row is padded, else the plain causal
+    kernel), so a sample forwarded here alone, at the same width, takes the path it took in its cache batch. For
+    SDPA targets (``load_target``'s) the 4-D mask is built here from ``valid``, the boolean mask transformers
+    builds itself (``causal & padding``), so transformers has no mask to inspect on the host (a device sync per
+    forward otherwise); other attention implementations get the 2-D mask.
+    """
+    base, _, _ = decoder_parts(model)
+    width = ids.shape[1]
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        mask = valid.long()  # [B, W]
+    elif padded:
+        pos = torch.arange(width, device=ids.device)  # [W]
+        causal = (pos.unsqueeze(1) >= pos.unsqueeze(0))[None, None]  # [1, 1, W, W]
+        mask = causal & valid[:, None, None, :]  # [B, 1, W, W]
+    else:
+        mask = None  # no row padded: the causal kernel, as transformers picks it for an all-ones mask
     with HiddenCapture(model, layer_ids) as cap:
-        base(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
-    aux = torch.stack([cap.outputs[lid] for lid in layer_ids], dim=2)  # [B, L, K, H]
-    return aux, cap.outputs["last"]  # [B, L, K, H], [B, L, H]
+        base(input_ids=ids, attention_mask=mask, use_cache=False)
+    aux = torch.stack([cap.outputs[lid] for lid in layer_ids], dim=2)  # [B, W, K, H]
+    return aux, cap.outputs["last"]  # [B, W, K, H], [B, W, H]
 
 
 def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[tuple[int, int]]:
@@ -135,6 +161,22 @@ def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[tuple[int, i
     if len(lengths) > start:
         plan.append((start, len(lengths)))
     return plan
+
+
+def plan_widths(lengths: Sequence[int], batch_tokens: int) -> tuple[list[int], list[bool]]:
+    """``(width [N], padded [N])`` of samples 0..N-1 (store order): the width sample n was padded to in its
+    :func:`plan_batches` forward (its batch's longest sample) and whether that forward held padding (a shorter
+    sample beside it). A sample's hidden states depend, in their last bits, on that width (attention and softmax
+    sum over it), not on the other rows of the batch: forwarded alone at this width and path
+    (:func:`capture_padded`), it gets the cache's bits (``cache/online.py``)."""
+    widths: list[int] = []
+    padded: list[bool] = []
+    for start, end in plan_batches(lengths, batch_tokens):
+        batch = [int(n) for n in lengths[start:end]]
+        width = max(batch)
+        widths += [width] * len(batch)
+        padded += [min(batch) < width] * len(batch)
+    return widths, padded
 
 
 def nonfinite_rows(aux: torch.Tensor, last: torch.Tensor) -> torch.Tensor:

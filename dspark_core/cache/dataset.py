@@ -17,8 +17,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dspark_core.cache.store import (REBUILD_HINT, check_store_contents, decode_hidden, open_store, read_manifest,
-                                     read_rows)
+from dspark_core.cache.capture import plan_widths
+from dspark_core.cache.store import (HIDDEN_STATES, REBUILD_HINT, check_store_contents, decode_hidden, open_store,
+                                     read_manifest, read_rows, token_only)
 from dspark_core.errors import UserError
 from dspark_core.target import resolve_dtype
 
@@ -30,6 +31,10 @@ class CacheDataset(Dataset):
 
     Item n: ``input_ids [L] long, loss_mask [L] bool, aux_hidden [L, K, H], last_hidden [L, H]``
     (hidden states in ``dtype``: bf16 bits decoded, or fp8 dequantised), L = min(length, max_length).
+    ``hidden_states="online"`` (the consumer runs the target itself, ``cache/online.py``): no hidden arrays are
+    read (a token-only store has none); item n has ``forward_width`` (int) and ``forward_padded`` (bool) instead,
+    the width and padding of the cache stage's forward of sample n (``capture.plan_widths``). A token-only store
+    read with ``hidden_states="cache"`` is refused.
     Refuses an incomplete store, a store of another model (``expected_fingerprint``), a store whose
     aux layers differ from ``expected_layer_ids`` when those are given, and a truncated store (offsets or
     arrays short of the manifest, missing chunk files). Reading an item whose hidden states hold NaN / inf
@@ -38,9 +43,17 @@ class CacheDataset(Dataset):
     """
 
     def __init__(self, path: str | Path, expected_fingerprint: str | None = None, max_length: int | None = None,
-                 expected_layer_ids: Sequence[int] | None = None, dtype: str | torch.dtype = torch.float32):
+                 expected_layer_ids: Sequence[int] | None = None, dtype: str | torch.dtype = torch.float32,
+                 hidden_states: str = "cache"):
         self.path = Path(path)
         self.manifest: dict[str, Any] = read_manifest(self.path)
+        if hidden_states not in HIDDEN_STATES:
+            raise UserError(f"CacheDataset: hidden_states must be one of {', '.join(HIDDEN_STATES)}; got "
+                            f"{hidden_states!r}")
+        if hidden_states == "cache" and token_only(self.manifest):
+            raise UserError(f"{self.path}: a token-only store (the cache stage wrote it for hidden_states: online), "
+                            f"it holds no hidden states; read it online, or rebuild it with hidden states")
+        self.hidden_states = hidden_states
         stored_fp = self.manifest["model_fingerprint"]
         if expected_fingerprint is not None and stored_fp != expected_fingerprint:
             raise UserError(f"{self.path}: cache from another model (its model_fingerprint is {stored_fp}, "
@@ -57,6 +70,9 @@ class CacheDataset(Dataset):
         self.offsets = check_store_contents(self.path, self.manifest)  # [N + 1]; refuses a truncated store
         self._arrays: dict[str, Any] | None = None
         self._pid = -1
+        if hidden_states == "online":  # [N] each: the cache stage's forward of every sample
+            self.forward_widths, self.forward_padded = plan_widths(np.diff(self.offsets).tolist(),
+                                                                   int(self.manifest["batch_tokens"]))
 
     @property
     def layer_ids(self) -> list[int]:
@@ -87,10 +103,14 @@ class CacheDataset(Dataset):
             end = min(end, start + self.max_length)
         arrays = self._open()
         what = f"sample {n} (tokens {start}..{end - 1})"
-        hidden = {k: read_rows(self.path, arrays[k], start, end, what)
-                  for k in ("aux_hidden", "aux_scale", "last_hidden") if k in arrays}
         input_ids = read_rows(self.path, arrays["input_ids"], start, end, what)  # [L]
         loss_mask = read_rows(self.path, arrays["loss_mask"], start, end, what)  # [L]
+        tokens = {"input_ids": torch.from_numpy(input_ids.astype(np.int64)),  # [L]
+                  "loss_mask": torch.from_numpy(loss_mask.astype(bool))}  # [L]
+        if self.hidden_states == "online":
+            return {**tokens, "forward_width": self.forward_widths[n], "forward_padded": self.forward_padded[n]}
+        hidden = {k: read_rows(self.path, arrays[k], start, end, what)
+                  for k in ("aux_hidden", "aux_scale", "last_hidden") if k in arrays}
         aux, last = decode_hidden(hidden, self.aux_dtype, self.dtype)  # [L, K, H], [L, H]
         bad = ~(torch.isfinite(aux).flatten(1).all(dim=1) & torch.isfinite(last).all(dim=1))  # [L]
         if bad.any():
@@ -98,12 +118,7 @@ class CacheDataset(Dataset):
             row = int(arrays["source_index"][n])
             raise UserError(f"{self.path}: sample {n} (source row {row}) holds NaN/inf hidden states from its token "
                             f"{pos}; check the target and cache.dtype, then {REBUILD_HINT}")
-        return {
-            "input_ids": torch.from_numpy(input_ids.astype(np.int64)),  # [L]
-            "loss_mask": torch.from_numpy(loss_mask.astype(bool)),  # [L]
-            "aux_hidden": aux,
-            "last_hidden": last,
-        }
+        return {**tokens, "aux_hidden": aux, "last_hidden": last}
 
 
 class CacheCollator:
@@ -111,7 +126,8 @@ class CacheCollator:
 
     Returns ``input_ids [B, L] long`` (padded with ``pad_id``), ``loss_mask [B, L] bool`` and
     ``attention_mask [B, L] bool`` (False on padding), ``aux_hidden [B, L, K, H]``,
-    ``last_hidden [B, L, H]`` (zeros on padding) and ``lengths [B] long``.
+    ``last_hidden [B, L, H]`` (zeros on padding) and ``lengths [B] long``; items read online (no hidden states)
+    give no hidden keys.
     """
 
     def __init__(self, pad_id: int, max_length: int | None = None):
@@ -132,12 +148,15 @@ class CacheCollator:
             "input_ids": torch.full((b, width), self.pad_id, dtype=torch.long),  # [B, L]
             "loss_mask": torch.zeros((b, width), dtype=torch.bool),  # [B, L]
             "attention_mask": torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1),  # [B, L]
-            "aux_hidden": first["aux_hidden"].new_zeros((b, width, *first["aux_hidden"].shape[1:])),  # [B, L, K, H]
-            "last_hidden": first["last_hidden"].new_zeros((b, width, *first["last_hidden"].shape[1:])),  # [B, L, H]
             "lengths": lengths,
         }
+        if "aux_hidden" in first:
+            aux, last = first["aux_hidden"], first["last_hidden"]
+            out["aux_hidden"] = aux.new_zeros((b, width, *aux.shape[1:]))  # [B, L, K, H]
+            out["last_hidden"] = last.new_zeros((b, width, *last.shape[1:]))  # [B, L, H]
+        keys = [k for k in ITEM_KEYS if k in out]
         for i, it in enumerate(items):
             n = int(lengths[i])
-            for key in ITEM_KEYS:
+            for key in keys:
                 out[key][i, :n] = it[key][:n]
         return out

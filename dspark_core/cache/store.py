@@ -15,6 +15,10 @@ is on disk, :func:`commit` records ``committed_samples`` / ``committed_tokens`` 
 run therefore never leaves a sample marked done whose data is missing, and a restart continues at the
 first uncommitted sample (reloading the committed tail of the last partial chunk).
 
+Token-only stores (manifest ``hidden_states: online``, written when the split's consumer runs the target itself:
+``train.hidden_states`` / ``eval_offline.hidden_states``) hold the same manifest and token-level arrays and no
+hidden arrays; they are complete when created.
+
 Integrity: every chunk of every array ends with a CRC-32C of its compressed bytes (zarr v3's ``crc32c`` codec,
 last in the codec chain, format version 2). A damaged chunk is a :class:`DamagedChunkError` naming the store, the
 array, the chunk file and the tokens it holds (:func:`read_rows`); :func:`bad_chunks` checks every chunk file's
@@ -41,11 +45,16 @@ FORMAT_VERSION = 2  # 2: a CRC-32C at the end of every chunk
 AUX_DTYPES = ("bf16", "fp8_e4m3")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 HIDDEN_ARRAYS = ("aux_hidden", "aux_scale", "last_hidden")
+HIDDEN_STATES = ("cache", "online")  # a store with the hidden states / a token-only store (manifest hidden_states)
+TOKEN_BYTES = 5  # input_ids int32 + loss_mask uint8, a token
 # Manifest keys that decide the content of a store: a store built with other values is never resumed.
 CONTENT_KEYS = (
     "format_version", "model_fingerprint", "aux_layer_ids", "aux_dtype", "max_length", "chunk_tokens",
-    "clevel", "compute_dtype", "batch_tokens", "on_too_long", "source_sha256",
+    "clevel", "compute_dtype", "batch_tokens", "on_too_long", "source_sha256", "hidden_states",
 )
+# The value of a content key a manifest leaves out: a store with hidden states does not write ``hidden_states``,
+# so its manifest (and its bytes) are those of a store built before token-only stores existed.
+CONTENT_DEFAULTS = {"hidden_states": "cache"}
 
 
 # -- codecs and encodings ------------------------------------------------------------------------
@@ -92,10 +101,16 @@ def fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def fp8_scale_up(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``q [..., H]`` float8_e4m3fn and ``scale [...]`` -> float32 ``q * scale`` (any device: one exactly rounded
+    float32 product an element, the same bits on every device)."""
+    return q.float() * scale.float().unsqueeze(-1)
+
+
 def fp8_dequantize(bits: np.ndarray, scale: np.ndarray) -> torch.Tensor:
     """``bits [..., H]`` uint8 (fp8 e4m3) and ``scale [...]`` float32 -> float32 ``[..., H]``."""
-    q = torch.from_numpy(np.ascontiguousarray(bits)).view(torch.float8_e4m3fn).float()  # [..., H]
-    return q * torch.from_numpy(np.ascontiguousarray(scale)).float().unsqueeze(-1)
+    q = torch.from_numpy(np.ascontiguousarray(bits)).view(torch.float8_e4m3fn)  # [..., H]
+    return fp8_scale_up(q, torch.from_numpy(np.ascontiguousarray(scale)))
 
 
 def encode_hidden(aux: torch.Tensor, last: torch.Tensor, aux_dtype: str) -> dict[str, np.ndarray]:
@@ -123,6 +138,54 @@ def decode_hidden(arrays: dict[str, np.ndarray], aux_dtype: str,
     return aux, last
 
 
+def roundtrip_hidden(aux: torch.Tensor, last: torch.Tensor, aux_dtype: str,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``decode_hidden(encode_hidden(aux, last, aux_dtype), aux_dtype, dtype)`` computed where the tensors are:
+    ``aux [..., K, H]`` and ``last [..., H]`` as a store would hold and its reader give them, bit for bit
+    (bf16 rounding; or fp8 e4m3 with its per-token scale for aux), without a copy to the host."""
+    last = last.to(torch.bfloat16).to(dtype)  # bf16 -> float32 is exact: the reader's 16-bit shift
+    if aux_dtype == "bf16":
+        return aux.to(torch.bfloat16).to(dtype), last
+    if aux_dtype == "fp8_e4m3":
+        q, scale = fp8_quantize(aux)  # [..., K, H], [..., K]
+        return fp8_scale_up(q, scale).to(dtype), last
+    raise UserError(f"aux_dtype must be one of {', '.join(AUX_DTYPES)}; got {aux_dtype!r}")
+
+
+def token_only(manifest: dict[str, Any]) -> bool:
+    """Whether the store of ``manifest`` is token-only (no hidden arrays; its consumers run the target)."""
+    return manifest.get("hidden_states", CONTENT_DEFAULTS["hidden_states"]) == "online"
+
+
+# -- sizes -------------------------------------------------------------------------------------------
+def cache_bytes_per_token(hidden_size: int, num_aux_layers: int, aux_dtype: str) -> int:
+    """Uncompressed bytes a token takes in a store with hidden states: ``K`` aux layers and the last normed state
+    of ``hidden_size`` H, plus ``input_ids`` and ``loss_mask`` (5). bf16 aux: ``2 (K + 1) H + 5``; fp8 e4m3 aux
+    (one float32 scale a token and layer): ``K H + 4 K + 2 H + 5``. A token-only store holds 5."""
+    k, h = int(num_aux_layers), int(hidden_size)
+    if aux_dtype == "bf16":
+        return 2 * (k + 1) * h + TOKEN_BYTES
+    if aux_dtype == "fp8_e4m3":
+        return k * h + 4 * k + 2 * h + TOKEN_BYTES
+    raise UserError(f"aux_dtype must be one of {', '.join(AUX_DTYPES)}; got {aux_dtype!r}")
+
+
+def estimate_cache_bytes(hidden_size: int, num_aux_layers: int, aux_dtype: str, tokens: int) -> int:
+    """Uncompressed bytes of the stores holding the hidden states of ``tokens`` tokens (the per-sample
+    ``offsets`` / ``source_index``, 16 bytes a sample, left out): what the cache stage needs on disk at most.
+    Blosc zstd stores bf16 activations in about 0.7x of it (``reports/cache_stats.json``: ``compression_ratio``).
+    E.g. Qwen3-4B (H 2560), 5 aux layers, bf16: 30,725 bytes a token."""
+    return int(tokens) * cache_bytes_per_token(hidden_size, num_aux_layers, aux_dtype)
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes in decimal units (``"38.2 TB"``)."""
+    units, i = ("B", "kB", "MB", "GB", "TB", "PB"), 0
+    while abs(n) >= 1000 and i < len(units) - 1:
+        n, i = n / 1000, i + 1
+    return f"{n:,.0f} {units[i]}" if i == 0 else f"{n:,.1f} {units[i]}"
+
+
 # -- creation, opening, manifest -------------------------------------------------------------------
 def is_store(path: str | Path) -> bool:
     return (Path(path) / "zarr.json").is_file()
@@ -140,7 +203,8 @@ def remove_store(path: str | Path) -> None:
 
 def create_store(path: str | Path, manifest: dict[str, Any], *, input_ids: np.ndarray, loss_mask: np.ndarray,
                  offsets: np.ndarray, source_index: np.ndarray) -> zarr.Group:
-    """Create an empty store (hidden arrays unwritten) holding the token-level arrays; returns the group.
+    """Create an empty store (hidden arrays unwritten) holding the token-level arrays; returns the group. A
+    token-only manifest (``hidden_states: online``) gets no hidden arrays at all.
 
     ``manifest`` needs at least aux_layer_ids, hidden_size, aux_dtype, chunk_tokens, clevel.
     """
@@ -161,10 +225,11 @@ def create_store(path: str | Path, manifest: dict[str, Any], *, input_ids: np.nd
     aux_bits = np.uint16 if manifest["aux_dtype"] == "bf16" else np.uint8
     make("input_ids", (n_tok,), (c,), np.int32)[:] = input_ids
     make("loss_mask", (n_tok,), (c,), np.uint8)[:] = loss_mask
-    make("aux_hidden", (n_tok, k, h), (c, k, h), aux_bits)
-    if manifest["aux_dtype"] == "fp8_e4m3":
-        make("aux_scale", (n_tok, k), (c, k), np.float32)
-    make("last_hidden", (n_tok, h), (c, h), np.uint16)
+    if not token_only(manifest):
+        make("aux_hidden", (n_tok, k, h), (c, k, h), aux_bits)
+        if manifest["aux_dtype"] == "fp8_e4m3":
+            make("aux_scale", (n_tok, k), (c, k), np.float32)
+        make("last_hidden", (n_tok, h), (c, h), np.uint16)
     meta_chunk = (max(1, min(n_smp + 1, 1 << 16)),)
     make("offsets", (n_smp + 1,), meta_chunk, np.int64)[:] = offsets
     make("source_index", (n_smp,), meta_chunk, np.int64)[:] = source_index
@@ -217,7 +282,8 @@ def check_store_contents(path: str | Path, manifest: dict[str, Any] | None = Non
     group = open_store(path)
     n_smp, n_tok = int(m["num_samples"]), int(m["num_tokens"])
     have = set(group.array_keys())
-    hidden = ["aux_hidden", "last_hidden"] + (["aux_scale"] if m.get("aux_dtype") == "fp8_e4m3" else [])
+    hidden = [] if token_only(m) else \
+        ["aux_hidden", "last_hidden"] + (["aux_scale"] if m.get("aux_dtype") == "fp8_e4m3" else [])
     lacking = [a for a in ("input_ids", "loss_mask", "offsets", "source_index", *hidden) if a not in have]
     if lacking:
         raise UserError(f"{path}: cache store lacks the array(s) {lacking}; {REBUILD_HINT}")
@@ -306,7 +372,7 @@ def mismatches(stored: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
     """Human-readable differences of the content-defining manifest keys."""
     out = []
     for key in CONTENT_KEYS:
-        a, b = stored.get(key), wanted.get(key)
+        a, b = stored.get(key, CONTENT_DEFAULTS.get(key)), wanted.get(key, CONTENT_DEFAULTS.get(key))
         if (list(a) if isinstance(a, (list, tuple)) else a) != (list(b) if isinstance(b, (list, tuple)) else b):
             out.append(f"{key}: stored {a!r}, now {b!r}")
     return out
@@ -378,25 +444,28 @@ def _dir_bytes(path: Path) -> int:
 def store_stats(path: str | Path, compute_seconds: float | None = None) -> dict[str, Any]:
     """Stored bytes per token (whole store and per array) against raw bf16, from the files on disk; tokens/s
     from ``compute_seconds``, the build's forward time. None: a store found complete and kept, nothing computed
-    (``reused``, compute_seconds 0, tokens_per_s None; the time of the build that made it is not in the store)."""
+    (``reused``, compute_seconds 0, tokens_per_s None; the time of the build that made it is not in the store).
+    A token-only store's raw figure is its token arrays' (5 bytes a token; no hidden ratio)."""
     path = Path(path)
     m = read_manifest(path)
     t, k, h = int(m["num_tokens"]), len(m["aux_layer_ids"]), int(m["hidden_size"])
+    hidden_raw = 0.0 if token_only(m) else float(cache_bytes_per_token(h, k, "bf16") - TOKEN_BYTES)
     raw_per_array = {"input_ids": 4.0, "loss_mask": 1.0, "aux_hidden": 2.0 * k * h, "last_hidden": 2.0 * h}
+    if token_only(m):
+        raw_per_array = {"input_ids": 4.0, "loss_mask": 1.0}
     arrays = {}
     for child in sorted(p for p in path.iterdir() if p.is_dir()):
         arrays[child.name] = {"bytes_per_token": _dir_bytes(child) / t,
                               "raw_bf16_bytes_per_token": raw_per_array.get(child.name, 0.0)}
     hidden_stored = sum(arrays[n]["bytes_per_token"] for n in HIDDEN_ARRAYS if n in arrays)
-    hidden_raw = raw_per_array["aux_hidden"] + raw_per_array["last_hidden"]
     total = _dir_bytes(path) / t
     raw = sum(raw_per_array.values())
     seconds = float(compute_seconds or 0.0)
     return {
-        "reused": compute_seconds is None,
+        "reused": compute_seconds is None, "hidden_states": "online" if token_only(m) else "cache",
         "bytes_per_token": total, "raw_bf16_bytes_per_token": raw, "compression_ratio": total / raw,
         "hidden_bytes_per_token": hidden_stored, "hidden_raw_bf16_bytes_per_token": hidden_raw,
-        "hidden_compression_ratio": hidden_stored / hidden_raw,
+        "hidden_compression_ratio": hidden_stored / hidden_raw if hidden_raw else None,
         "tokens_per_s": t / seconds if seconds > 0 else None, "compute_seconds": seconds,
         "num_tokens": t, "num_samples": int(m["num_samples"]), "truncated_samples": int(m["truncated_samples"]),
         "no_response_samples": int(m["no_response_samples"]), "aux_dtype": m["aux_dtype"], "arrays": arrays,

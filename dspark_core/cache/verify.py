@@ -8,7 +8,8 @@ token's H-vector (per layer), averaged.
 
 Before that, every chunk file of every array is checked against its CRC-32C (:func:`~dspark_core.cache.store.bad_chunks`:
 reads each file once, decompresses nothing); a damaged chunk makes the report not ``ok`` and is listed, and a chosen
-sample whose chunks are damaged is reported with its error instead of errors. ``n_samples`` 0: checksums only.
+sample whose chunks are damaged is reported with its error instead of errors. ``n_samples`` 0: checksums only, as
+for a token-only store (``hidden_states: online``: nothing stored to recompute).
 
 Shape legend: L tokens of a sample, K aux layers, H hidden, N samples.
 """
@@ -23,7 +24,7 @@ import torch
 
 from dspark_core.cache.capture import capture_batch, forward_pad_id, plan_batches
 from dspark_core.cache.store import (DamagedChunkError, bad_chunks, decode_hidden, encode_hidden, open_store,
-                                     read_manifest, read_rows)
+                                     read_manifest, read_rows, token_only)
 from dspark_core.errors import UserError
 from dspark_core.target import load_target, read_fingerprint
 
@@ -67,12 +68,13 @@ def verify_cache(store_path: str | Path, target_dir: str | Path, n_samples: int 
     offsets = np.asarray(group["offsets"][:], dtype=np.int64) if not any(
         b["array"] == "offsets" for b in bad) else None  # [N + 1]
     samples = _recompute(store_path, target_dir, group, manifest, offsets, n_samples, seed, device) \
-        if offsets is not None and n_samples > 0 else []
+        if offsets is not None and n_samples > 0 and not token_only(manifest) else []
     compared = [s for s in samples if "error" not in s]
     tol = TOLERANCE[manifest["aux_dtype"]]
     report = {
         "store": str(store_path), "target": str(target_dir), "model_fingerprint": fingerprint,
         "aux_dtype": manifest["aux_dtype"], "compute_dtype": manifest["compute_dtype"],
+        "hidden_states": "online" if token_only(manifest) else "cache",
         "chunks": {"checked": n_chunks, "bad": bad}, "samples": samples,
         "max_aux_rel_err": max((s["aux_rel_err"] for s in compared), default=None),
         "max_last_rel_err": max((s["last_rel_err"] for s in compared), default=None),

@@ -27,6 +27,9 @@ def dmtd_configs(params: Path, variant: str) -> tuple[DMTDConfig, TrainConfig]:
     if variant not in cfg.variants:
         raise ParamsError(f"{params}: dmtd variant {variant!r} is not listed in dmtd.variants {list(cfg.variants)}")
     train = TrainConfig.load(params, "dmtd_train")
+    if train.hidden_states != "cache":
+        raise ParamsError(f"{params}: dmtd_train.hidden_states: DMTD fine-tunes the target on token ids and reads no "
+                          f"cached hidden states; remove the key (got {train.hidden_states!r})")
     return cfg, train.replace(out_dir=str(OUT_ROOT / variant))
 
 

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from dspark_core.config import Section, positive, require
+from dspark_core.config import Section, one_of, positive, require
 from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.draft.config import LossConfig
 from dspark_core.draft.loss import slot_outputs
@@ -45,6 +45,7 @@ class EvalOfflineConfig(Section):
     num_anchors: int = 256
     calibration_bins: int = 10
     reference: str = "baseline"  # the variant also measured on another draft's extra anchor sets (post_error)
+    hidden_states: str = "cache"  # cache: read from the eval store | online: the target run here (cache/online.py)
 
     def validate(self) -> None:
         if self.max_samples is not None:
@@ -54,15 +55,19 @@ class EvalOfflineConfig(Section):
         positive("calibration_bins", self.calibration_bins)
         require(bool(self.reference) and "/" not in self.reference,
                 f"reference must name a variant (a key of variants); got {self.reference!r}")
+        one_of("hidden_states", self.hidden_states, ("cache", "online"))
 
 
 @torch.no_grad()
 def evaluate_offline(draft, dataset: Sequence[dict[str, torch.Tensor]], cfg: EvalOfflineConfig, *,
                      metrics_path: str | Path | None = None, plots_dir: str | Path | None = None,
                      pad_id: int = 0, chunk_slots: int = 512, device: torch.device | str | None = None,
-                     collator: Any = None, progress: bool = True, reference: Any = None) -> dict[str, Any]:
+                     collator: Any = None, progress: bool = True, reference: Any = None,
+                     fill_hidden: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Teacher-forced offline metrics of ``draft`` on ``dataset`` (``CacheDataset`` items); ``reference`` (a draft
-    of the same block size, named ``cfg.reference``) is measured on the draft's extra anchor sets."""
+    of the same block size, named ``cfg.reference``) is measured on the draft's extra anchor sets. ``fill_hidden``:
+    adds each batch's hidden states on the device (``OnlineTarget.fill``, items read online with the
+    ``OnlineCollator``)."""
     from tqdm.auto import tqdm
 
     draft.eval()
@@ -90,6 +95,8 @@ def evaluate_offline(draft, dataset: Sequence[dict[str, torch.Tensor]], cfg: Eva
         # compact anchor slots: no dummy blocks for short answers (the same valid slots, so the same metrics)
         batch = add_anchor_fields(collator(items), cfg.num_anchors, draft.block_size, gen, compact=True)
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        if fill_hidden is not None:
+            batch = fill_hidden(batch)
         for name, prepared in draft.offline_anchor_sets(batch).items():
             _accumulate(draft, prepared, loss_cfg, metrics[name])
             if name and reference is not None:  # the same anchors, targets and validity; no memory of the draft's

@@ -53,6 +53,17 @@ def pack_rows(lengths: Sequence[int], packed_length: int) -> list[list[int]]:
     return rows
 
 
+def sample_places(lengths: Sequence[int], packed_length: int) -> list[tuple[int, int]]:
+    """``(row, start)`` of each sample in the rows of :func:`pack_rows`: where its tokens lie in the packed batch."""
+    places: list[tuple[int, int]] = [(0, 0)] * len(lengths)
+    for r, row in enumerate(pack_rows(lengths, packed_length)):
+        start = 0
+        for i in row:
+            places[i] = (r, start)
+            start += int(lengths[i])
+    return places
+
+
 def _sample_fields(item: dict[str, Any], num_anchors: int, block_size: int, gen: torch.Generator
                    ) -> dict[str, torch.Tensor]:
     """One sample's anchors [A], anchor_valid [A] and slot fields [A, S], as the padded batch draws them."""
@@ -83,11 +94,12 @@ def collate_packed(items: Sequence[dict[str, Any]], num_anchors: int, block_size
         anchors_per_row = compact_width(max(sum(cols_of[i] for i in row) for row in rows), num_anchors,
                                         anchors_per_row)
     out = _empty_batch(items[0], len(rows), width, anchors_per_row, block_size, pad_id)
+    keys = [k for k in ITEM_KEYS if k in out]  # items read online carry no hidden states (cache/online.py)
     for r, row in enumerate(rows):
         start = col = 0
         for i in row:
             n, f, c = lengths[i], fields[i], cols_of[i]
-            for key in ITEM_KEYS:
+            for key in keys:
                 out[key][r, start:start + n] = items[i][key][:n]
             out["position_ids"][r, start:start + n] = torch.arange(n)
             out["doc_ids"][r, start:start + n] = i
@@ -107,11 +119,14 @@ def collate_packed(items: Sequence[dict[str, Any]], num_anchors: int, block_size
 
 def _empty_batch(first: dict[str, Any], rows: int, width: int, anchors: int, slots: int, pad_id: int
                  ) -> dict[str, torch.Tensor]:
+    hidden = {} if "aux_hidden" not in first else {
+        "aux_hidden": first["aux_hidden"].new_zeros((rows, width, *first["aux_hidden"].shape[1:])),  # [B, L, K, Ht]
+        "last_hidden": first["last_hidden"].new_zeros((rows, width, *first["last_hidden"].shape[1:])),  # [B, L, Ht]
+    }
     return {
         "input_ids": torch.full((rows, width), pad_id, dtype=torch.long),  # [B, L]
         "loss_mask": torch.zeros((rows, width), dtype=torch.bool),  # [B, L]
-        "aux_hidden": first["aux_hidden"].new_zeros((rows, width, *first["aux_hidden"].shape[1:])),  # [B, L, K, Ht]
-        "last_hidden": first["last_hidden"].new_zeros((rows, width, *first["last_hidden"].shape[1:])),  # [B, L, Ht]
+        **hidden,
         "position_ids": torch.zeros((rows, width), dtype=torch.long),  # [B, L]
         "doc_ids": torch.full((rows, width), -1, dtype=torch.long),  # [B, L]
         "lengths": torch.zeros(rows, dtype=torch.long),  # [B]

@@ -84,22 +84,47 @@ def warm_start_checkpoint(params: Path, variant: str) -> tuple[WarmStartConfig, 
     return warm, ckpt, step
 
 
+def check_hidden_states(params: Path, store: Path, mode: str, field: str) -> None:
+    """Refuse to read the hidden states of a token-only store (``mode`` cache), naming ``field``, where the mode
+    was set (e.g. ``variants.baseline.train.hidden_states``), and what to do. A missing store is its reader's."""
+    from dspark_core.cache.store import is_store, read_manifest, token_only
+
+    if mode == "cache" and is_store(store) and token_only(read_manifest(store, require_complete=False)):
+        section = field.split(".")[-2]
+        raise ParamsError(f"{params}: {field} is cache, but {store} is a token-only store (the cache stage wrote it "
+                          f"for {section}.hidden_states: online; it holds no hidden states); set {field}: online, or "
+                          f"set {section}.hidden_states: cache and rerun the cache stage (`dvc repro cache`)")
+
+
+def cache_identity(manifest: dict) -> str:
+    """The hash of a store's manifest that a training run's resume identity records: without ``hidden_states``, so
+    a token-only store and the store with hidden states of the same content (same tokens, target, compute dtype,
+    batch plan, aux dtype: the same states online) are one identity, and switching ``train.hidden_states`` resumes
+    the run."""
+    return sha256_json({k: v for k, v in manifest.items() if k != "hidden_states"})
+
+
 def run_train_stage(params: Path, variant: str, time_budget_s: float | None = None) -> None:
     from dspark_core.cache.dataset import CacheDataset
     from dspark_core.draft.task import task_class
     from dspark_core.train.run import run_training
+    from dspark_core.variants import variant_overrides
 
     check_variant_dag(params)
     draft_cfg, loss_cfg, train_cfg = variant_configs(params, variant)
     set_loss_kernel(train_cfg.loss_kernel)
     set_attention_kernel(train_cfg.attention_kernel)
     warm, ckpt, offset = warm_start_checkpoint(params, variant)
+    overridden = "hidden_states" in (variant_overrides(params, variant).get("train") or {})
+    check_hidden_states(params, CACHE_DIR / "train.zarr", train_cfg.hidden_states,
+                        f"variants.{variant}.train.hidden_states" if overridden else "train.hidden_states")
     task = task_class(draft_cfg.kind).from_paths(draft_cfg, loss_cfg, TARGET_DIR, CACHE_DIR / "train.zarr",
-                                                 init_checkpoint=ckpt, freeze_base=warm.freeze_base)
+                                                 init_checkpoint=ckpt, freeze_base=warm.freeze_base,
+                                                 hidden_states=train_cfg.hidden_states)
     data: CacheDataset = task.train_dataset()  # type: ignore[assignment]
     run_config = {"variant": variant, "draft": draft_cfg.identity_dict(), "loss": loss_cfg.to_dict(),
                   "train": train_cfg.identity_dict(), "target": task.target_fingerprint,
-                  "cache": sha256_json(data.manifest)}
+                  "cache": cache_identity(data.manifest)}
     if ckpt is not None:
         run_config["warm_start"] = {**warm.to_dict(), "checkpoint": str(ckpt), "step": offset,
                                     "weights_sha256": sha256_file(ckpt / "model.safetensors")}
@@ -154,10 +179,19 @@ def run_eval_offline_stage(params: Path, variant: str) -> dict:
     if len(draft.offline_anchor_set_names) > 1:
         check_variant(params, cfg.reference)
         reference = load_draft(_trained_draft_dir(cfg.reference), target, expected_fingerprint=fp).to(device)
-    data = CacheDataset(CACHE_DIR / "eval.zarr", expected_fingerprint=fp, expected_layer_ids=draft.aux_layer_ids)
+    store = CACHE_DIR / "eval.zarr"
+    check_hidden_states(params, store, cfg.hidden_states, "eval_offline.hidden_states")
+    data = CacheDataset(store, expected_fingerprint=fp, expected_layer_ids=draft.aux_layer_ids,
+                        hidden_states=cfg.hidden_states)
+    online = {}
+    if cfg.hidden_states == "online":  # the target run here, its states as the store's reader gives them
+        from dspark_core.cache.online import OnlineCollator, OnlineTarget
+
+        target_states = OnlineTarget.load(TARGET_DIR, data.manifest, device, data.dtype)
+        online = {"collator": OnlineCollator(pad_id or 0), "fill_hidden": target_states.fill}
     out = Path("reports/eval_offline")
     return evaluate_offline(draft, data, cfg, metrics_path=out / f"{variant}.json", plots_dir=out / variant,
-                            pad_id=pad_id or 0, device=device, reference=reference)
+                            pad_id=pad_id or 0, device=device, reference=reference, **online)
 
 
 ENGRAM_DIR = Path("data/engram")

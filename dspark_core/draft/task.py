@@ -3,7 +3,10 @@
 Shape legend: B batch, L tokens, A anchors, S slots, K aux layers, Ht target hidden, V vocab.
 
 - ``collate``: pad cache items (``CacheCollator``), then sample each sample's anchors with its own
-  generator and derive the slot supervision (``anchors.add_anchor_fields``).
+  generator and derive the slot supervision (``anchors.add_anchor_fields``). Online (``train.hidden_states:
+  online``) the items carry tokens only, and the batch a host-side plan of its target forwards.
+- ``prepare_step``: online, the frozen target's hidden states of each micro-batch (``cache/online.py``: the bits
+  the cache would hold), then the draft's ``prepare_batch``.
 - ``denominators``: ``weight`` (sum of ``exp(-j/gamma)`` over valid slots, the loss terms'), ``blocks``
   (valid blocks, tau_prob's) and ``tokens@i`` (valid tokens of slot i, accept_rate@i's).
 - ``forward_sums``: ``model(batch)`` -- the model is a :class:`DSparkTrainModel` (draft + loss), so DDP
@@ -13,6 +16,7 @@ Shape legend: B batch, L tokens, A anchors, S slots, K aux layers, Ht target hid
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -21,7 +25,7 @@ from torch import nn
 
 from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.draft.config import DraftConfig, LossConfig
-from dspark_core.draft.packing import collate_packed
+from dspark_core.draft.packing import collate_packed, sample_places
 from dspark_core.draft.loss import dspark_sums, slot_weights
 from dspark_core.draft.model import DSparkDraft, build_draft, draft_class
 from dspark_core.draft.vocab import RANKING_PATH, load_ranked_vocab
@@ -125,7 +129,9 @@ class DSparkTask:
 
     ``target_config`` + ``embed_weight`` / ``lm_head_weight`` [V, Ht] come from the target (the rest of
     the target is not needed); ``train_data`` is indexable (``CacheDataset`` items). ``collator`` pads
-    a list of items (default ``CacheCollator(pad_id)``).
+    a list of items (default ``CacheCollator(pad_id)``). ``online_target(device)``: makes the frozen target
+    (``cache.online.OnlineTarget``) that fills each micro-batch's hidden states on the training device (called by
+    ``build_model``, so each process holds its own); the items are then ``CacheDataset(hidden_states="online")``'s.
     """
 
     name = "dspark"
@@ -145,8 +151,10 @@ class DSparkTask:
                  train_data: Sequence[Any], pad_id: int = 0, target_fingerprint: str | None = None,
                  collator: Callable[[list[Any]], dict[str, torch.Tensor]] | None = None,
                  attention_backend: str = "auto", gradient_checkpointing: bool = False,
-                 init_checkpoint: str | Path | None = None, freeze_base: bool = False) -> None:
+                 init_checkpoint: str | Path | None = None, freeze_base: bool = False,
+                 online_target: Callable[[torch.device], Any] | None = None) -> None:
         self.draft_cfg, self.loss_cfg = draft_cfg, loss_cfg
+        self.online_target, self.target = online_target, None  # the target: built with the model
         self.init_checkpoint, self.freeze_base = init_checkpoint, freeze_base
         self.target_config = target_config
         self.embed_weight, self.lm_head_weight = embed_weight, lm_head_weight
@@ -168,8 +176,11 @@ class DSparkTask:
 
     @classmethod
     def from_paths(cls, draft_cfg: DraftConfig, loss_cfg: LossConfig, target_dir: str | Path,
-                   cache_path: str | Path, max_length: int | None = None, **kwargs: Any) -> "DSparkTask":
-        """The task on a target HF dir and a cache store (checked against the target's fingerprint)."""
+                   cache_path: str | Path, max_length: int | None = None, hidden_states: str = "cache",
+                   **kwargs: Any) -> "DSparkTask":
+        """The task on a target HF dir and a cache store (checked against the target's fingerprint).
+        ``hidden_states: online``: the store's tokens only, the target run on each micro-batch (the store's compute
+        dtype; its states as the store's reader gives them, bf16)."""
         from dspark_core.cache.dataset import CacheDataset
         from dspark_core.frozen_target import load_frozen_target
         from dspark_core.target import read_fingerprint
@@ -177,7 +188,12 @@ class DSparkTask:
         model, pad_id = load_frozen_target(target_dir)  # config, embedding, LM head: no target layers
         fingerprint = read_fingerprint(target_dir)["fingerprint"]
         data = CacheDataset(cache_path, expected_fingerprint=fingerprint, max_length=max_length,
-                            dtype=torch.bfloat16)
+                            dtype=torch.bfloat16, hidden_states=hidden_states)
+        if hidden_states == "online":
+            from dspark_core.cache.online import OnlineTarget
+
+            kwargs["online_target"] = functools.partial(OnlineTarget.load, target_dir, data.manifest,
+                                                        dtype=data.dtype)
         pad_id = pad_id if pad_id is not None else 0
         return cls(draft_cfg, loss_cfg, target_config=model.config,
                    embed_weight=model.get_input_embeddings().weight.detach(),
@@ -206,6 +222,8 @@ class DSparkTask:
             load_warm_start(model, Path(self.init_checkpoint), self.target_fingerprint)
         if self.freeze_base:
             freeze_all_but_variant(model)
+        if self.online_target is not None:  # not a part of the model: no optimiser, DDP or checkpoint sees it
+            self.target = self.online_target(torch.device(device))
         return model
 
     def param_groups(self, model: nn.Module) -> list[dict[str, Any]]:
@@ -230,18 +248,30 @@ class DSparkTask:
         cfg = self.draft_cfg
         compact = cfg.anchor_slots == "compact"
         if cfg.packed_length is not None:
-            return collate_packed(items, cfg.num_anchors, cfg.block_size, cfg.packed_length, generator, self.pad_id,
-                                  compact)
-        if self.collator is None:
-            from dspark_core.cache.dataset import CacheCollator
+            batch = collate_packed(items, cfg.num_anchors, cfg.block_size, cfg.packed_length, generator, self.pad_id,
+                                   compact)
+            places = sample_places([len(it["input_ids"]) for it in items], cfg.packed_length)
+        else:
+            if self.collator is None:
+                from dspark_core.cache.dataset import CacheCollator
 
-            self.collator = CacheCollator(self.pad_id)
-        batch = self.collator(items)
-        return add_anchor_fields(batch, cfg.num_anchors, cfg.block_size, generator, compact)
+                self.collator = CacheCollator(self.pad_id)
+            batch = add_anchor_fields(self.collator(items), cfg.num_anchors, cfg.block_size, generator, compact)
+            places = [(i, 0) for i in range(len(items))]
+        if self.online_target is not None:  # the target forwards that fill the batch in prepare_step (host side)
+            from dspark_core.cache.online import PLAN_KEY, target_forwards
+
+            batch[PLAN_KEY] = target_forwards(items, places)
+        return batch
 
     def prepare_step(self, model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-        """The draft's ``prepare_batch`` hook on each micro-batch (no_grad; the trainer calls it before the
-        denominators). The baseline's is the identity."""
+        """Online, the target's hidden states of each micro-batch (``OnlineTarget.fill``: autocast off, no host
+        read); then the draft's ``prepare_batch`` hook on each (no_grad; the trainer calls it before the
+        denominators). The baseline's hook is the identity."""
+        if self.online_target is not None:
+            if self.target is None:
+                raise RuntimeError("DSparkTask: online hidden states, but build_model has not made the target")
+            batches = [self.target.fill(b) for b in batches]
         draft = getattr(model, "draft", model)
         return [draft.prepare_batch(b) for b in batches]
 

@@ -74,9 +74,12 @@ class TrainConfig(Section):
     attention_kernel: str = "triton"     # the draft's flex attention on GPU: triton | flash (FlashAttention-4)
     optimizer_kernel: str = "torch"      # the AdamW step: torch | triton (train/optim.py; same numbers)
     group_by_length: bool = True         # a step's samples go to its micro-batches by length (same step gradient)
+    # cache: the DSpark task reads the target's hidden states from the train store | online: this process runs the
+    # frozen target on each micro-batch (the store is then token-only); the same states (cache/online.py)
+    hidden_states: str = "cache"
 
     EXECUTION_KEYS = ("time_budget_s", "nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "loss_kernel",
-                      "attention_kernel", "optimizer_kernel", "group_by_length")
+                      "attention_kernel", "optimizer_kernel", "group_by_length", "hidden_states")
 
     def validate(self) -> None:
         positive("lr", self.lr)
@@ -102,6 +105,7 @@ class TrainConfig(Section):
         non_negative("data_workers", self.data_workers)
         one_of("attention_kernel", self.attention_kernel, ("triton", "flash"))
         one_of("optimizer_kernel", self.optimizer_kernel, OPTIMIZER_KERNELS)
+        one_of("hidden_states", self.hidden_states, ("cache", "online"))
         if self.time_budget_s is not None:
             positive("time_budget_s", self.time_budget_s)
         positive("nproc_per_node", self.nproc_per_node)
