@@ -314,6 +314,54 @@ def test_qwen3_style_template_drops_earlier_thinking_and_keeps_the_last(tmp_path
     assert row["prompt_ids"] == _ids(tok, head)
 
 
+def test_openai_backend_answers_every_turn(tiny, tmp_path):
+    """An OpenAI-compatible server (a local stub) gets each turn's context, as chat-templated text here
+    (``openai_send_token_ids: false``), the earlier answers of the server in it."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    bodies = []
+
+    class Stub(BaseHTTPRequestHandler):
+        def _send(self, obj):
+            data = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # noqa: N802
+            self._send({"data": [{"id": "stub"}]})
+
+        def do_POST(self):  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            bodies.append(body)
+            self._send({"choices": [{"text": f"ans {body['prompt'].count(S + 'user')}", "finish_reason": "stop"}]})
+
+        def log_message(self, *args):
+            return None
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    target, _ = tiny
+    tok = tiny_tokenizer()
+    prompts = _write(tmp_path / "prompts", [Prompt("c", "test", ("u1", "u2"))])
+    try:
+        run_regenerate(_cfg(target, prompts, tmp_path / "out", backend="openai", openai_send_token_ids=False,
+                            openai_base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", openai_timeout_s=20))
+    finally:
+        server.shutdown()
+        server.server_close()
+    ctx2 = _turn("user", "u1") + f"{S}assistant\n" + f"ans 1{E}\n" + _turn("user", "u2") + f"{S}assistant\n"
+    assert [b["prompt"] for b in bodies] == [_turn("user", "u1") + f"{S}assistant\n", ctx2]
+    (row,) = read_regen(tmp_path / "out" / "eval.parquet")
+    assert row["prompt_ids"] + row["response_ids"] == _ids(tok, ctx2 + f"ans 2{E}")
+    assert [tok.decode((row["prompt_ids"] + row["response_ids"])[a:b]) for a, b in _spans(row)] == [f"ans 1{E}",
+                                                                                                  f"ans 2{E}"]
+
+
 # -- backend none: the data set's own replies ----------------------------------------------------------------
 def test_backend_none_takes_the_replies_and_loads_no_model(tmp_path, monkeypatch):
     target = save_tiny_target(tmp_path / "target", "qwen3", template="qwen3")
@@ -419,3 +467,34 @@ def test_draft_vocab_counts_the_span_tokens(tmp_path):
     _, counts = read_ranking(tmp_path / "r.safetensors", 10, "fp")
     assert counts.tolist() == [0, 1, 1, 1, 2, 0, 0, 0, 0, 0]
     assert stats["answer_tokens"] == 5 and stats["answers"] == 3
+
+
+# -- the real packaged model: hf and vLLM answer every turn alike ----------------------------------------------
+@pytest.mark.slow
+def test_hf_and_vllm_answer_every_turn_alike_on_packaged_model(packaged_target, tmp_path):
+    """Greedy, two turns on SmolLM2: vLLM (fed the same context ids a turn) gives hf's tokens and spans."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    pytest.importorskip("vllm")
+    prompts = _write(tmp_path / "prompts", [Prompt("a", "test", ("What is 12 times 3?", "And plus 4?")),
+                                            Prompt("b", "test", ("Name a fruit.", "Another one."), system="Be brief.")])
+    common = dict(temperature=0.0, max_new_tokens=24, batch_size=2, splits=["eval"], dtype="float32", max_turns=2,
+                  target_dir=str(packaged_target), prompts_dir=str(prompts), stats_path=str(tmp_path / "stats.json"))
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"regenerate": {**common, "backend": "vllm", "vllm_enforce_eager": True,
+                                                     "out_dir": str(tmp_path / "vllm")}}))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    script = Path(__file__).resolve().parents[1] / "stages" / "regenerate.py"
+    proc = subprocess.run([sys.executable, str(script), "--params", str(params)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_regenerate(RegenerateConfig.from_dict({**common, "backend": "hf", "out_dir": str(tmp_path / "hf")}))
+    v, h = (read_regen(tmp_path / d / "eval.parquet") for d in ("vllm", "hf"))
+    assert [r["num_turns"] for r in h] == [2, 2] and all(len(r["span_starts"]) == 2 for r in h)
+    for a, b in zip(v, h):
+        assert (a["prompt_ids"], a["response_ids"], _spans(a), a["finish_reasons"]) == (
+            b["prompt_ids"], b["response_ids"], _spans(b), b["finish_reasons"]), a["id"]

@@ -88,7 +88,6 @@ KEY_METADATA = b"dspark_regen_key"          # the settings and the prompts file:
 ROW_KEY_METADATA = b"dspark_regen_row_key"  # the settings alone: each row answers its own prompt
 COLUMNS = ("id", "source", "prompt_ids", "response_ids", "prompt_text", "response_text", "backend",
            "finish_reason")
-TURN_COLUMNS = ("span_starts", "span_ends", "finish_reasons", "num_turns", "input_key")  # rows of this version
 NONE = "none"                       # backend: the data set's own replies, no model
 BACKEND_CHOICES = (*BACKENDS, NONE)
 GIVEN = "given"                     # the finish reason of a reply taken from the data set
@@ -721,4 +720,4 @@ def read_regen(path: str | Path) -> list[dict]:
 __all__ = ["RegenerateConfig", "run_regenerate", "mark_answers_reusable", "chat_prompt", "build_requests",
            "build_conversations", "Conversation", "conversation_positions", "turn_seed", "answer_batch",
            "given_rows", "eos_token_ids", "make_backend", "generate_split", "PartStore", "read_regen", "COLUMNS",
-           "TURN_COLUMNS", "BACKEND_CHOICES"]
+           "BACKEND_CHOICES"]
