@@ -273,6 +273,38 @@ def test_a_killed_multi_turn_run_resumes_to_the_same_bytes(tiny, tmp_path, monke
     assert len(seeds) == 3 and regen.turn_seed(0, "c:1", 0) == regen.request_seed(0, "c:1")
 
 
+def test_another_prompt_set_keeps_the_conversations_it_can_and_the_time_budget(tiny, answered, tmp_path,
+                                                                                 monkeypatch):
+    """A later turn reworded and a conversation added: only those two are answered, the others keep their rows
+    (their input keys); another max_turns keeps nothing. A time budget answers whole conversations."""
+    import shutil
+
+    target, _ = tiny
+    out = tmp_path / "out"
+    shutil.copytree(answered[0].parent, out)
+    before = {r["id"]: r for r in read_regen(out / "eval.parquet")}
+    changed = list(CONVERSATIONS) + [("A new one.", "Go on.")]
+    changed[1] = (changed[1][0], "Another colour?", changed[1][2])
+    prompts = _prompts(tmp_path, changed)
+    made = _patch_backend(monkeypatch)
+    stats = run_regenerate(_cfg(target, prompts, out))
+    assert {r.id for c in made[0].calls for r in c} == {"c:1", "c:4"}
+    assert stats["splits"]["eval"]["kept_answers"] == 3
+    rows = {r["id"]: r for r in read_regen(out / "eval.parquet")}
+    assert all(rows[i] == before[i] for i in ("c:0", "c:2", "c:3")) and rows["c:1"] != before["c:1"]
+    assert rows["c:1"]["input_key"] != before["c:1"]["input_key"]
+    made = _patch_backend(monkeypatch)
+    assert run_regenerate(_cfg(target, prompts, out, max_turns=2))["splits"]["eval"]["kept_answers"] == 0
+    assert len({r.id for c in made[0].calls for r in c}) == len(changed)
+
+    made = _patch_backend(monkeypatch)
+    stats = run_regenerate(_cfg(target, prompts, tmp_path / "budget", batch_size=2), time_budget_s=1e-6)
+    first = {r.id for r in made[0].calls[0]}
+    rows = read_regen(tmp_path / "budget" / "eval.parquet")
+    assert {r["id"] for r in rows} == first and stats["splits"]["eval"]["skipped_prompts"] == len(changed) - 2
+    assert all(r["num_turns"] == len(changed[int(r["id"][2:])]) for r in rows)   # every turn of the batch
+
+
 class _Scripted:
     """A backend that answers turn k (the number of user turns in the prompt) with ``answer(k)`` + EOS."""
 
