@@ -205,7 +205,7 @@ def test_every_turn_answered_after_the_targets_own_answers(tiny, answered):
             if k:
                 body = answer[:-1] if answer[-1] == eos else answer
                 spans.append((len(_ids(tok, text + f"{S}assistant\n")),))
-                text += f"{S}assistant\n" + tok.decode(body) + f"{E}\n"
+                text += f"{S}assistant\n" + tok.decode(body, clean_up_tokenization_spaces=False) + f"{E}\n"
                 spans[-1] += (len(_ids(tok, text)) - 1,)
             text += _turn("user", user)
             ctx = _ids(tok, text + f"{S}assistant\n")

@@ -410,10 +410,10 @@ class _Dialogue:
 
     def add(self, request: Request, ids: list[int], reason: str, tok, eos_ids: Sequence[int]) -> None:
         """Record a turn's answer: its ids, and its text for the next turns (decoded without the EOS it ends
-        with, special tokens kept: the template renders the answer as the target produced it)."""
+        with, special tokens and spaces kept: the template renders the answer as the target produced it)."""
         body = ids[:-1] if ids and ids[-1] in eos_ids else ids
         self.request, self.answer = request, ids
-        self.texts.append(tok.decode(body, skip_special_tokens=False))
+        self.texts.append(tok.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False))
         self.reasons.append(reason)
 
     def sample(self, tok, eos_ids: Sequence[int], cfg: "RegenerateConfig") -> Rendered:
