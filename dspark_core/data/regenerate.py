@@ -72,8 +72,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from dspark_core.config import Section, device_name, non_negative, one_of, positive, require, resolve_device
-from dspark_core.data.backends import (BACKENDS, Backend, Generation, Request, SamplingSpec, finalize_response,
-                                       request_seed)
+from dspark_core.data.backends import BACKENDS, Backend, Request, SamplingSpec, finalize_response, request_seed
 from dspark_core.data.chat import Rendered, render, render_with_spans
 from dspark_core.data.prompts import SPLITS, Prompt, read_prompts
 from dspark_core.errors import UserError

@@ -14,8 +14,8 @@ Both are buffers of the draft's :class:`DraftVocab` and are saved in the draft's
 
 The selection is made by the ``draft_vocab`` stage: every target token ranked by its count over the
 regenerated train answers (the loss spans of each sample: its assistant turns, the ``response_ids`` of a
-single-turn row; :func:`dspark_core.cache.source.regen_sequences`), most frequent first, ties broken by the smaller token id
-(tokens never seen come last, by id). The ranking of all V tokens is stored, so any N takes its first N
+single-turn row; :func:`dspark_core.cache.source.regen_sequences`), most frequent first, ties broken by the
+smaller token id (tokens never seen come last, by id). The ranking of all V tokens is stored, so any N takes its first N
 (:func:`read_ranking`, :func:`top_ids`); the stage records the coverage (the share of answer tokens inside the
 first N) of each size it is asked about.
 """
