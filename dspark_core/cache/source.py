@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_core.errors import UserError
-from dspark_core.io import read_parquet
+from dspark_core.io import parquet_schema, read_parquet
 
 REQUIRED_COLUMNS = ("id", "prompt_ids", "response_ids")
 SPAN_COLUMNS = ("span_starts", "span_ends")
@@ -42,20 +42,17 @@ class TokenSamples:
         return np.diff(self.offsets)  # [N]
 
 
-def read_regen_table(path: str | Path, columns: tuple[str, ...] = ()):
-    """A regenerate parquet's ``id, prompt_ids, response_ids`` (+ ``columns``) and its span columns where it has
-    them; one clear error for a missing file or column."""
-    from dspark_core.io import parquet_schema
-
+def read_regen_table(path: str | Path):
+    """A regenerate parquet's ``id, prompt_ids, response_ids`` and its span columns where it has them; one clear
+    error for a missing file or column."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: regenerate output not found; run the regenerate stage first")
     names = parquet_schema(path, fix=FIX).names
-    want = (*REQUIRED_COLUMNS, *columns)
-    missing = [c for c in want if c not in names]
+    missing = [c for c in REQUIRED_COLUMNS if c not in names]
     if missing:
         raise UserError(f"{path}: missing column(s) {missing} (has {names})")
-    return read_parquet(path, [*want, *(c for c in SPAN_COLUMNS if c in names)], fix=FIX)
+    return read_parquet(path, [*REQUIRED_COLUMNS, *(c for c in SPAN_COLUMNS if c in names)], fix=FIX)
 
 
 def row_spans(path: Path, row: int, sid: str, starts, ends, prompt_len: int, length: int) -> list[tuple[int, int]]:
@@ -78,7 +75,7 @@ def regen_sequences(path: str | Path, table=None):
     ids = [str(x) for x in table.column("id").to_pylist()]
     prompts, responses = table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist()
     cols = table.column_names
-    starts, ends = ([table.column(c).to_pylist() if c in cols else [None] * len(ids) for c in SPAN_COLUMNS])
+    starts, ends = [table.column(c).to_pylist() if c in cols else [None] * len(ids) for c in SPAN_COLUMNS]
     for row, (sid, p, r, a, b) in enumerate(zip(ids, prompts, responses, starts, ends)):
         p, r = list(p or []), list(r or [])
         yield row, sid, p + r, row_spans(path, row, sid, a, b, len(p), len(p) + len(r))
