@@ -29,6 +29,32 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# A Qwen3-style template (written for the tests, same behaviour): an answer's ``<think>...</think>`` block is
+# dropped from the history (answers before the last user turn) and kept, in a think block, for an answer after
+# it; ``enable_thinking=false`` puts an empty think block after the generation prompt. ``<think>`` and
+# ``</think>`` are tokens of the tokenizer (``tiny_tokenizer("qwen3")``), not special ones (decoding keeps them).
+THINK_TOKENS = ("<think>", "</think>")
+QWEN3_CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "{%- set content = m['content'] -%}{%- set thought = '' -%}"
+    "{%- if '</think>' in content -%}"
+    "{%- set thought = content.split('</think>')[0].split('<think>')[-1].strip('\\n') -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "{%- if loop.index0 > ns.last_user and (loop.last or thought) -%}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + thought + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- else -%}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- else -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- endif -%}{%- endif -%}"
+)
+TEMPLATES = ("simple", "qwen3")
 
 
 def tiny_config(family: str = "qwen3", **overrides):
@@ -76,8 +102,12 @@ def tiny_model(family: str = "qwen3", seed: int = 0, **overrides) -> torch.nn.Mo
     return model.eval()
 
 
-def tiny_tokenizer():
-    """Byte-level BPE with no merges: 256 byte tokens, then the specials. Has a chat template."""
+def tiny_tokenizer(template: str = "simple"):
+    """Byte-level BPE with no merges: 256 byte tokens, then the specials. Has a chat template: ``simple``
+    (:data:`CHAT_TEMPLATE`) or ``qwen3`` (:data:`QWEN3_CHAT_TEMPLATE`, with ``<think>`` / ``</think>`` as the
+    tokens after the specials)."""
+    if template not in TEMPLATES:
+        raise ValueError(f"template must be one of {TEMPLATES}; got {template!r}")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -93,16 +123,21 @@ def tiny_tokenizer():
     fast.eos_token = "<|im_end|>"
     fast.pad_token = "<|pad|>"
     fast.chat_template = CHAT_TEMPLATE
+    if template == "qwen3":
+        fast.add_tokens(list(THINK_TOKENS))
+        fast.chat_template = QWEN3_CHAT_TEMPLATE
     return fast
 
 
-def save_tiny_target(path: str | Path, family: str = "qwen3", seed: int = 0, **overrides) -> Path:
-    """Write a tiny random target (weights + config + tokenizer) as a plain HF directory."""
+def save_tiny_target(path: str | Path, family: str = "qwen3", seed: int = 0, *, template: str = "simple",
+                     **overrides) -> Path:
+    """Write a tiny random target (weights + config + tokenizer with the chat template ``template``) as a plain
+    HF directory."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model = tiny_model(family, seed=seed, **overrides)
     model.save_pretrained(path, safe_serialization=True)
-    tiny_tokenizer().save_pretrained(path)
+    tiny_tokenizer(template).save_pretrained(path)
     return path
 
 
@@ -110,9 +145,10 @@ NAN_TOKEN = 7  # write_regen never draws it, except in the ``poison`` row (tests
 
 
 def write_regen(path: str | Path, lengths: list[tuple[int, int]], seed: int = 0, poison: int | None = None,
-                vocab: int = 256) -> Path:
+                vocab: int = 256, spans: dict[int, list[tuple[int, int]]] | None = None) -> Path:
     """A regenerate parquet of random token ids in ``(NAN_TOKEN, vocab)``; ``lengths`` = (prompt, response)
-    tokens per row. ``poison``: the row that gets ``NAN_TOKEN`` as its 3rd token."""
+    tokens per row. ``poison``: the row that gets ``NAN_TOKEN`` as its 3rd token. ``spans``: {row: loss spans}
+    written as the ``span_starts`` / ``span_ends`` columns (the other rows' null: the response)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -136,7 +172,12 @@ def write_regen(path: str | Path, lengths: list[tuple[int, int]], seed: int = 0,
         rows["finish_reason"].append("length")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table(rows, schema=schema), path, write_page_checksum=True)
+    table = pa.table(rows, schema=schema)
+    if spans is not None:
+        for k, name in enumerate(("span_starts", "span_ends")):
+            col = [[int(pair[k]) for pair in spans[i]] if i in spans else None for i in range(len(lengths))]
+            table = table.append_column(name, pa.array(col, pa.list_(pa.int32())))
+    pq.write_table(table, path, write_page_checksum=True)
     return path
 
 

@@ -38,3 +38,36 @@ def test_prompt_files_without_a_domain_column(tmp_path):
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text(json.dumps({"turns": ["w"], "domain": "code"}) + "\n" + json.dumps({"turns": ["x"]}) + "\n")
     assert load_prompt_sets(jsonl, ["code"], 8) == {"code": [["w"]]}
+
+
+def test_conversations_carry_their_system_message_and_later_turns(tmp_path):
+    """Each eval prompt's own system message (parquet column, JSONL field) goes with it, the params' system_prompt
+    being the default; with max_turns 2 the second turn is asked after the first answer, under that system."""
+    from dspark_core.bench.online import BenchOnlineConfig, chat_ids, decode_dataset
+    from dspark_core.decoding.types import GenerationResult
+    from dspark_core.testing import tiny_tokenizer
+
+    path = tmp_path / "eval.parquet"
+    write_prompts(path, [Prompt("s:1", "sharegpt", ("h1", "h2", "h3"), "chat", system="Be kind."),
+                         Prompt("s:2", "sharegpt", ("k1",), "chat")])
+    (chat,) = load_prompt_sets(path, ["chat"], 8).values()
+    assert chat == [["h1", "h2", "h3"], ["k1"]] and [c.system for c in chat] == ["Be kind.", None]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text(json.dumps({"turns": ["w"], "system": "Sys."}) + "\n")
+    assert [c.system for c in load_prompt_sets("", [f"jsonl:{jsonl}"], 8)[f"jsonl:{jsonl}"]] == ["Sys."]
+
+    tok = tiny_tokenizer()
+    answer = tok("ok", add_special_tokens=False)["input_ids"]
+
+    class Echo:  # a decoder that answers "ok"
+        def generate(self, prompt, max_new_tokens, stops):
+            return GenerationResult(tokens=list(answer))
+
+    cfg = BenchOnlineConfig.from_dict({"max_turns": 2, "system_prompt": "Default."})
+    run = decode_dataset(chat, tok, Echo(), Echo(), cfg, [tok.eos_token_id])
+    system = {"role": "system", "content": "Be kind."}
+    assert run.prompts == [
+        chat_ids(tok, [system, {"role": "user", "content": "h1"}]),
+        chat_ids(tok, [system, {"role": "user", "content": "h1"}, {"role": "assistant", "content": "ok"},
+                       {"role": "user", "content": "h2"}]),
+        chat_ids(tok, [{"role": "system", "content": "Default."}, {"role": "user", "content": "k1"}])]

@@ -26,7 +26,9 @@ def _stage_inputs(tmp_path: Path, answers: list[list[int]], vocab: int = 10) -> 
     target.mkdir()
     (target / "config.json").write_text(json.dumps({"vocab_size": vocab}))
     (target / "fingerprint.json").write_text(json.dumps({"fingerprint": "fp-test"}))
-    pq.write_table(pa.table({"response_ids": answers}), tmp_path / "train.parquet")
+    prompts = [[3, 3, 8]] * len(answers)  # the prompts' tokens are not counted
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(len(answers))], "prompt_ids": prompts,
+                             "response_ids": answers}), tmp_path / "train.parquet")
     params = tmp_path / "params.yaml"
     doc = {"draft_vocab": {"report_sizes": [5, 1, 3, 11]}}
     params.write_text(json.dumps(doc))  # JSON is YAML

@@ -417,6 +417,32 @@ def regen_rows(lengths: list[tuple[int, int]], **over: Any):
     return setup
 
 
+def regen_spans(spans: dict[int, list[tuple[int, int]]]):
+    def setup(p: Project):
+        write_regen(p.root / "data/regen/train.parquet", LENGTHS, spans=spans)
+        return cache()
+    return setup
+
+
+def regenerate_none(prompts: list[Prompt]):
+    def setup(p: Project):
+        write_prompts(p.root / "data/prompts/train.parquet", prompts)
+        p.params(regenerate={"backend": "none", "max_turns": 2})
+        return regenerate()
+    return setup
+
+
+def template_answer_twice(p: Project):
+    """A chat template that renders an assistant message twice: no span can be found in it."""
+    (p.root / "data/target/chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% if m['role'] == 'assistant' %}{{ m['content'] }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    write_prompts(p.root / "data/prompts/train.parquet", [Prompt("q0", "test", ("Hi", "More"))])
+    p.params(regenerate={"max_turns": 2})
+    return regenerate()
+
+
 def prepare_from(lines: list[str], **over: Any):
     def setup(p: Project):
         (p.root / "src.jsonl").write_text("".join(line + "\n" for line in lines))
@@ -846,6 +872,17 @@ CASES = [
     Case("prompt/regenerate_empty_turn", prompts_parquet(("",)),
          r"data/prompts/train.parquet: row id='q1' has an empty turn \(\[''\]\); fix the prompts",
          ("reports/regenerate_stats.json", "data/regen/parts")),
+    Case("prompt/regenerate_none_without_replies",
+         regenerate_none([Prompt("q0", "test", ("Say yes.",), replies=("Yes.",)), Prompt("q1", "test", ("Hi",))]),
+         r"data/prompts/train.parquet: row id='q1' has no assistant replies; regenerate.backend: none takes the "
+         r"data set's own answers \(give the rows replies, or answer them with a backend: hf, vllm or openai\)",
+         ("reports/regenerate_stats.json", "data/regen/parts")),
+    Case("template/answer_rendered_twice", template_answer_twice,
+         r"data/target: the chat template does not render assistant message 1 once, in place; the answers' loss "
+         r"spans cannot be found from it", ("reports/regenerate_stats.json", "data/regen/parts")),
+    Case("cache/regen_spans_out_of_order", regen_spans({1: [(70, 80), (10, 20)]}),
+         r"data/regen/train.parquet: row 1 \(id 's001'\) has loss spans \[\(70, 80\), \(10, 20\)\] that are not "
+         r"ordered, disjoint spans of its 100 tokens; rerun the regenerate stage", CACHE_OUT),
     Case("prompt/prepare_not_utf8", raw_file(prepare_from([]), "src.jsonl", NOT_UTF8),
          r"src.jsonl:2: not valid UTF-8 \(byte 0xe9 at column 16\); save the file as UTF-8", ("data/prompts",)),
     Case("prompt/bench_not_utf8", raw_file(bench_prompts([]), "prompts.jsonl", NOT_UTF8),

@@ -29,7 +29,10 @@ plain AR (``ARDecoder``) and speculative with the trained draft (``bench_online.
 Writes the metrics JSON (atomic) and PNG plots (Agg backend). Datasets: a domain (``math_word``,
 ``competition_math``, ``code``, ``chat``; ``gsm8k`` is an alias of ``math_word``) selects the prepare stage's
 eval prompts of that domain (its ``domain`` column; older files without it: by source, ``DATASET_SOURCES``), a
-source name selects itself, and ``jsonl:<path>`` reads any JSONL file of records with a ``turns`` list.
+source name selects itself, and ``jsonl:<path>`` reads any JSONL file of records with a ``turns`` list (and an
+optional ``system``). A conversation is decoded turn by turn up to ``max_turns`` of its user turns, each later turn
+after the speculative answers of the earlier ones, under its own system message (the prompts' ``system``
+column), else ``bench_online.system_prompt``.
 
 Shape legend: S block size, V vocab.
 """
@@ -146,20 +149,35 @@ class BenchOnlineConfig(Section):
 
 
 # -- prompts ----------------------------------------------------------------------------------------
-def load_prompt_sets(prompts_path: str | Path, datasets: Sequence[str], max_prompts: int) -> dict[str, list[list[str]]]:
-    """Conversations (lists of user turns) per dataset, the first ``max_prompts`` of each, in file order."""
-    sets: dict[str, list[list[str]]] = {}
+class Conversation(list):
+    """A conversation to decode: the list of its user turns, carrying its own system message (``system``, None:
+    ``bench_online.system_prompt``). Equal to the plain list of its turns."""
+
+    def __init__(self, turns: Sequence[str] = (), system: str | None = None):
+        super().__init__(turns)
+        self.system = system
+
+
+def _conversation(row: dict[str, Any]) -> Conversation:
+    return Conversation(row["turns"], row.get("system"))
+
+
+def load_prompt_sets(prompts_path: str | Path, datasets: Sequence[str],
+                     max_prompts: int) -> dict[str, list[Conversation]]:
+    """Conversations (lists of user turns with their system message) per dataset, the first ``max_prompts`` of
+    each, in file order."""
+    sets: dict[str, list[Conversation]] = {}
     rows: list[dict[str, Any]] | None = None
     for name in datasets:
         if name.startswith(JSONL_PREFIX):
-            convs = [r["turns"] for r in read_jsonl_prompts(Path(name[len(JSONL_PREFIX):]))]
+            convs = [_conversation(r) for r in read_jsonl_prompts(Path(name[len(JSONL_PREFIX):]))]
         else:
             rows = rows if rows is not None else _read_prompt_table(Path(prompts_path))
             domain = DATASET_ALIASES.get(name, name)
             if domain in DOMAINS:
-                convs = [list(r["turns"]) for r in rows if _row_domain(r) == domain]
+                convs = [_conversation(r) for r in rows if _row_domain(r) == domain]
             else:
-                convs = [list(r["turns"]) for r in rows if r["source"] == name]
+                convs = [_conversation(r) for r in rows if r["source"] == name]
         if not convs:
             aliases = ", ".join(f"{a} (= {d})" for a, d in DATASET_ALIASES.items())
             raise UserError(f"bench_online.datasets: {name!r} selects no prompt from {prompts_path} "
@@ -184,7 +202,7 @@ def _read_prompt_table(path: Path) -> list[dict[str, Any]]:
 
     fix = "rerun the prepare stage (`dvc repro -f prepare`)"
     names = parquet_schema(path, fix).names
-    rows = read_parquet(path, [c for c in ("source", "domain", "turns") if c in names], fix).to_pylist()
+    rows = read_parquet(path, [c for c in ("source", "domain", "turns", "system") if c in names], fix).to_pylist()
     return rows
 
 
@@ -205,7 +223,11 @@ def read_jsonl_prompts(path: Path) -> list[dict[str, Any]]:
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
             raise UserError(f"{path}: line {i + 1}: 'turns' must be a non-empty list of non-empty strings, "
                             f"got {str(turns)[:80]!r}")
-        out.append({"source": rec.get("source", path.stem), "domain": rec.get("domain"), "turns": turns})
+        system = rec.get("system")
+        if system is not None and not isinstance(system, str):
+            raise UserError(f"{path}: line {i + 1}: 'system' must be a string, got {str(system)[:80]!r}")
+        out.append({"source": rec.get("source", path.stem), "domain": rec.get("domain"), "turns": turns,
+                    "system": system})
     return out
 
 
@@ -237,14 +259,17 @@ class DatasetRun:
     ar: list[GenerationResult] = field(default_factory=list)
 
 
-def decode_dataset(conversations: list[list[str]], tokenizer: Any, spec: SpeculativeDecoder, ar: ARDecoder,
+def decode_dataset(conversations: Sequence[Sequence[str]], tokenizer: Any, spec: SpeculativeDecoder, ar: ARDecoder,
                    cfg: BenchOnlineConfig, stop_ids: Sequence[int], desc: str = "") -> DatasetRun:
-    """AR and speculative decoding of every turn; later turns carry the speculative answer forward."""
+    """AR and speculative decoding of every turn (up to ``max_turns``); later turns carry the speculative answer
+    forward. A conversation's own system message (:class:`Conversation`) wins over ``cfg.system_prompt``."""
     from tqdm.auto import tqdm
 
     run = DatasetRun()
     for c, turns in enumerate(tqdm(conversations, desc=desc or "bench_online", leave=False)):
-        messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+        system = getattr(turns, "system", None)
+        system = cfg.system_prompt if system is None else system
+        messages = [{"role": "system", "content": system}] if system else []
         for t, turn in enumerate(turns[: cfg.max_turns]):
             messages.append({"role": "user", "content": turn})
             prompt = chat_ids(tokenizer, messages)

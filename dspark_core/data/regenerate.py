@@ -1,28 +1,49 @@
 """The ``regenerate`` stage: the target answers every prompt; responses become the training data.
 
-For each split in ``splits`` it reads ``{prompts_dir}/{split}.parquet``, renders ``turns[0]``
-(after an optional system prompt) with the target's chat template, generates with the chosen
-backend (``hf`` / ``vllm`` / ``openai``) and the sampling params, and writes
-``{out_dir}/{split}.parquet`` with columns
+For each split in ``splits`` it reads ``{prompts_dir}/{split}.parquet`` and answers each conversation's user
+turns in order, up to ``max_turns`` of them, with the chosen backend (``hf`` / ``vllm`` / ``openai``) and the
+sampling params. Turn k's prompt is the chat template's render of ``[system?, u1, a1, ..., uk]`` with the
+generation prompt, ``a1 ..`` being the target's own answers of this run (the decoded text of the generated ids
+without their EOS, as assistant messages); all first turns of a batch go to the backend in one call, then the
+second turns, ... The system message is the conversation's own, else ``system_prompt``; ``enable_thinking``
+(when not null) reaches the template (Qwen3's flag). ``backend: none`` answers nothing: it takes the data set's
+own assistant turns (``Prompt.replies``, data the target produced) and loads no model.
 
-    id, source, prompt_ids list<int32>, response_ids list<int32>, prompt_text, response_text,
-    backend, finish_reason
+The sample of a conversation is the token ids of the last turn's context (the template's render, which holds the
+earlier answers as the template renders history) followed by the last answer's ids exactly as generated; with
+``backend: none`` the render of the whole conversation. Its loss spans are the assistant turns, found by the
+template itself (:mod:`dspark_core.data.chat`): each earlier answer as the template renders it plus its
+end-of-turn EOS token, the last answer's generated ids including the EOS it produced. Output
+``{out_dir}/{split}.parquet``, one row a conversation:
 
-``response_ids`` end with an EOS id when the model stopped (``finish_reason == 'stop'``), or hold
-exactly ``max_new_tokens`` ids ('length'). ``response_text`` is ``response_ids`` decoded without
-special tokens; ``prompt_text`` is the chat-templated prompt.
+    id, source, prompt_ids list<int32>, response_ids list<int32>, prompt_text, response_text, backend,
+    finish_reason, span_starts list<int32>, span_ends list<int32>, finish_reasons list<str>, num_turns int32,
+    input_key
+
+``prompt_ids`` are the sample's tokens before the first answer and ``response_ids`` the rest, so
+``prompt_ids + response_ids`` is the sample and a single-turn row is what it always was (the prompt, then the
+answer). ``span_starts`` / ``span_ends`` are the loss spans, positions in ``prompt_ids + response_ids`` (a file
+or row without them: one span, the response). An answer's ids end with an EOS id when the model stopped
+(``'stop'``), or hold exactly ``max_new_tokens`` ids (``'length'``); ``finish_reasons`` has one a turn
+(``'given'`` for ``backend: none``), ``finish_reason`` is the last turn's. ``num_turns``: the turns answered
+(fewer than asked when a turn's context would pass the positions the conversation was given, see
+:func:`conversation_positions`). ``response_text`` is ``response_ids`` decoded without special tokens;
+``prompt_text`` is the chat-templated text before the first answer. ``input_key``: what the row's answers
+depend on besides the settings (the rendered first prompt and the conversation's later turns, see
+:func:`build_conversations`).
 
 Resumable: each finished batch is written atomically as a small parquet under
 ``{out_dir}/parts/{split}/``; a restarted run skips the prompts answered there (parts written under other
-settings -- another target, sampling params, system prompt, backend, dtype -- are discarded). The final
-parquet is assembled in prompt order at the end and the parts are removed; a final parquet written under the
-same settings for the same prompts makes the split a no-op (so ``persist: true`` in dvc.yaml is safe).
-``stats_path`` records tokens and tokens/s per split.
+settings -- another target, sampling params, system prompt, backend, dtype, max_turns, enable_thinking -- are
+discarded). The final parquet is assembled in prompt order at the end and the parts are removed; a final parquet
+written under the same settings for the same prompts makes the split a no-op (so ``persist: true`` in dvc.yaml is
+safe). ``stats_path`` records tokens and tokens/s per split.
 
 Another prompt set (a source added, ``n_train`` raised): the answers of the split's earlier final parquet
 that were made under the same settings are kept (``kept_answers`` in the stats) and only the prompts without
-one are answered. An answer is kept for a prompt with the same id *and* the same ``prompt_ids`` (a prompt
-whose text or chat template changed is answered again). A final parquet of an older version of this stage
+one are answered. An answer is kept for a prompt with the same id *and* the same inputs (its ``input_key``;
+a row without one, of a single-turn file, by its ``prompt_ids``): a prompt whose text or chat template changed
+is answered again. A final parquet of an older version of this stage
 (no row key) is kept only for its own prompts; a run on those prompts, or :func:`mark_answers_reusable`,
 marks it reusable (checked by its settings key).
 
@@ -51,8 +72,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from dspark_core.config import Section, device_name, non_negative, one_of, positive, require, resolve_device
-from dspark_core.data.backends import (BACKENDS, Backend, Generation, Request, SamplingSpec, finalize_response,
-                                       request_seed)
+from dspark_core.data.backends import BACKENDS, Backend, Request, SamplingSpec, finalize_response, request_seed
+from dspark_core.data.chat import Rendered, render, render_with_spans
 from dspark_core.data.prompts import SPLITS, Prompt, read_prompts
 from dspark_core.errors import UserError
 from dspark_core.io import (atomic_path, parquet_schema, read_json, read_parquet, sha256_file, sha256_json,
@@ -66,20 +87,26 @@ KEY_METADATA = b"dspark_regen_key"          # the settings and the prompts file:
 ROW_KEY_METADATA = b"dspark_regen_row_key"  # the settings alone: each row answers its own prompt
 COLUMNS = ("id", "source", "prompt_ids", "response_ids", "prompt_text", "response_text", "backend",
            "finish_reason")
+NONE = "none"                       # backend: the data set's own replies, no model
+BACKEND_CHOICES = (*BACKENDS, NONE)
+GIVEN = "given"                     # the finish reason of a reply taken from the data set
+TURN_SLACK = 16                     # tokens a rendered earlier answer may take beyond max_new_tokens
 
 
 @dataclasses.dataclass(frozen=True)
 class RegenerateConfig(Section):
     """params section ``regenerate``."""
 
-    backend: str = "hf"                  # hf | vllm | openai
+    backend: str = "hf"                  # hf | vllm | openai | none (the data set's own replies, no model)
     temperature: float = 0.7             # 0 = greedy
     top_p: float = 0.8
     top_k: int = 20                      # 0 = off
     max_new_tokens: int = 160
     batch_size: int = 16                 # prompts a batch (and a resumable part)
     seed: int = 0
-    system_prompt: str | None = None     # null: the chat template's default
+    system_prompt: str | None = None     # a conversation without its own system message gets it (null: none)
+    max_turns: int = 1                   # user turns answered per conversation, in order (1: the first only)
+    enable_thinking: bool | None = None  # passed to the chat template when not null (Qwen3's flag)
     dtype: str = "float32"               # compute dtype (hf and vllm)
     device: str = "auto"                 # hf backend: auto | cpu | cuda | cuda:N
     threads: int | None = None           # hf backend CPU threads (null: torch's default)
@@ -100,7 +127,8 @@ class RegenerateConfig(Section):
     time_budget_s: float | None = None   # start no batch after this many seconds: a random subset is answered
 
     def validate(self) -> None:
-        one_of("backend", self.backend, BACKENDS)
+        one_of("backend", self.backend, BACKEND_CHOICES)
+        positive("max_turns", self.max_turns)
         device_name("device", self.device)
         if self.time_budget_s is not None:
             positive("time_budget_s", self.time_budget_s)
@@ -183,20 +211,109 @@ def eos_token_ids(tok, target_dir: str | Path) -> list[int]:
     return ids
 
 
-def chat_prompt(tok, user_turn: str, system_prompt: str | None = None) -> tuple[str, list[int]]:
+def chat_prompt(tok, user_turn: str, system_prompt: str | None = None,
+                enable_thinking: bool | None = None) -> tuple[str, list[int]]:
     """``(text, ids)`` of one user turn rendered with the chat template, ready for the answer."""
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else [])
     messages.append({"role": "user", "content": user_turn})
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = render(tok, messages, add_generation_prompt=True, enable_thinking=enable_thinking)
     return text, list(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def build_requests(prompts: Sequence[Prompt], tok, system_prompt: str | None, seed: int) -> list[Request]:
+def turn_seed(seed: int, conversation_id: str, turn: int) -> int:
+    """The sampling seed of a conversation's turn: turn 0 keeps :func:`request_seed` of the id (single-turn
+    answers keep their bytes), a later turn gets its own."""
+    return request_seed(seed, conversation_id if turn == 0 else f"{conversation_id}\x1fturn{turn}")
+
+
+def build_requests(prompts: Sequence[Prompt], tok, system_prompt: str | None, seed: int,
+                   enable_thinking: bool | None = None) -> list[Request]:
+    """The first turn's request of each prompt (its own system message, else ``system_prompt``)."""
     out = []
     for p in prompts:
-        text, ids = chat_prompt(tok, p.turns[0], system_prompt)
-        out.append(Request(p.id, tuple(ids), text, request_seed(seed, p.id)))
+        text, ids = chat_prompt(tok, p.turns[0], _system(p, system_prompt), enable_thinking)
+        out.append(Request(p.id, tuple(ids), text, turn_seed(seed, p.id, 0)))
     return out
+
+
+def _system(prompt: Prompt, default: str | None) -> str | None:
+    return prompt.system if prompt.system is not None else default
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+    """What the stage does for one prompt: the user turns it answers (at most ``max_turns``) after its system
+    message, the data set's replies (``backend: none``), the first turn's request, the row's ``input_key`` and
+    the positions its turns may take (:func:`conversation_positions`)."""
+
+    id: str
+    source: str
+    system: str | None
+    turns: tuple[str, ...]
+    replies: tuple[str, ...]
+    first: Request
+    key: str
+    positions: int
+
+    def messages(self, answers: Sequence[str]) -> list[dict]:
+        """``[system?, u1, a1, u2, a2, ...]``: every user turn with an answer, then the next user turn if any."""
+        out = [{"role": "system", "content": self.system}] if self.system is not None else []
+        for k, turn in enumerate(self.turns[:len(answers) + 1]):
+            out.append({"role": "user", "content": turn})
+            if k < len(answers):
+                out.append({"role": "assistant", "content": answers[k]})
+        return out
+
+
+def conversation_positions(skeleton_ids: int, turns: int, max_new_tokens: int, max_positions: int | None) -> int:
+    """Positions a conversation's turns may take: its render with empty answers (``skeleton_ids`` tokens, the
+    generation prompt included), ``max_new_tokens`` + :data:`TURN_SLACK` for each earlier answer and
+    ``max_new_tokens`` for the last, at most the target's positions. A turn whose context and ``max_new_tokens``
+    would pass it is not asked (the conversation ends with the turn before). A single turn: its prompt (the
+    skeleton) and ``max_new_tokens``, as before. A function of the conversation alone, so an answer never depends
+    on the other prompts of the set; vLLM's ``max_model_len`` is the largest."""
+    need = skeleton_ids + (turns - 1) * (max_new_tokens + TURN_SLACK) + max_new_tokens
+    return need if max_positions is None else min(need, max_positions)
+
+
+def build_conversations(prompts: Sequence[Prompt], tok, cfg: "RegenerateConfig", max_positions: int | None,
+                        where: str, eos_ids: Sequence[int] = ()) -> list[Conversation]:
+    """A :class:`Conversation` of each prompt; ``backend: none`` refuses a prompt without replies. The chat
+    template is checked on the first conversation of several turns (its answers' spans can be found), before
+    anything is answered."""
+    firsts = build_requests(prompts, tok, cfg.system_prompt, cfg.seed, cfg.enable_thinking)
+    convs = [_conversation(p, first, tok, cfg, max_positions, where) for p, first in zip(prompts, firsts)]
+    probe = next((c for c in convs if len(c.turns) > 1 or c.replies), None)
+    if probe is not None:
+        render_with_spans(tok, _skeleton(probe), eos_ids, add_generation_prompt=not probe.replies,
+                          enable_thinking=cfg.enable_thinking, where=cfg.target_dir)
+    return convs
+
+
+def _skeleton(conv: Conversation) -> list[dict]:
+    """The conversation's messages with its replies (``backend: none``) or empty answers: what its rows depend on
+    besides the answers themselves."""
+    return conv.messages(conv.replies or [""] * (len(conv.turns) - 1))
+
+
+def _conversation(p: Prompt, first: Request, tok, cfg: "RegenerateConfig", max_positions: int | None,
+                  where: str) -> Conversation:
+    """One prompt's :class:`Conversation`: at most ``max_turns`` turns (``backend: none``: as many as it has
+    replies), its key over the render of :func:`_skeleton` and its positions."""
+    n, replies = min(cfg.max_turns, len(p.turns)), ()
+    if cfg.backend == NONE:
+        if not p.replies:
+            raise UserError(f"{where}: row id={p.id!r} has no assistant replies; regenerate.backend: none takes "
+                            "the data set's own answers (give the rows replies, or answer them with a backend: hf, "
+                            "vllm or openai)")
+        n = min(n, len(p.replies))
+        replies = tuple(p.replies[:n])
+    conv = Conversation(p.id, p.source, _system(p, cfg.system_prompt), tuple(p.turns[:n]), replies, first, "", 0)
+    skeleton = render(tok, _skeleton(conv), add_generation_prompt=not replies, enable_thinking=cfg.enable_thinking)
+    key = sha256_json({"first": list(first.prompt_ids), "conversation": skeleton})[:16]
+    skeleton_ids = len(tok(skeleton, add_special_tokens=False)["input_ids"])
+    return dataclasses.replace(conv, key=key,
+                               positions=conversation_positions(skeleton_ids, n, cfg.max_new_tokens, max_positions))
 
 
 def check_lengths(requests: Sequence[Request], max_new_tokens: int, max_positions: int | None, where: str) -> None:
@@ -218,7 +335,10 @@ def _schema():
 
     return pa.schema([("id", pa.string()), ("source", pa.string()), ("prompt_ids", pa.list_(pa.int32())),
                       ("response_ids", pa.list_(pa.int32())), ("prompt_text", pa.string()),
-                      ("response_text", pa.string()), ("backend", pa.string()), ("finish_reason", pa.string())])
+                      ("response_text", pa.string()), ("backend", pa.string()), ("finish_reason", pa.string()),
+                      ("span_starts", pa.list_(pa.int32())), ("span_ends", pa.list_(pa.int32())),
+                      ("finish_reasons", pa.list_(pa.string())), ("num_turns", pa.int32()),
+                      ("input_key", pa.string())])
 
 
 def _write_rows(path: Path, rows: list[dict], key: str | None = None, row_key: str | None = None) -> None:
@@ -243,14 +363,22 @@ def _file_key(path: Path, name: bytes = KEY_METADATA) -> str | None:
     return meta.get(name, b"").decode() or None
 
 
-def _answered(rows: list[dict], requests: Sequence[Request]) -> dict[str, dict]:
-    """{id: row} of the rows that answer one of ``requests``: the same id and the same prompt ids (the first
-    such row of an id wins)."""
-    want = {r.id: list(r.prompt_ids) for r in requests}
+def _answers(row: dict, conv: Conversation) -> bool:
+    """Whether ``row`` answers ``conv``: the same inputs (``input_key``); a row without one (a file of the
+    single-turn stage) its first turn's prompt ids."""
+    if row.get("input_key") is not None:
+        return row["input_key"] == conv.key
+    return len(conv.turns) == 1 and not conv.replies and list(row["prompt_ids"]) == list(conv.first.prompt_ids)
+
+
+def _answered(rows: list[dict], convs: Sequence[Conversation]) -> dict[str, dict]:
+    """{id: row} of the rows that answer one of ``convs``: the same id and the same inputs (the first such row
+    of an id wins)."""
+    want = {c.id: c for c in convs}
     out: dict[str, dict] = {}
     for row in rows:
         rid = row["id"]
-        if rid in want and rid not in out and list(row["prompt_ids"]) == want[rid]:
+        if rid in want and rid not in out and _answers(row, want[rid]):
             out[rid] = row
     return out
 
@@ -283,11 +411,93 @@ class PartStore:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _row(req: Request, source: str, gen: Generation, backend: str, tok) -> dict:
-    return {"id": req.id, "source": source, "prompt_ids": list(req.prompt_ids),
-            "response_ids": gen.response_ids, "prompt_text": req.prompt_text,
-            "response_text": tok.decode(gen.response_ids, skip_special_tokens=True),
-            "backend": backend, "finish_reason": gen.finish_reason}
+def _row(conv: Conversation, sample: Rendered, reasons: Sequence[str], backend: str, tok) -> dict:
+    """The parquet row of a conversation whose sample (ids and loss spans) is ``sample``."""
+    cut = sample.spans[0][0] if sample.spans else len(sample.ids)
+    text_cut = sample.char_spans[0][0] if sample.char_spans else len(sample.text)
+    return {"id": conv.id, "source": conv.source, "prompt_ids": sample.ids[:cut], "response_ids": sample.ids[cut:],
+            "prompt_text": sample.text[:text_cut],
+            "response_text": tok.decode(sample.ids[cut:], skip_special_tokens=True),
+            "backend": backend, "finish_reason": reasons[-1], "span_starts": [a for a, _ in sample.spans],
+            "span_ends": [b for _, b in sample.spans], "finish_reasons": list(reasons), "num_turns": len(reasons),
+            "input_key": conv.key}
+
+
+class _Dialogue:
+    """One conversation being answered: its answers so far (text for the template, ids and finish reasons as
+    the backend gave them) and the request of its current turn."""
+
+    def __init__(self, conv: Conversation):
+        self.conv, self.texts, self.reasons = conv, [], []
+        self.answer: list[int] = []
+        self.request: Request | None = None
+
+    def next_request(self, tok, cfg: "RegenerateConfig") -> Request | None:
+        """The next turn's request, or None (no turn left, or its context would pass ``conv.positions``)."""
+        k = len(self.texts)
+        if k >= len(self.conv.turns):
+            return None
+        if k == 0:
+            return self.conv.first
+        text = render(tok, self.conv.messages(self.texts), add_generation_prompt=True,
+                      enable_thinking=cfg.enable_thinking)
+        ids = tuple(tok(text, add_special_tokens=False)["input_ids"])
+        if len(ids) + cfg.max_new_tokens > self.conv.positions:
+            log.warning("regenerate: conversation %r stops after %d turns: turn %d's context of %d tokens would "
+                        "pass its %d positions", self.conv.id, k, k + 1, len(ids), self.conv.positions)
+            return None
+        return Request(self.conv.id, ids, text, turn_seed(cfg.seed, self.conv.id, k))
+
+    def add(self, request: Request, ids: list[int], reason: str, tok, eos_ids: Sequence[int]) -> None:
+        """Record a turn's answer: its ids, and its text for the next turns (decoded without the EOS it ends
+        with, special tokens and spaces kept: the template renders the answer as the target produced it)."""
+        body = ids[:-1] if ids and ids[-1] in eos_ids else ids
+        self.request, self.answer = request, ids
+        self.texts.append(tok.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+        self.reasons.append(reason)
+
+    def sample(self, tok, eos_ids: Sequence[int], cfg: "RegenerateConfig") -> Rendered:
+        """The last turn's context (its render, with the earlier answers' spans) and its answer, whose span is
+        its generated ids."""
+        assert self.request is not None
+        messages = self.conv.messages(self.texts[:-1])
+        ctx = render_with_spans(tok, messages, eos_ids, add_generation_prompt=True,
+                                enable_thinking=cfg.enable_thinking, where=cfg.target_dir)
+        if tuple(ctx.ids) != tuple(self.request.prompt_ids):
+            raise RuntimeError(f"conversation {self.conv.id!r}: the context rendered again differs from the one "
+                               "the target answered")
+        n = len(ctx.ids)
+        return Rendered(ctx.text, ctx.ids + list(self.answer), ctx.spans + [(n, n + len(self.answer))],
+                        ctx.char_spans + [(len(ctx.text), len(ctx.text))])
+
+
+def answer_batch(convs: Sequence[Conversation], backend: Backend, tok, eos_ids: Sequence[int],
+                 cfg: "RegenerateConfig") -> tuple[list[dict], int]:
+    """Answer ``convs`` turn by turn (every first turn in one backend call, then the second turns, ...);
+    returns their rows and the number of tokens generated."""
+    dialogues = [_Dialogue(c) for c in convs]
+    new_tokens = 0
+    while True:
+        asked = [(d, r) for d in dialogues if (r := d.next_request(tok, cfg)) is not None]
+        if not asked:
+            break
+        gens = backend.generate([r for _, r in asked])
+        for (d, req), g in zip(asked, gens):
+            ids, reason = finalize_response(g.response_ids, g.finish_reason, eos_ids, cfg.max_new_tokens)
+            d.add(req, ids, reason, tok, eos_ids)
+            new_tokens += len(ids)
+    return [_row(d.conv, d.sample(tok, eos_ids, cfg), d.reasons, backend.name, tok) for d in dialogues], new_tokens
+
+
+def given_rows(convs: Sequence[Conversation], tok, eos_ids: Sequence[int], cfg: "RegenerateConfig") -> list[dict]:
+    """``backend: none``: each conversation as the data set gives it, its replies the answers: the render of
+    the whole conversation, a span for every reply."""
+    rows = []
+    for c in convs:
+        sample = render_with_spans(tok, _skeleton(c), eos_ids, add_generation_prompt=False,
+                                   enable_thinking=cfg.enable_thinking, where=cfg.target_dir)
+        rows.append(_row(c, sample, [GIVEN] * len(c.replies), NONE, tok))
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -323,9 +533,16 @@ def make_backend(cfg: RegenerateConfig, tok, eos_ids: Sequence[int], max_model_l
 # the stage
 # ----------------------------------------------------------------------------------------------
 def _settings(cfg: RegenerateConfig, fingerprint: str) -> dict:
-    """What an answer depends on besides its prompt: target, template inputs, sampling, backend, dtype."""
-    return {"target": fingerprint, "sampling": dataclasses.asdict(cfg.sampling), "seed": cfg.seed,
-            "system_prompt": cfg.system_prompt, "backend": cfg.backend, "dtype": cfg.dtype}
+    """What an answer depends on besides its prompt: target, template inputs, sampling, backend, dtype, turns.
+    ``max_turns`` and ``enable_thinking`` enter only when not at their defaults (1, null), so the answers of the
+    single-turn stage stay current."""
+    out = {"target": fingerprint, "sampling": dataclasses.asdict(cfg.sampling), "seed": cfg.seed,
+           "system_prompt": cfg.system_prompt, "backend": cfg.backend, "dtype": cfg.dtype}
+    if cfg.max_turns != 1:
+        out["max_turns"] = cfg.max_turns
+    if cfg.enable_thinking is not None:
+        out["enable_thinking"] = cfg.enable_thinking
+    return out
 
 
 def _settings_key(cfg: RegenerateConfig, fingerprint: str, prompts_file: Path) -> str:
@@ -339,40 +556,39 @@ def _row_key(cfg: RegenerateConfig, fingerprint: str) -> str:
     return sha256_json(_settings(cfg, fingerprint))[:16]
 
 
-def generate_split(requests: Sequence[Request], sources: dict[str, str], store: PartStore,
-                   get_backend: Callable[[], Backend], tok, eos_ids: Sequence[int], cfg: RegenerateConfig,
-                   desc: str = "regenerate", deadline: float | None = None) -> dict:
-    """Generate every request whose id is not in ``store`` yet, one part a batch. Returns counters.
+def generate_split(convs: Sequence[Conversation], store: PartStore, get_backend: Callable[[], Backend], tok,
+                   eos_ids: Sequence[int], cfg: RegenerateConfig, desc: str = "regenerate",
+                   deadline: float | None = None) -> dict:
+    """Answer every conversation whose id is not in ``store`` yet, one part a batch. Returns counters.
 
     ``deadline`` (a ``time.perf_counter()`` value): start no batch after it, except a split's first when
     it has no answered prompt yet; the batches then run in a seeded random order (``stopped_early`` in the
     counters when some were left)."""
     from tqdm.auto import tqdm
 
-    done = set(_answered(store.rows(), requests))
-    todo = sorted((r for r in requests if r.id not in done), key=lambda r: -len(r.prompt_ids))
+    done = set(_answered(store.rows(), convs))
+    todo = sorted((c for c in convs if c.id not in done), key=lambda c: -len(c.first.prompt_ids))
     stats = {"generated": 0, "new_tokens": 0, "seconds": 0.0, "stopped_early": False}
     if not todo:
         return stats
     batches = [todo[start:start + cfg.batch_size] for start in range(0, len(todo), cfg.batch_size)]
     if deadline is not None:
         random.Random(cfg.seed).shuffle(batches)
-    backend = get_backend()
-    with tqdm(total=len(requests), initial=len(requests) - len(todo), desc=desc, unit="prompt") as bar:
+    backend = get_backend() if cfg.backend != NONE else None
+    with tqdm(total=len(convs), initial=len(convs) - len(todo), desc=desc, unit="prompt") as bar:
         for batch in batches:
             if deadline is not None and (stats["generated"] or done) and time.perf_counter() >= deadline:
                 stats["stopped_early"] = True
                 log.warning("regenerate: time budget reached; %d of %d prompts of %s left unanswered",
-                            len(requests) - bar.n, len(requests), desc)
+                            len(convs) - bar.n, len(convs), desc)
                 break
             t0 = time.perf_counter()
-            gens = backend.generate(batch)
-            stats["seconds"] += time.perf_counter() - t0
-            rows = []
-            for req, g in zip(batch, gens):
-                ids, reason = finalize_response(g.response_ids, g.finish_reason, eos_ids, cfg.max_new_tokens)
-                rows.append(_row(req, sources[req.id], Generation(ids, reason), backend.name, tok))
-                stats["new_tokens"] += len(ids)
+            if backend is None:
+                rows, new = given_rows(batch, tok, eos_ids, cfg), 0
+            else:
+                rows, new = answer_batch(batch, backend, tok, eos_ids, cfg)
+                stats["seconds"] += time.perf_counter() - t0
+            stats["new_tokens"] += new
             store.write(rows)
             stats["generated"] += len(batch)
             bar.update(len(batch))
@@ -380,40 +596,40 @@ def generate_split(requests: Sequence[Request], sources: dict[str, str], store: 
     return stats
 
 
-def assemble(requests: Sequence[Request], rows: list[dict], path: Path, key: str, row_key: str | None = None,
+def assemble(convs: Sequence[Conversation], rows: list[dict], path: Path, key: str, row_key: str | None = None,
              allow_missing: bool = False) -> list[dict]:
-    """Write the split's rows in prompt order to ``path`` (atomic); every request must have a row unless
+    """Write the split's rows in prompt order to ``path`` (atomic); every conversation must have a row unless
     ``allow_missing`` (a run cut by its time budget: the answered ones, at least one)."""
-    by_id = _answered(rows, requests)
-    missing = [r.id for r in requests if r.id not in by_id]
-    if missing and (not allow_missing or len(missing) == len(requests)):
+    by_id = _answered(rows, convs)
+    missing = [c.id for c in convs if c.id not in by_id]
+    if missing and (not allow_missing or len(missing) == len(convs)):
         raise RuntimeError(f"{path}: {len(missing)} prompts have no generation (first: {missing[0]!r})")
-    ordered = [by_id[r.id] for r in requests if r.id in by_id]
+    ordered = [by_id[c.id] for c in convs if c.id in by_id]
     _write_rows(path, ordered, key, row_key)
     return ordered
 
 
-def keep_earlier_answers(final: Path, row_key: str, requests: Sequence[Request], store: PartStore) -> int:
+def keep_earlier_answers(final: Path, row_key: str, convs: Sequence[Conversation], store: PartStore) -> int:
     """The answers in an earlier final parquet of the split that were made under the same settings (its row key)
-    and answer one of ``requests`` go into ``store`` as one part (those it has not already); returns how many."""
+    and answer one of ``convs`` go into ``store`` as one part (those it has not already); returns how many."""
     if not final.is_file() or _file_key(final, ROW_KEY_METADATA) != row_key:
         return 0
-    have = _answered(store.rows(), requests)
-    rows = [row for rid, row in _answered(_read_rows(final), requests).items() if rid not in have]
+    have = _answered(store.rows(), convs)
+    rows = [row for rid, row in _answered(_read_rows(final), convs).items() if rid not in have]
     if rows:
         store.write(rows)
         log.info("regenerate: %d answers of %s kept for the new prompt set", len(rows), final)
     return len(rows)
 
 
-def _final_is_current(path: Path, key: str, requests: Sequence[Request]) -> bool:
+def _final_is_current(path: Path, key: str, convs: Sequence[Conversation]) -> bool:
     if not path.is_file() or _file_key(path) != key:
         return False
-    return read_parquet(path, ["id"], fix=PART_FIX).column("id").to_pylist() == [r.id for r in requests]
+    return read_parquet(path, ["id"], fix=PART_FIX).column("id").to_pylist() == [c.id for c in convs]
 
 
 def _plans(cfg: RegenerateConfig):
-    """(tokenizer, target fingerprint, {split: (requests, {id: source}, settings key)}) of the prompts files."""
+    """(tokenizer, target fingerprint, {split: (conversations, settings key)}) of the prompts files."""
     from transformers import AutoTokenizer
 
     from dspark_core.target import read_fingerprint, validate_hf_dir
@@ -421,15 +637,17 @@ def _plans(cfg: RegenerateConfig):
     model_cfg = validate_hf_dir(cfg.target_dir)
     fingerprint = read_fingerprint(cfg.target_dir)["fingerprint"]
     tok = AutoTokenizer.from_pretrained(cfg.target_dir, local_files_only=True)
+    positions = model_cfg.get("max_position_embeddings")
     plans = {}
     for split in cfg.splits:
         prompts_file = Path(cfg.prompts_dir) / f"{split}.parquet"
         prompts = read_prompts(prompts_file)
         if not prompts:
             raise UserError(f"{prompts_file}: no prompts")
-        requests = build_requests(prompts, tok, cfg.system_prompt, cfg.seed)
-        check_lengths(requests, cfg.max_new_tokens, model_cfg.get("max_position_embeddings"), str(prompts_file))
-        plans[split] = (requests, {p.id: p.source for p in prompts}, _settings_key(cfg, fingerprint, prompts_file))
+        convs = build_conversations(prompts, tok, cfg, positions, str(prompts_file), eos_token_ids(tok, cfg.target_dir))
+        if cfg.backend != NONE:
+            check_lengths([c.first for c in convs], cfg.max_new_tokens, positions, str(prompts_file))
+        plans[split] = (convs, _settings_key(cfg, fingerprint, prompts_file))
     return tok, fingerprint, plans
 
 
@@ -441,9 +659,9 @@ def mark_answers_reusable(cfg: RegenerateConfig) -> dict[str, str]:
     _, fingerprint, plans = _plans(cfg)
     row_key = _row_key(cfg, fingerprint)
     found = {}
-    for split, (requests, _, key) in plans.items():
+    for split, (convs, key) in plans.items():
         final = Path(cfg.out_dir) / f"{split}.parquet"
-        if not _final_is_current(final, key, requests):
+        if not _final_is_current(final, key, convs):
             found[split] = "not current for these prompts: left as it is"
         elif _file_key(final, ROW_KEY_METADATA) == row_key:
             found[split] = "reusable already"
@@ -468,34 +686,34 @@ def run_regenerate(cfg: RegenerateConfig, time_budget_s: float | None = None) ->
     out_dir = Path(cfg.out_dir)
     row_key = _row_key(cfg, fingerprint)
 
-    longest = max(len(r.prompt_ids) for reqs, _, _ in plans.values() for r in reqs)
+    longest = max(c.positions for convs, _ in plans.values() for c in convs)  # one turn: prompt + max_new_tokens
     backend: list[Backend] = []
 
     def get_backend() -> Backend:
         if not backend:
-            backend.append(make_backend(cfg, tok, eos_ids, max_model_len=longest + cfg.max_new_tokens))
+            backend.append(make_backend(cfg, tok, eos_ids, max_model_len=longest))
         return backend[0]
 
     stats: dict = {"backend": cfg.backend, "target_fingerprint": fingerprint, "splits": {}}
     try:
-        for split, (requests, sources, key) in plans.items():
+        for split, (convs, key) in plans.items():
             final = out_dir / f"{split}.parquet"
-            if _final_is_current(final, key, requests):
+            if _final_is_current(final, key, convs):
                 log.info("regenerate: %s is up to date", final)
                 rows, counters = _read_rows(final), {"generated": 0, "new_tokens": 0, "seconds": 0.0, "kept": 0}
                 if _file_key(final, ROW_KEY_METADATA) != row_key:  # an older stage's file, checked by its key:
                     _write_rows(final, rows, key, row_key)           # reusable for another prompt set now
             else:
                 store = PartStore(out_dir / PARTS_DIR / split, row_key)
-                kept = keep_earlier_answers(final, row_key, requests, store)
-                counters = generate_split(requests, sources, store, get_backend, tok, eos_ids, cfg,
+                kept = keep_earlier_answers(final, row_key, convs, store)
+                counters = generate_split(convs, store, get_backend, tok, eos_ids, cfg,
                                           desc=f"regenerate {split}", deadline=deadline)
                 counters["kept"] = kept
-                rows = assemble(requests, store.rows(), final, key, row_key,
-                                allow_missing=counters["stopped_early"])
-                if len(rows) == len(requests):
+                rows = assemble(convs, store.rows(), final, key, row_key, allow_missing=counters["stopped_early"])
+                if len(rows) == len(convs):
                     store.remove()
-            stats["splits"][split] = _split_stats(rows, counters, len(requests))
+            stats["splits"][split] = _split_stats(rows, counters, len(convs),
+                                                  turns=cfg.max_turns > 1 or cfg.backend == NONE)
     finally:
         for b in backend:
             b.close()
@@ -504,19 +722,26 @@ def run_regenerate(cfg: RegenerateConfig, time_budget_s: float | None = None) ->
     return stats
 
 
-def _split_stats(rows: list[dict], counters: dict, num_requests: int | None = None) -> dict:
+def _split_stats(rows: list[dict], counters: dict, num_requests: int | None = None, turns: bool = False) -> dict:
+    """A split's counters; ``turns`` (several turns or given replies): also ``turns`` (answered, all rows) and
+    ``answer_tokens`` (the loss spans' tokens; ``response_tokens`` then holds the later user turns too)."""
     secs = counters["seconds"]
+    reasons = [x for r in rows for x in (r.get("finish_reasons") or [r["finish_reason"]])]  # one a turn
     out = {
         "prompts": len(rows),
         "response_tokens": sum(len(r["response_ids"]) for r in rows),
-        "finish_stop": sum(r["finish_reason"] == "stop" for r in rows),
-        "finish_length": sum(r["finish_reason"] == "length" for r in rows),
+        "finish_stop": reasons.count("stop"),
+        "finish_length": reasons.count("length"),
         "generated_now": counters["generated"],
         "kept_answers": counters.get("kept", 0),  # from the split's earlier final file (another prompt set)
         "new_tokens_now": counters["new_tokens"],
         "generate_seconds": round(secs, 3),
         "tokens_per_s": round(counters["new_tokens"] / secs, 2) if secs > 0 else None,
     }
+    if turns:
+        out["turns"] = len(reasons)
+        out["answer_tokens"] = sum(sum(r["span_ends"]) - sum(r["span_starts"]) if r.get("span_starts") is not None
+                                   else len(r["response_ids"]) for r in rows)
     if num_requests is not None and num_requests > len(rows):
         out["skipped_prompts"] = num_requests - len(rows)  # left by a time budget
     return out
@@ -539,4 +764,6 @@ def read_regen(path: str | Path) -> list[dict]:
 
 
 __all__ = ["RegenerateConfig", "run_regenerate", "mark_answers_reusable", "chat_prompt", "build_requests",
-           "eos_token_ids", "make_backend", "generate_split", "PartStore", "read_regen", "COLUMNS"]
+           "build_conversations", "Conversation", "conversation_positions", "turn_seed", "answer_batch",
+           "given_rows", "eos_token_ids", "make_backend", "generate_split", "PartStore", "read_regen", "COLUMNS",
+           "BACKEND_CHOICES"]

@@ -13,8 +13,9 @@ Both are buffers of the draft's :class:`DraftVocab` and are saved in the draft's
 (:func:`speculators_maps`): ``d2t`` as offsets (``target = i + d2t[i]``) and ``t2d`` as a bool mask [V].
 
 The selection is made by the ``draft_vocab`` stage: every target token ranked by its count over the
-regenerated train answers (``response_ids``), most frequent first, ties broken by the smaller token id
-(tokens never seen come last, by id). The ranking of all V tokens is stored, so any N takes its first N
+regenerated train answers (the loss spans of each sample: its assistant turns, the ``response_ids`` of a
+single-turn row; :func:`dspark_core.cache.source.regen_sequences`), most frequent first, ties broken by the
+smaller token id (tokens never seen come last, by id). The ranking of all V tokens is stored, so any N takes its first N
 (:func:`read_ranking`, :func:`top_ids`); the stage records the coverage (the share of answer tokens inside the
 first N) of each size it is asked about.
 """
@@ -199,15 +200,15 @@ def run_draft_vocab_stage(params: str | Path, target_dir: Path = Path("data/targ
                           regen: Path = Path("data/regen/train.parquet"), out: Path = RANKING_PATH,
                           report: Path = Path("reports/draft_vocab.json")) -> dict:
     """Rank the target's tokens over the train answers -> ``out``; coverage per size -> ``report`` (returned)."""
-    from dspark_core.io import read_json, read_parquet, write_json
+    from dspark_core.cache.source import regen_sequences
+    from dspark_core.io import read_json, write_json
     from dspark_core.target import read_fingerprint
 
     cfg = DraftVocabConfig.load(params, "draft_vocab")
     vocab = int(read_json(target_dir / "config.json")["vocab_size"])
     if not regen.is_file():
         raise UserError(f"{regen}: no regenerated train answers; run `dvc repro regenerate` first")
-    answers = read_parquet(regen, ["response_ids"], fix="rerun the regenerate stage (`dvc repro -f regenerate`)")
-    answers = answers.column("response_ids").to_pylist()
+    answers = [seq[a:b] for _, _, seq, spans in regen_sequences(regen) for a, b in spans]  # every answer span
     counts = count_tokens(answers, vocab)
     order = rank_tokens(counts)
     write_ranking(out, order, counts, read_fingerprint(target_dir)["fingerprint"])
