@@ -630,13 +630,11 @@ def _final_is_current(path: Path, key: str, convs: Sequence[Conversation]) -> bo
 
 def _plans(cfg: RegenerateConfig):
     """(tokenizer, target fingerprint, {split: (conversations, settings key)}) of the prompts files."""
-    from transformers import AutoTokenizer
-
-    from dspark_core.target import read_fingerprint, validate_hf_dir
+    from dspark_core.target import load_tokenizer, read_fingerprint, validate_hf_dir
 
     model_cfg = validate_hf_dir(cfg.target_dir)
     fingerprint = read_fingerprint(cfg.target_dir)["fingerprint"]
-    tok = AutoTokenizer.from_pretrained(cfg.target_dir, local_files_only=True)
+    tok = load_tokenizer(cfg.target_dir)  # with the target's trust_remote_code, as every reader
     positions = model_cfg.get("max_position_embeddings")
     plans = {}
     for split in cfg.splits:
