@@ -98,15 +98,16 @@ def _trainer_state(seed: int):
 def test_training_checkpoint_roundtrip_and_truncation(tmp_path):
     model, opt, sched = _trainer_state(0)
     step_dir = save_checkpoint(tmp_path, 3, model, opt, sched, keep=2)
-    assert json.loads((step_dir / MANIFEST).read_text())["files"].keys() == {"model.safetensors", "state.pt"}
+    assert json.loads((step_dir / MANIFEST).read_text())["files"].keys() == {"model.safetensors", "state.safetensors",
+                                                                            "state.json"}
     fresh, fopt, fsched = _trainer_state(1)
     assert load_checkpoint(tmp_path, fresh, fopt, fsched) == 3
     assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
 
     other, oopt, osched = _trainer_state(2)
     before = other.weight.detach().clone()
-    (step_dir / "state.pt").write_bytes((step_dir / "state.pt").read_bytes()[:-7])
-    with pytest.raises(UserError, match=r"step_00000003/state.pt: \d+ bytes, manifest.json records \d+ .*delete "):
+    (step_dir / "state.safetensors").write_bytes((step_dir / "state.safetensors").read_bytes()[:-7])
+    with pytest.raises(UserError, match=r"step_00000003/state.safetensors: \d+ bytes, manifest.json records \d+ .*delete "):
         load_checkpoint(tmp_path, other, oopt, osched)
     assert torch.equal(other.weight, before)  # nothing restored from a damaged checkpoint
     (step_dir / MANIFEST).unlink()  # without its manifest: refused, not loaded unchecked (latest.json records one)
