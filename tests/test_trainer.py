@@ -132,6 +132,34 @@ def test_resume_is_bit_identical(tmp_path):
     assert [h["loss"] for h in full.history[3:]] == [h["loss"] for h in resumed.history]
 
 
+def test_a_checkpoint_of_the_older_state_pt_layout_resumes_bit_identically(tmp_path):
+    """A run stopped at step 3 whose checkpoint is in the older layout (the state pickled as state.pt, the RNG states
+    as Python / numpy objects) resumes, read with weights_only, to the uninterrupted run's weights and losses."""
+    import json
+
+    import numpy as np
+
+    from dspark_core.checkpoint import write_manifest
+
+    full = train(ToyTask(), _cfg(tmp_path / "full"), progress=False)
+    train(ToyTask(), _cfg(tmp_path / "part", max_steps=3), progress=False)
+    step = tmp_path / "part" / "checkpoints" / "step_00000003"
+    state = read_train_state(step)
+    py, npy = state["rng"]["python"], state["rng"]["numpy"]
+    state["rng"]["python"] = (py["version"], tuple(py["state"]), py["gauss_next"])
+    state["rng"]["numpy"] = (npy["kind"], np.asarray(npy["key"], dtype=np.uint32), npy["pos"], npy["has_gauss"],
+                             npy["cached_gaussian"])
+    for name in ("state.json", "state.safetensors"):
+        (step / name).unlink()
+    torch.save(state, step / "state.pt")
+    write_manifest(step, ["model.safetensors", "state.pt"])
+    assert json.loads((step.parent / "latest.json").read_text())["step"] == 3
+    resumed = train(ToyTask(), _cfg(tmp_path / "part"), progress=False)
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history[3:]]
+    for (k, a), b in zip(_params(full.model).items(), _params(resumed.model).values()):
+        assert torch.equal(a, b), k
+
+
 def test_the_same_run_writes_the_same_checkpoint_bytes(tmp_path):
     """Two runs of the same config write byte-identical checkpoints (the RNG states they hold are seeded), so a
     DVC stage that reruns leaves its output, and every stage after it, unchanged."""
