@@ -325,8 +325,13 @@ def _read_legacy_state(path: Path, fix: str) -> dict[str, Any]:
     import re
 
     reconstruct = np.zeros(1).__reduce__()[0]  # numpy's array rebuilder, wherever this numpy keeps it
+    allowed = [reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     try:
-        with torch.serialization.safe_globals([reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]):
+        if hasattr(torch.serialization, "safe_globals"):  # torch >= 2.5: for this load only
+            with torch.serialization.safe_globals(allowed):
+                state = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            torch.serialization.add_safe_globals(allowed)
             state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError) as e:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))

@@ -107,7 +107,8 @@ def test_training_checkpoint_roundtrip_and_truncation(tmp_path):
     other, oopt, osched = _trainer_state(2)
     before = other.weight.detach().clone()
     (step_dir / "state.safetensors").write_bytes((step_dir / "state.safetensors").read_bytes()[:-7])
-    with pytest.raises(UserError, match=r"step_00000003/state.safetensors: \d+ bytes, manifest.json records \d+ .*delete "):
+    with pytest.raises(UserError, match=r"step_00000003/state.safetensors: \d+ bytes, manifest.json records \d+ "
+                                        r".*delete "):
         load_checkpoint(tmp_path, other, oopt, osched)
     assert torch.equal(other.weight, before)  # nothing restored from a damaged checkpoint
     (step_dir / MANIFEST).unlink()  # without its manifest: refused, not loaded unchecked (latest.json records one)

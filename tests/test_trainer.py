@@ -675,7 +675,8 @@ def _master_reference(task, cfg: TrainConfig, steps: int):
                 loss = sum(spec.weight * sums[name] / dens[spec.denominator].float()
                            for name, spec in task.terms.items())
             loss.backward()
-            total += sum(spec.weight * float(sums[name].detach()) for name, spec in task.terms.items()) / float(dens["w"])
+            total += sum(spec.weight * float(sums[name].detach())
+                         for name, spec in task.terms.items()) / float(dens["w"])
         losses.append(total)
         for m, w in zip(masters, working):
             m.grad = w.grad.float()
