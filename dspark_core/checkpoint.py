@@ -307,14 +307,19 @@ def read_train_state(folder: Path, fix: str = "delete the checkpoint") -> dict[s
         if (folder / LEGACY_STATE).is_file():
             return _read_legacy_state(folder / LEGACY_STATE, fix)
         raise UserError(f"{folder}: no {STATE_JSON} (nor an older {LEGACY_STATE}): not a training checkpoint; {fix}")
-    doc = read_json(doc_path)
-    if not isinstance(doc, dict) or doc.get("format") != STATE_FORMAT or not isinstance(doc.get("state"), dict):
-        raise UserError(f"{doc_path}: not a {STATE_FORMAT} file; {fix}")
-    state = decode_state(doc["state"], load_tensors(folder / STATE_TENSORS, fix), str(doc_path))
+    state = decode_state(_state_doc(doc_path, fix)["state"], load_tensors(folder / STATE_TENSORS, fix), str(doc_path))
     for key in ("step", "scheduler", "rng"):
         if key not in state:
             raise UserError(f"{doc_path}: no {key!r} entry; {fix}")
     return state
+
+
+def _state_doc(path: Path, fix: str) -> dict[str, Any]:
+    """``state.json``'s document, checked to be one (its tensors are not read)."""
+    doc = read_json(path)
+    if not isinstance(doc, dict) or doc.get("format") != STATE_FORMAT or not isinstance(doc.get("state"), dict):
+        raise UserError(f"{path}: not a {STATE_FORMAT} file; {fix}")
+    return doc
 
 
 def _read_legacy_state(path: Path, fix: str) -> dict[str, Any]:
@@ -427,9 +432,7 @@ def verify_latest_checkpoint(ckpt_root: Path) -> None:
         d, fix, required = found
         verify_manifest(d, fix, required)
         if (d / STATE_JSON).is_file():
-            doc = read_json(d / STATE_JSON)
-            if not isinstance(doc, dict) or doc.get("format") != STATE_FORMAT:
-                raise UserError(f"{d / STATE_JSON}: not a {STATE_FORMAT} file; {fix}")
+            _state_doc(d / STATE_JSON, fix)
         else:
             read_train_state(d, fix)  # an older state.pt: refused here when its pickle asks for code
 
