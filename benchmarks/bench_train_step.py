@@ -71,6 +71,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from transformers import Qwen3Config  # noqa: E402
 
+from dspark_core.bench.train_peers import speculators_available  # noqa: E402
 from dspark_core.dist import Dist, init_distributed  # noqa: E402
 from dspark_core.draft import attention  # noqa: E402
 from dspark_core.draft.anchors import add_anchor_fields  # noqa: E402
@@ -81,7 +82,6 @@ from dspark_core.draft.packing import collate_packed  # noqa: E402
 from dspark_core.draft.synthetic import random_item  # noqa: E402
 from dspark_core.draft.task import DSparkTrainModel, draft_denominators  # noqa: E402
 from dspark_core.errors import UserError  # noqa: E402
-from dspark_core.bench.train_peers import speculators_available  # noqa: E402
 from dspark_core.testing import QWEN3_4B_SHAPES  # noqa: E402
 from dspark_core.train.optim import MasterAdamW, TritonAdamW, optimizer_kernel  # noqa: E402
 from dspark_core.train.trainer import clip_and_step  # noqa: E402
