@@ -754,6 +754,19 @@ def test_pure_bf16_loses_small_updates_that_master_weights_keep():
     assert torch.equal(working.data, master.to(torch.bfloat16)) and bool((working.data < 1).all())
 
 
+def test_master_weights_refuse_sparse_gradients(tmp_path):
+    """A task whose parameter group is marked sparse (an Engram table with sparse: true) cannot train on master
+    weights: one line naming the settings to change, before anything is written."""
+    class SparseGroup(ToyTask):
+        def param_groups(self, model):
+            return [{"params": list(model.parameters()), "sparse": True}]
+
+    with pytest.raises(ValueError, match=r"sparse gradients \(draft.engram.sparse: true\) take no master weights; "
+                                         r"set draft.engram.sparse: false or train.param_dtype: float32"):
+        train(SparseGroup(), _cfg(tmp_path / "run", param_dtype="bfloat16"), progress=False)
+    assert not (tmp_path / "run").exists()
+
+
 def test_first_step_metrics_equal_a_hand_computed_global_batch(tmp_path):
     """The logged row of a 4-micro-batch step against sums over the whole global batch, computed here by hand:
     each term's sum over its global denominator, the loss their weighted sum, a metric over its denominator."""
