@@ -16,8 +16,11 @@ out. ``model_tflop`` counts the step's matrix work (``step_tflop``) and ``mfu`` 
 ``host_s``: the host's time to queue one timed step (the timed loop never waits for the GPU): near ``step_s``,
 the step is bound by the host's launches; well below it, by the GPU's work.
 
-Precision modes: ``amp`` (what the shared trainer does: fp32 weights + AdamW state, bf16 autocast,
-frozen LM head kept in bf16) and ``bf16`` (bf16 weights and AdamW state, no autocast).
+Precision modes (docs/DESIGN.md, "Training numerics"): ``amp`` (the shared trainer's default, ``train.param_dtype:
+float32``: fp32 weights and AdamW state, bf16 autocast, frozen LM head kept in bf16), ``bf16_master``
+(``train.param_dtype: bfloat16``: bf16 working weights the forward reads, fp32 master weights and AdamW state in
+``MasterAdamW``, its one-pass Triton step on CUDA) and ``bf16`` (pure bf16: bf16 weights, gradients and AdamW
+moments, no master copy; a benchmark mode only, the trainer refuses it).
 
 Where the hidden states come from (``--hidden-states cache online``, ``train.hidden_states``): ``cache`` (the
 default) gives the step its aux / last states as a cache read would, already in memory; ``online`` builds a random
@@ -27,7 +30,15 @@ host read), as the trainer's ``prepare_step`` does. Online rows add ``target_for
 after the steps) and ``target_share`` (its share of the online step), ``target_tflop`` (its forward's matrix work;
 ``mfu`` then counts both); each row says ``hidden_states``, and the rows of one length are side by side.
 
-    python benchmarks/bench_train_step.py    # H200: amp + bf16, L = 2048, 4096 -> reports/bench/train_step.json
+
+``--peers`` adds, in the same process and on the same samples, ``speculators``' own DSpark model and loss stepped in
+its trainer's default numerics (fp32 weights and AdamW state, bf16 autocast; ``dspark_core/bench/train_peers.py``)
+at each length (rows ``loop: speculators``, with its MFU), and each dspark row's ``speedup_vs_speculators_run`` /
+``peak_ratio_vs_speculators_run`` against it. DeepSpec is not on PyPI: its rows come from ``--reference``.
+
+    python benchmarks/bench_train_step.py    # amp + bf16_master, L = 2048, 4096 -> reports/bench/train_step.json
+    python benchmarks/bench_train_step.py --peers [--vocab-size 32000 --teacher-vocab draft]   # + speculators
+    python benchmarks/bench_train_step.py --hidden-states cache online   # + the online target forward
     python benchmarks/bench_train_step.py --precision amp --recompute --profile   # one mode, layer recompute, kernels
     python benchmarks/bench_train_step.py --tiny --out /tmp/x.json   # CPU smoke run on tiny shapes
     python benchmarks/bench_train_step.py --precision bf16 --markov-head rnn --out reports/bench/train_step_rnn.json
@@ -72,6 +83,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from transformers import Qwen3Config  # noqa: E402
 
+from dspark_core.bench.train_peers import speculators_available  # noqa: E402
 from dspark_core.dist import Dist, init_distributed  # noqa: E402
 from dspark_core.draft import attention  # noqa: E402
 from dspark_core.draft.anchors import add_anchor_fields  # noqa: E402
@@ -83,11 +95,12 @@ from dspark_core.draft.synthetic import random_item  # noqa: E402
 from dspark_core.draft.task import DSparkTrainModel, draft_denominators  # noqa: E402
 from dspark_core.errors import UserError  # noqa: E402
 from dspark_core.testing import QWEN3_4B_SHAPES  # noqa: E402
-from dspark_core.train.optim import TritonAdamW, optimizer_kernel  # noqa: E402
+from dspark_core.train.optim import MasterAdamW, TritonAdamW, optimizer_kernel  # noqa: E402
 from dspark_core.train.trainer import clip_and_step  # noqa: E402
 
 DEFAULT_REFERENCE = ROOT.parent / "shared" / "anchors" / "train_step_peers_h200.json"
 AUX_LAYERS = (1, 9, 17, 25, 33)
+PRECISIONS = ("amp", "bf16_master", "bf16")  # the trainer's default, master weights, pure bf16 (benchmark only)
 
 
 def target_config(tiny: bool) -> Qwen3Config:
@@ -108,13 +121,16 @@ def build(args, precision: str,
         draft = DSparkDraft(cfg, tc, lm, lm, aux_layer_ids=AUX_LAYERS)  # a draft vocabulary: ids 0 .. N-1
     draft.gradient_checkpointing = args.recompute
     draft.compile_layers = args.compile_layers
-    param_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    param_dtype = torch.float32 if precision == "amp" else torch.bfloat16
     draft = draft.to(device=device, dtype=param_dtype)
     draft.set_frozen_dtype(frozen_dtype)
     model = DSparkTrainModel(draft, loss_config(args, args.chunk[0]))
     params = [p for p in model.parameters() if p.requires_grad]
     hp = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
-    if optimizer_kernel(args.opt_kernel, device) == "triton":  # train.optimizer_kernel (train/optim.py)
+    kernel = optimizer_kernel(args.opt_kernel, device, master=precision == "bf16_master")  # train/optim.py
+    if precision == "bf16_master":  # train.param_dtype: bfloat16 (master_dtype float32)
+        opt = MasterAdamW(params, kernel=kernel, **hp)
+    elif kernel == "triton":
         opt = TritonAdamW(params, **hp)
     else:
         opt = torch.optim.AdamW(params, fused=device.type == "cuda" and args.fused, **hp)
@@ -147,6 +163,20 @@ def online_batch(batch: dict, items: list[dict], places: list[tuple[int, int]]) 
     return out
 
 
+
+def optimizer_name(args, precision: str, device: torch.device) -> str:
+    """The AdamW step a row ran: ``--optimizer-kernel`` resolved for its precision and device."""
+    return optimizer_kernel(args.opt_kernel, device, master=precision == "bf16_master")
+
+
+def make_item(args, length: int, device: torch.device, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """One random sample of ``length`` tokens (on the CPU; token ids from the draft vocabulary when reduced)."""
+    tc = target_config(args.tiny)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return random_item(length, args.vocab_size or tc.vocab_size, len(AUX_LAYERS), tc.hidden_size,
+                       prompt_len=max(1, length // 16), generator=g, dtype=dtype)
+
+
 def make_batch(args, length: int, device: torch.device, seed: int, online: bool = False) -> dict[str, torch.Tensor]:
     tc = target_config(args.tiny)
     g = torch.Generator().manual_seed(seed)
@@ -161,8 +191,7 @@ def make_batch(args, length: int, device: torch.device, seed: int, online: bool 
         if online:
             batch = online_batch(batch, items, sample_places(lens, row_length))
         return to_device(batch, device)
-    item = random_item(length, vocab, len(AUX_LAYERS), tc.hidden_size, prompt_len=max(1, length // 16),
-                       generator=g, dtype=dtype)
+    item = make_item(args, length, device, g)
     batch = {k: v.unsqueeze(0) for k, v in item.items()}
     batch["lengths"] = torch.tensor([length])
     batch = add_anchor_fields(batch, args.anchors, 7, g, compact=args.slots == "compact")
@@ -190,13 +219,17 @@ def draft_config(args, tc) -> DraftConfig:
                        anchor_slots=args.slots)
 
 
-def run_trainer(args, length: int, device: torch.device, target=None) -> dict:
+TRAINER_NUMERICS = {"amp": ("float32", "float32"), "bf16_master": ("bfloat16", "float32"),
+                    "bf16": ("bfloat16", "bfloat16")}  # precision -> train.param_dtype, train.master_dtype
+
+
+def run_trainer(args, precision: str, length: int, device: torch.device, target=None) -> dict:
     """The shared trainer's own loop (``train.trainer.train``: batches collated in the loop or by
     ``--trainer-workers`` processes, moved to the device, clip + AdamW, its per-step logging) on 3 random samples of
-    ``length`` tokens: fp32 weights with bf16 autocast (``train.param_dtype: float32``), or with ``--precision bf16``
-    bf16 weights and AdamW state (``bfloat16``); time per step between the step callbacks of the timed steps, and
-    peak memory. ``target`` (online rows): the items carry tokens only and the trainer's ``prepare_step`` runs the
-    target on each step (``train.hidden_states: online``)."""
+    ``length`` tokens in ``precision``'s numerics (``TRAINER_NUMERICS``: amp is ``train.param_dtype: float32``,
+    bf16_master ``bfloat16`` on float32 masters; pure bf16 the trainer refuses); time per step between the step
+    callbacks of the timed steps, and peak memory. ``target`` (online rows): the items carry tokens only and the
+    trainer's ``prepare_step`` runs the target on each step (``train.hidden_states: online``)."""
     import tempfile
 
     from dspark_core.draft.task import DSparkTask
@@ -204,10 +237,8 @@ def run_trainer(args, length: int, device: torch.device, target=None) -> dict:
 
     tc = target_config(args.tiny)
     g = torch.Generator().manual_seed(0)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     lm = torch.randn(tc.vocab_size, tc.hidden_size, generator=g).mul_(0.02)  # tied embedding / LM head
-    items = [random_item(length, args.vocab_size or tc.vocab_size, len(AUX_LAYERS), tc.hidden_size,
-                         prompt_len=max(1, length // 16), generator=g, dtype=dtype) for _ in range(3)]
+    items = [make_item(args, length, device, g) for _ in range(3)]
     online = {}
     if target is not None:  # tokens only; the plan's widths: each sample's own length
         items = [{"input_ids": it["input_ids"], "loss_mask": it["loss_mask"], "forward_width": length,
@@ -217,19 +248,19 @@ def run_trainer(args, length: int, device: torch.device, target=None) -> dict:
                       embed_weight=lm, lm_head_weight=lm, aux_layer_ids=AUX_LAYERS, train_data=items, **online)
     stamps: list[float] = []
     total = args.warmup + args.steps
-    bf16 = args.precision == ["bf16"]
+    param_dtype, master_dtype = TRAINER_NUMERICS[precision]
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig(lr=1e-4, warmup_ratio=0.0, total_steps=total, micro_batch_size=1, global_batch_size=1,
                           checkpoint_every=10 ** 9, log_every=10 ** 9, data_workers=args.trainer_workers, out_dir=tmp,
-                          param_dtype="bfloat16" if bf16 else "float32", attention_kernel=attention.ATTENTION_KERNEL,
-                          optimizer_kernel=args.opt_kernel)
+                          param_dtype=param_dtype, master_dtype=master_dtype,
+                          attention_kernel=attention.ATTENTION_KERNEL, optimizer_kernel=args.opt_kernel)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         result = train(task, cfg, progress=False, checkpoints=False,
                        on_step=lambda step, row: stamps.append(time.perf_counter()))
     step_s = (stamps[-1] - stamps[args.warmup - 1]) / args.steps
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    row = {"precision": "bf16" if bf16 else "amp", "loop": "trainer", "trainer_workers": args.trainer_workers,
+    row = {"precision": precision, "loop": "trainer", "trainer_workers": args.trainer_workers,
            "trainable_params": sum(p.numel() for p in result.model.parameters() if p.requires_grad),
            "chunk": args.chunk[0], "L": length, "draft_vocab_size": args.vocab_size, "teacher_vocab": args.teacher_vocab,
            "step_s": step_s, "tokens_per_s": length / step_s, "peak_gib": peak, "loss": result.history[-1]["loss"],
@@ -319,9 +350,10 @@ def run_length(args, precision: str, model, opt, params, length: int, device: to
     return row
 
 
-def add_reference(row: dict, reference: Path | None) -> None:
+def add_reference(row: dict, reference) -> None:
     """The row's ratios to the peers' runs at its L and draft vocabulary (``speedup_vs_<peer>``,
-    ``peak_ratio_vs_<peer>``) and whether it meets the goals; nothing when ``reference`` is missing."""
+    ``peak_ratio_vs_<peer>``; ``<peer>_default`` for a peer's default numerics) and whether it meets the goals
+    (against the peers' pure-bf16 runs); nothing when no ``reference`` file is there."""
     refs = reference_runs(reference, row["L"], row.get("draft_vocab_size"))
     step_s, peak = row["step_s"], row["peak_gib"]
     for peer, ref in refs.items():
@@ -337,15 +369,16 @@ def add_reference(row: dict, reference: Path | None) -> None:
                                                and row["peak_ratio_vs_speculators"] <= 0.7)
 
 
-def rescore(path: Path, reference: Path) -> None:
-    """Recompute the peer ratios of a report written where the reference file was absent (e.g. another machine),
+def rescore(path: Path, reference: list[Path]) -> None:
+    """Recompute the peer ratios of a report written where the reference files were absent (e.g. another machine),
     in place, and print its table."""
     report = json.loads(path.read_text())
     for row in report["results"]:
-        add_reference(row, reference)
-    report["reference"] = {"source": str(reference), "runs": {r["L"]: reference_runs(reference, r["L"],
-                                                                                       r.get("draft_vocab_size"))
-                                                                for r in report["results"]},
+        if row.get("loop") != "speculators":
+            add_reference(row, reference)
+    report["reference"] = {"source": [str(r) for r in reference if Path(r).is_file()],
+                           "runs": {r["L"]: reference_runs(reference, r["L"], r.get("draft_vocab_size"))
+                                    for r in report["results"]},
                            "target": report.get("reference", {}).get("target")}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(report, indent=2) + "\n")
@@ -507,8 +540,10 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=None, help="sequence lengths (default 2048 4096)")
     ap.add_argument("--anchors", type=int, default=None, help="anchors per sample (default 512; tiny 16)")
     ap.add_argument("--chunk", type=int, nargs="+", default=[512], help="loss.vocab_chunk_slots (one run each)")
-    ap.add_argument("--precision", choices=("amp", "bf16"), nargs="+", default=["amp", "bf16"],
-                    help="amp: fp32 weights + AdamW state, bf16 autocast (the trainer's way); bf16: bf16 weights")
+    ap.add_argument("--precision", choices=PRECISIONS, nargs="+", default=["amp", "bf16_master"],
+                    help="amp: fp32 weights + AdamW state, bf16 autocast (the trainer's default); bf16_master: bf16 "
+                         "working weights, fp32 master weights + AdamW state (train.param_dtype: bfloat16); bf16: "
+                         "pure bf16 weights + AdamW state (a benchmark mode: the trainer refuses it)")
     ap.add_argument("--markov-head", choices=("vanilla", "gated", "rnn", "none"), default="vanilla",
                     help="draft.markov_head (none: the confidence head reads h only)")
     ap.add_argument("--mixed", type=int, default=0,
@@ -532,9 +567,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench" / "train_step.json")
-    ap.add_argument("--reference", type=Path, default=DEFAULT_REFERENCE,
-                    help="JSON of reference measurements: runs[] (one peer) or {peer: {runs[]}} "
-                         "(seq_len / step_s / peak_gib[, draft_vocab_size])")
+    ap.add_argument("--reference", type=Path, nargs="+", default=[DEFAULT_REFERENCE],
+                    help="JSON files of reference measurements: runs[] (one peer), {peer: {runs[], "
+                         "default_numerics: {runs[]}}} or bench_deepspec_harness.py's list of runs "
+                         "(seq_len / step_s / peak_gib[, draft_vocab_size, optimizer])")
     ap.add_argument("--peak-tflops", type=float, default=989.0,
                     help="the GPU's dense bf16 peak for the MFU column (default 989: an H200 SXM)")
     ap.add_argument("--baseline", type=Path, default=None,
@@ -545,7 +581,7 @@ def main() -> None:
     ap.add_argument("--attention-kernel", choices=("triton", "flash"), nargs="+", default=["triton"],
                     help="train.attention_kernel: torch's Triton flex kernels and / or FlashAttention-4 (flash-attn-4 "
                          "package); several: one pass each, same run (rows say attention)")
-    ap.add_argument("--optimizer-kernel", choices=("torch", "triton"), nargs="+", default=["torch"],
+    ap.add_argument("--optimizer-kernel", choices=("auto", "torch", "triton"), nargs="+", default=["auto"],
                     help="train.optimizer_kernel: torch's fused AdamW and / or the Triton AdamW kernel "
                          "(train/optim.py); several: one pass each, same run (rows say optimizer)")
     ap.add_argument("--anchor-slots", choices=("compact", "fixed"), nargs="+", default=["compact"],
@@ -556,16 +592,26 @@ def main() -> None:
                          "by a random target of the same shapes (36 layers; bf16 on the GPU) in the step; rows say "
                          "hidden_states, online rows add target_forward_s and target_share")
     ap.add_argument("--trainer", action="store_true",
-                    help="run the shared trainer's own loop instead of this script's (fp32 weights + bf16 autocast; "
-                         "with --precision bf16 alone, train.param_dtype bfloat16); rows say loop: trainer")
+                    help="run the shared trainer's own loop instead of this script's, in each --precision's numerics "
+                         "(amp, bf16_master); rows say loop: trainer")
+    ap.add_argument("--peers", action="store_true",
+                    help="also step speculators' own DSpark model and loss in its default numerics (fp32 weights + "
+                         "bf16 autocast) on the same samples, same process (rows say loop: speculators)")
+    ap.add_argument("--peer-loss", choices=("eager", "fused"), default="eager",
+                    help="with --peers: speculators' loss implementation (default eager, as --reference's rows)")
     ap.add_argument("--trainer-workers", type=int, default=2, help="with --trainer: train.data_workers (default 2)")
     ap.add_argument("--rescore", type=Path, default=None,
                     help="recompute the peer ratios of this report JSON with --reference (no run)")
     args = ap.parse_args()
     if args.rescore is not None:
-        if not args.reference or not Path(args.reference).is_file():
-            raise SystemExit(f"--rescore needs the reference file; {args.reference} not found")
+        if not any(Path(r).is_file() for r in args.reference):
+            raise SystemExit(f"--rescore needs a reference file; {', '.join(map(str, args.reference))} not found")
         return rescore(args.rescore, args.reference)
+    if args.peers and not speculators_available():
+        raise SystemExit("--peers needs the speculators package (pip install speculators)")
+    if args.trainer and "bf16" in args.precision:
+        raise SystemExit("--trainer --precision bf16: the trainer refuses pure-bf16 training (train.master_dtype "
+                         "bfloat16); time it with this script's loop, or use bf16_master")
     if args.packed and not args.mixed:
         raise SystemExit("--packed needs --mixed N (the samples to pack)")
     if args.baseline is not None and not args.baseline.is_file():
@@ -594,6 +640,10 @@ def main() -> None:
             n_params = bench_trainer(args, device, rows)
         else:
             n_params = bench_script(args, device, d, rows)
+    if args.peers:
+        if d.world_size > 1:
+            raise SystemExit("--peers runs in one process (no torchrun)")
+        bench_peers(args, device, rows)
     if d.is_main:
         print_table(write_report(args, device, n_params, rows))
         print(f"wrote {args.out}")
@@ -617,16 +667,91 @@ def online_target(args, device, hidden: str):
 
 
 def bench_trainer(args, device, rows: list[dict]) -> int:
-    """The trainer's own loop at each length (rows appended; returns the trainable parameter count)."""
+    """The trainer's own loop at each precision and length (rows appended; returns the trainable parameter count)."""
     n_params = 0
-    for length, args.slots, hidden in [(n, s, h) for n in args.lengths for s in args.anchor_slots
-                                       for h in args.hidden_states]:
-        rows.append({**run_trainer(args, length, device, online_target(args, device, hidden)),
-                     "attention": attention.ATTENTION_KERNEL, "optimizer": args.opt_kernel, "anchor_slots": args.slots})
+    for precision, length, args.slots, hidden in [(p, n, s, h) for p in args.precision for n in args.lengths
+                                                  for s in args.anchor_slots for h in args.hidden_states]:
+        rows.append({**run_trainer(args, precision, length, device, online_target(args, device, hidden)),
+                     "attention": attention.ATTENTION_KERNEL, "optimizer": optimizer_name(args, precision, device),
+                     "anchor_slots": args.slots})
         n_params = rows[-1]["trainable_params"]
         print(json.dumps(rows[-1]), flush=True)
     write_report(args, device, n_params, rows)
     return n_params
+
+
+def bench_peers(args, device, rows: list[dict]) -> None:
+    """``--peers``: speculators' DSpark model and loss in its default numerics at each length, on this script's
+    samples (rows appended, then each dspark row's ratios to the speculators row of its length and vocabulary)."""
+    from dspark_core.bench.train_peers import SpeculatorsStep
+
+    tc = target_config(args.tiny)
+    torch.manual_seed(0)
+    peer = SpeculatorsStep(tc, AUX_LAYERS, num_layers=5, block_size=7, anchors=args.anchors,
+                           markov_rank=draft_config(args, tc).markov_rank, draft_vocab_size=args.vocab_size,
+                           mask_token_id=tc.vocab_size - 1, device=device, loss_implementation=args.peer_loss,
+                           attention="simple_flex_attention" if device.type == "cuda" else "eager")
+    for length in args.lengths:
+        rows.append(run_peer(args, peer, length, device))
+        print(json.dumps(rows[-1]), flush=True)
+    del peer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    add_peer_ratios(rows)
+
+
+def run_peer(args, peer, length: int, device: torch.device) -> dict:
+    """speculators' steps on the 3 samples this script's rows use at ``length`` (same seeds): warm-up, then the
+    timed steps queued without a read, as :func:`run_length` times dspark's."""
+    batches = [peer.inputs(make_item(args, length, device, torch.Generator().manual_seed(seed))) for seed in range(3)]
+    print(f"  L {length}: speculators, warm-up ({args.warmup} steps, compiles)", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    for i in range(args.warmup):
+        peer.step(batches[i % len(batches)])
+        sync(device)
+    warm_s = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    sync(device)
+    t0 = time.perf_counter()
+    loss = torch.zeros(())
+    for i in range(args.steps):
+        loss = peer.step(batches[i % len(batches)])
+    host_s = (time.perf_counter() - t0) / args.steps
+    sync(device)
+    step_s = (time.perf_counter() - t0) / args.steps
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    row = {"loop": "speculators", "precision": "amp", "optimizer": "torch", "attention": peer.model._attn_impl,
+           "loss_implementation": args.peer_loss, "L": length, "draft_vocab_size": args.vocab_size,
+           "teacher_vocab": "draft" if args.vocab_size else "full", "step_s": step_s, "host_s": host_s,
+           "tokens_per_s": length / step_s, "peak_gib": peak, "loss": float(loss), "warmup_s": warm_s,
+           "trainable_params": peer.trainable_params, "world_size": 1, "chunk": None, "anchor_slots": "fixed",
+           "model_tflop": step_tflop(target_config(args.tiny), shape_draft(args), length, args.anchors,
+                                     "draft" if args.vocab_size else "full")}
+    if device.type == "cuda" and args.peak_tflops:
+        row["mfu"] = row["model_tflop"] / step_s / args.peak_tflops
+    return row
+
+
+def shape_draft(args) -> DSparkDraft:
+    """dspark's draft of this run's shapes on the meta device (no memory): what :func:`step_tflop` reads."""
+    tc = target_config(args.tiny)
+    with torch.device("meta"):
+        lm = torch.empty(tc.vocab_size, tc.hidden_size)
+        return DSparkDraft(draft_config(args, tc), tc, lm, lm, aux_layer_ids=AUX_LAYERS)
+
+
+def add_peer_ratios(rows: list[dict]) -> None:
+    """Each dspark row's ``speedup_vs_speculators_run`` (the speculators row's step time over its own) and
+    ``peak_ratio_vs_speculators_run`` against the speculators row of the same L and draft vocabulary, this run."""
+    peers = {(r["L"], r["draft_vocab_size"]): r for r in rows if r.get("loop") == "speculators"}
+    for r in rows:
+        peer = peers.get((r["L"], r["draft_vocab_size"]))
+        if r.get("loop") == "speculators" or peer is None:
+            continue
+        r["speedup_vs_speculators_run"] = peer["step_s"] / r["step_s"]
+        r["peak_ratio_vs_speculators_run"] = (r["peak_gib"] / peer["peak_gib"]
+                                              if r["peak_gib"] is not None and peer["peak_gib"] else None)
 
 
 def bench_script(args, device, d, rows: list[dict]) -> int:
@@ -648,8 +773,8 @@ def bench_script(args, device, d, rows: list[dict]) -> int:
                                                for h in args.hidden_states]:
                 target = online_target(args, device, hidden)
                 rows.append({**run_length(args, precision, model, opt, params, length, device, forward, d, target),
-                             "attention": attention.ATTENTION_KERNEL, "optimizer": args.opt_kernel,
-                             "anchor_slots": args.slots})
+                             "attention": attention.ATTENTION_KERNEL,
+                             "optimizer": optimizer_name(args, precision, device), "anchor_slots": args.slots})
                 if args.baseline is not None:
                     add_scaling(rows[-1:], args.baseline)
                 if d.is_main:
@@ -665,17 +790,39 @@ def bench_script(args, device, d, rows: list[dict]) -> int:
     return n_params
 
 
-def reference_runs(path: Path | None, length: int, vocab_size: int | None) -> dict[str, dict]:
-    """The reference measurements at sequence length ``length``, by peer: a file with top-level ``runs`` (one
-    peer: key ``ref``) or one with a ``{"runs": [...]}`` per peer (``deepspec``, ``speculators``; a run's
-    ``draft_vocab_size`` must be ``vocab_size``, or absent / the full vocabulary when ``vocab_size`` is None)."""
-    if path is None or not Path(path).is_file():
-        return {}
-    data = json.loads(Path(path).read_text())
-    peers = {"ref": data} if "runs" in data else {k: v for k, v in data.items() if isinstance(v, dict) and "runs" in v}
+def reference_runs(paths, length: int, vocab_size: int | None) -> dict[str, dict]:
+    """The reference measurements at sequence length ``length``, by peer, from each file of ``paths`` (one path or
+    several; missing files are skipped): a file with top-level ``runs`` (one peer: key ``ref``), one with a
+    ``{"runs": [...]}`` per peer (``deepspec``, ``speculators``) and optionally, inside a peer, its default
+    numerics' ``{"default_numerics": {"runs": [...]}}`` (key ``<peer>_default``), or the DeepSpec harness's output,
+    a list of runs (key ``deepspec``, ``deepspec_default`` for its ``optimizer: bf16opt`` runs: fp32 master weights).
+    A run's ``draft_vocab_size`` must be ``vocab_size``, or absent / the full vocabulary when ``vocab_size`` is
+    None."""
+    out: dict[str, dict] = {}
+    for path in ([paths] if isinstance(paths, (str, Path)) or paths is None else paths):
+        if path is not None and Path(path).is_file():
+            out.update(_file_runs(json.loads(Path(path).read_text()), length, vocab_size))
+    return out
+
+
+def _file_runs(data, length: int, vocab_size: int | None) -> dict[str, dict]:
+    """:func:`reference_runs` of one file's JSON."""
+    if isinstance(data, list):  # bench_deepspec_harness.py's output
+        peers = {}
+        for r in data:
+            peers.setdefault("deepspec_default" if r.get("optimizer") == "bf16opt" else "deepspec",
+                             {"runs": []})["runs"].append(r)
+    elif "runs" in data:
+        peers = {"ref": data}
+    else:
+        peers = {k: v for k, v in data.items() if isinstance(v, dict) and "runs" in v}
+        peers.update({f"{k}_default": v["default_numerics"] for k, v in data.items()
+                      if isinstance(v, dict) and isinstance(v.get("default_numerics"), dict)})
     out = {}
     for peer, block in peers.items():
         for r in block["runs"]:
+            if "error" in r:
+                continue
             vocab = r.get("draft_vocab_size")
             same_vocab = vocab == vocab_size if vocab_size is not None else vocab in (None, QWEN3_4B_SHAPES["vocab_size"])
             if r.get("seq_len") == length and same_vocab:
@@ -725,12 +872,13 @@ def target_tflop(tc, lengths: list[int]) -> float:
 
 def write_report(args, device: torch.device, n_params: int, rows: list[dict]) -> dict:
     report = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "opt_kernel"},
+        "config": {k: ([str(x) for x in v] if k == "reference" else str(v) if isinstance(v, Path) else v)
+                   for k, v in vars(args).items() if k != "opt_kernel"},
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "world_size": rows[0]["world_size"] if rows else 1,
         "torch": torch.__version__,
         "trainable_params": n_params,
-        "reference": {"source": str(args.reference) if args.reference and Path(args.reference).is_file() else None,
+        "reference": {"source": [str(r) for r in args.reference if Path(r).is_file()] or None,
                       "runs": {r["L"]: reference_runs(args.reference, r["L"], args.vocab_size) for r in rows},
                       "target": ">= 1.5x DeepSpec's throughput at <= 0.5x its peak memory (ref); >= 1.35x "
                                 "speculators' at <= 0.7x its memory, same draft vocabulary"},
@@ -748,18 +896,19 @@ def print_table(report: dict) -> None:
     cfg = report["config"]
     print(f"device {report['device']}, torch {report['torch']}, anchors {cfg['anchors']}, recompute "
           f"{cfg['recompute']}, trainable params {report['trainable_params'] / 1e6:.1f}M")
-    print(f"{'loop':>7} {'attn':>6} {'adamw':>6} {'precision':>9} {'vocab':>7} {'teacher':>7} {'slots':>7} {'hidden':>6} {'L':>6} {'step_s':>9} {'host_s':>7} {'target':>6} {'tokens/s':>9} {'peak GiB':>9} {'TFLOP':>6} {'MFU':>5} "
-          f"{'vs DeepSpec':>11} {'vs specul.':>10} {'mem vs spec.':>12}")
+    print(f"{'loop':>11} {'attn':>6} {'adamw':>6} {'precision':>11} {'vocab':>7} {'teacher':>7} {'slots':>7} {'hidden':>6} {'L':>6} {'step_s':>9} {'host_s':>7} {'target':>6} {'tokens/s':>9} {'peak GiB':>9} {'TFLOP':>6} {'MFU':>5} "
+          f"{'vs DeepSpec':>11} {'vs specul.':>10} {'mem vs spec.':>12} {'vs spec. run':>12} {'mem vs run':>10}")
 
     def fmt(v, spec):
         return format(v, spec) if v is not None else "-"
 
     for r in report["results"]:
         vs_ref = r.get("speedup_vs_ref", r.get("speedup_vs_deepspec"))
-        print(f"{r.get('loop', 'script'):>7} {r.get('attention', 'triton'):>6} {r.get('optimizer', 'torch'):>6} {r['precision']:>9} {fmt(r['draft_vocab_size'], 'd') if r['draft_vocab_size'] else 'full':>7} "
+        print(f"{r.get('loop', 'script'):>11} {r.get('attention', 'triton')[:6]:>6} {r.get('optimizer', 'torch'):>6} {r['precision']:>11} {fmt(r['draft_vocab_size'], 'd') if r['draft_vocab_size'] else 'full':>7} "
               f"{r['teacher_vocab']:>7} {r.get('anchor_slots', 'fixed'):>7} {r.get('hidden_states', 'cache'):>6} {r['L']:>6} {r['step_s']:>9.4f} {fmt(r.get('host_s'), '.4f'):>7} {fmt(r.get('target_share'), '.0%'):>6} {r['tokens_per_s']:>9.0f} {fmt(r['peak_gib'], '.2f'):>9} {r['model_tflop'] + r.get('target_tflop', 0.0):>6.1f} "
               f"{fmt(r.get('mfu'), '.0%'):>5} {fmt(vs_ref, '.2f'):>11} {fmt(r.get('speedup_vs_speculators'), '.2f'):>10} "
-              f"{fmt(r.get('peak_ratio_vs_speculators'), '.2f'):>12}")
+              f"{fmt(r.get('peak_ratio_vs_speculators'), '.2f'):>12} {fmt(r.get('speedup_vs_speculators_run'), '.2f'):>12} "
+              f"{fmt(r.get('peak_ratio_vs_speculators_run'), '.2f'):>10}")
 
 
 if __name__ == "__main__":

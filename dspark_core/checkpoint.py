@@ -5,8 +5,11 @@ Two layouts, both folders:
 - a **draft** (:func:`save_draft` / :func:`load_draft`): ``model.safetensors`` (the draft's own weights, not the
   target's frozen copies), ``config.json`` (its config, aux layers and the target it was trained on);
 - a **training checkpoint** (:func:`save_checkpoint` / :func:`load_checkpoint`): ``ckpt_root/step_XXXXXXXX/``
-  with ``model.safetensors`` (every trainable parameter), ``state.pt`` (scheduler, step, RNG, optimizer) and
-  ``ckpt_root/latest.json`` naming the newest.
+  with ``model.safetensors`` (every trainable parameter), the trainer's state (scheduler, step, RNG, optimizer) as
+  ``state.safetensors`` (its tensors) + ``state.json`` (the rest, plain JSON), and ``ckpt_root/latest.json`` naming
+  the newest. Nothing in a checkpoint is a pickle, so one pulled from a shared remote cannot run code when it is
+  resumed; a step folder of the older layout (``state.pt``, a pickle) is read with ``torch.load(weights_only=True)``
+  and refused, naming it, when it asks for anything beyond tensors, plain values and numpy's RNG array.
 
 Each folder also holds ``manifest.json``: the size and SHA-256 of every other file, written last. Loading checks
 them before reading a byte of weights, so a truncated copy, a torn download or a flipped bit is refused with a
@@ -212,18 +215,137 @@ def _trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _rng_state() -> dict[str, Any]:
-    st = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """The RNG states: torch's (and CUDA's) as uint8 tensors, Python's and numpy's Mersenne Twisters as plain
+    lists and numbers (JSON, not pickles)."""
+    version, mt, gauss_next = random.getstate()
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    st = {"torch": torch.get_rng_state(),
+          "python": {"version": version, "state": list(mt), "gauss_next": gauss_next},
+          "numpy": {"kind": str(kind), "key": [int(k) for k in key], "pos": int(pos), "has_gauss": int(has_gauss),
+                    "cached_gaussian": float(cached)}}
     if torch.cuda.is_available():
         st["cuda"] = torch.cuda.get_rng_state_all()
     return st
 
 
 def _set_rng_state(st: dict[str, Any]) -> None:
+    """Restore :func:`_rng_state`'s states (or the tuples an older ``state.pt`` holds)."""
     torch.set_rng_state(st["torch"])
-    random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
+    py, npy = st["python"], st["numpy"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]) if isinstance(py, dict) else py)
+    if isinstance(npy, dict):
+        npy = (npy["kind"], np.asarray(npy["key"], dtype=np.uint32), npy["pos"], npy["has_gauss"],
+               npy["cached_gaussian"])
+    np.random.set_state(npy)
     if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
+        torch.cuda.set_rng_state_all(list(st["cuda"]))
+
+
+# -- the trainer's state without pickle: tensors in safetensors, the rest in JSON ---------------------------------
+STATE_TENSORS, STATE_JSON, LEGACY_STATE = "state.safetensors", "state.json", "state.pt"
+STATE_FORMAT = "dspark-train-state"
+_TENSOR, _TUPLE, _INT_KEYS = "__tensor__", "__tuple__", "__int_keys__"  # markers of what JSON has no type for
+
+
+def encode_state(obj: Any, tensors: dict[str, torch.Tensor], path: str = "state") -> Any:
+    """``obj`` (nested dicts / lists / tuples of tensors and plain values: a state dict) as JSON values; each
+    tensor goes into ``tensors`` under its path and is written ``{"__tensor__": path}``, a tuple ``{"__tuple__":
+    [...]}``, a dict with int keys (an optimizer's ``state``) ``{"__int_keys__": {"0": ...}}``. Anything else is a
+    ``TypeError``: the state holds nothing JSON and safetensors cannot say exactly."""
+    if torch.is_tensor(obj):
+        tensors[path] = obj.detach().cpu().contiguous()
+        return {_TENSOR: path}
+    if isinstance(obj, dict):
+        if obj and all(isinstance(k, int) and not isinstance(k, bool) for k in obj):
+            return {_INT_KEYS: {str(k): encode_state(v, tensors, f"{path}.{k}") for k, v in obj.items()}}
+        for k in obj:
+            if not isinstance(k, str) or k in (_TENSOR, _TUPLE, _INT_KEYS):
+                raise TypeError(f"{path}: key {k!r} cannot be written as training state")
+        return {k: encode_state(v, tensors, f"{path}.{k}") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [encode_state(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
+        return {_TUPLE: items} if isinstance(obj, tuple) else items
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"{path}: a {type(obj).__name__} cannot be written as training state")
+
+
+def decode_state(obj: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
+    """The inverse of :func:`encode_state`; a reference to a tensor ``tensors`` lacks is a :class:`UserError`."""
+    if isinstance(obj, list):
+        return [decode_state(v, tensors, where) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if set(obj) == {_TENSOR}:
+        if obj[_TENSOR] not in tensors:
+            raise UserError(f"{where}: names tensor {obj[_TENSOR]!r}, which {STATE_TENSORS} lacks")
+        return tensors[obj[_TENSOR]]
+    if set(obj) == {_TUPLE}:
+        return tuple(decode_state(v, tensors, where) for v in obj[_TUPLE])
+    if set(obj) == {_INT_KEYS}:
+        return {int(k): decode_state(v, tensors, where) for k, v in obj[_INT_KEYS].items()}
+    return {k: decode_state(v, tensors, where) for k, v in obj.items()}
+
+
+def write_train_state(folder: Path, state: dict[str, Any]) -> list[str]:
+    """``state`` as ``folder/state.safetensors`` + ``folder/state.json`` (same bytes for the same state); returns
+    the file names."""
+    from dspark_core.io import save_safetensors
+
+    tensors: dict[str, torch.Tensor] = {}
+    doc = {"format": STATE_FORMAT, "version": 1, "state": encode_state(state, tensors)}
+    save_safetensors(tensors, folder / STATE_TENSORS, metadata={"format": STATE_FORMAT})
+    write_json(folder / STATE_JSON, doc)
+    return [STATE_TENSORS, STATE_JSON]
+
+
+def read_train_state(folder: Path, fix: str = "delete the checkpoint") -> dict[str, Any]:
+    """The trainer's state of a step folder: ``state.json`` + ``state.safetensors``, or an older folder's
+    ``state.pt`` read without running code (:func:`_read_legacy_state`). ``fix``: what to do when it is bad."""
+    doc_path = folder / STATE_JSON
+    if not doc_path.is_file():
+        if (folder / LEGACY_STATE).is_file():
+            return _read_legacy_state(folder / LEGACY_STATE, fix)
+        raise UserError(f"{folder}: no {STATE_JSON} (nor an older {LEGACY_STATE}): not a training checkpoint; {fix}")
+    state = decode_state(_state_doc(doc_path, fix)["state"], load_tensors(folder / STATE_TENSORS, fix), str(doc_path))
+    for key in ("step", "scheduler", "rng"):
+        if key not in state:
+            raise UserError(f"{doc_path}: no {key!r} entry; {fix}")
+    return state
+
+
+def _state_doc(path: Path, fix: str) -> dict[str, Any]:
+    """``state.json``'s document, checked to be one (its tensors are not read)."""
+    doc = read_json(path)
+    if not isinstance(doc, dict) or doc.get("format") != STATE_FORMAT or not isinstance(doc.get("state"), dict):
+        raise UserError(f"{path}: not a {STATE_FORMAT} file; {fix}")
+    return doc
+
+
+def _read_legacy_state(path: Path, fix: str) -> dict[str, Any]:
+    """An older checkpoint's pickled ``state.pt`` through ``torch.load(weights_only=True)``: tensors, plain
+    containers and numbers, plus the three numpy names its numpy RNG state needs (an array of uint32); a pickle
+    asking for anything else (a function to call: code) is refused before it is run."""
+    import pickle
+    import re
+
+    reconstruct = np.zeros(1).__reduce__()[0]  # numpy's array rebuilder, wherever this numpy keeps it
+    allowed = [reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    try:
+        if hasattr(torch.serialization, "safe_globals"):  # torch >= 2.5: for this load only
+            with torch.serialization.safe_globals(allowed):
+                state = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            torch.serialization.add_safe_globals(allowed)
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError) as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f"it asks for {found.group(1)}, which could run code" if found else str(e).splitlines()[0][:200]
+        raise UserError(f"{path}: refused, not a plain training state ({what}); nothing of it was loaded or run. "
+                        f"Restore the checkpoint from a source you trust, or {fix}") from None
+    if not isinstance(state, dict) or not {"step", "scheduler", "rng"} <= set(state):
+        raise UserError(f"{path}: not a dspark training state; {fix}")
+    return state
 
 
 def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, opt, sched, keep: int,
@@ -244,10 +366,10 @@ def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, opt, sched, ke
     state = {"scheduler": sched.state_dict(), "step": step, "rng": _rng_state()}
     if optimizer:
         state["optimizer"] = opt.state_dict()
-    torch.save(state, tmp / "state.pt")
-    for name in ("model.safetensors", "state.pt"):
+    names = ["model.safetensors", *write_train_state(tmp, state)]
+    for name in names:
         fsync_path(tmp / name)
-    write_manifest(tmp, ["model.safetensors", "state.pt"])
+    write_manifest(tmp, names)
     fsync_dir(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -303,11 +425,16 @@ def _latest_dir(ckpt_root: Path) -> tuple[Path, str, bool] | None:
 
 
 def verify_latest_checkpoint(ckpt_root: Path) -> None:
-    """Check the latest checkpoint's files against its manifest (a run checks before it writes anything)."""
+    """Check the latest checkpoint's files against its manifest, and that its training state can be read without
+    running code (a run checks before it writes anything)."""
     found = _latest_dir(ckpt_root)
     if found is not None:
         d, fix, required = found
         verify_manifest(d, fix, required)
+        if (d / STATE_JSON).is_file():
+            _state_doc(d / STATE_JSON, fix)
+        else:
+            read_train_state(d, fix)  # an older state.pt: refused here when its pickle asks for code
 
 
 def load_checkpoint(ckpt_root: Path, model: nn.Module, opt, sched, total_steps: int | None = None) -> int:
@@ -322,9 +449,9 @@ def load_checkpoint(ckpt_root: Path, model: nn.Module, opt, sched, total_steps: 
     d, fix, required = found
     verify_manifest(d, fix, required)
     weights = load_tensors(d / "model.safetensors", fix)
-    st = torch.load(d / "state.pt", weights_only=False)
+    st = read_train_state(d, fix)
     if "optimizer" not in st and total_steps is not None and int(st["step"]) < total_steps:
-        raise UserError(f"{d}/state.pt: saved at the end of a {st['step']}-step schedule, without optimizer "
+        raise UserError(f"{d}: saved at the end of a {st['step']}-step schedule, without optimizer "
                         f"state, so it cannot continue to total_steps={total_steps}; delete {ckpt_root} to "
                         "start over")
     _restore_weights(d, model, weights)

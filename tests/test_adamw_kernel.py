@@ -1,6 +1,7 @@
 """The multi-tensor AdamW kernel (``dspark_core.kernels.adamw``, ``train.optimizer_kernel``) against its torch
 reference and against ``torch.optim.AdamW``; the optimiser's state against torch's (checkpoints resume under
-either kernel); the choice and its errors.
+either kernel); the choice and its errors. The master-weights step (``MasterAdamW``: float32 master and moments,
+bf16 working copy written by the same pass) against its torch reference and the optimiser's torch path.
 
 Runs where Triton can: on a CUDA device, or on CPU under Triton's interpreter (set here when there is no GPU)."""
 
@@ -16,8 +17,8 @@ if not torch.cuda.is_available():  # Triton's CPU interpreter; read when the ker
 
 from dspark_core.errors import UserError  # noqa: E402
 from dspark_core.kernels import triton_ok  # noqa: E402
-from dspark_core.kernels.adamw import BLOCK, adamw_reference_  # noqa: E402
-from dspark_core.train.optim import TritonAdamW, optimizer_kernel  # noqa: E402
+from dspark_core.kernels.adamw import BLOCK, adamw_reference_, adamw_step_, master_adamw_reference_  # noqa: E402
+from dspark_core.train.optim import MasterAdamW, TritonAdamW, optimizer_kernel  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not triton_ok(DEVICE), reason="needs Triton on CUDA or TRITON_INTERPRET=1")
@@ -64,22 +65,103 @@ def test_kernel_matches_its_reference(dtype, scaled):
     assert all(float(opt.state[p]["step"]) == 3.0 for p in params)
 
 
-def test_launch_shape_does_not_change_the_update():
-    """``block`` / ``num_warps`` (the benchmark's sweep) only re-tile the same per-element update: bitwise equal."""
-    from dspark_core.kernels.adamw import adamw_step_
-
+@pytest.mark.parametrize("storage", ["float32", "master"])
+def test_launch_shape_does_not_change_the_update(storage):
+    """``block`` / ``num_warps`` (the benchmark's sweep) only re-tile the same per-element update: bitwise equal,
+    and the update is one the weights can hold, so it moves every one of them: float32 weights in place, or float32
+    masters with their bf16 working copies written by the same pass (a bf16 weight near 1 has neighbours 2^-7
+    apart, where an lr-1e-3 step would round away and the check would compare two unmoved tensors)."""
+    start = _params(torch.float32)
     results = []
     for block, warps in ((BLOCK, 8), (1024, 4)):
-        params = _params(torch.bfloat16)
-        _set_grads(params, 1)
+        params = [p.detach().clone() for p in start]
+        grads = [g.grad for g in _grads_like(params)]
+        working = [p.to(torch.bfloat16) for p in params] if storage == "master" else None
         ms, vs = [torch.full_like(p, 0.01) for p in params], [torch.full_like(p, 0.02) for p in params]
         steps = [torch.full((), 3.0, device=DEVICE) for _ in params]
-        adamw_step_([p.data for p in params], [p.grad for p in params], ms, vs, steps, lr=1e-3, beta1=0.9,
-                    beta2=0.95, eps=1e-8, weight_decay=0.1, grad_scale=torch.tensor(2.0, device=DEVICE),
-                    block=block, num_warps=warps)
-        results.append([t.clone() for t in [p.data for p in params] + ms + vs])
+        adamw_step_(params, [g.to(torch.bfloat16) for g in grads] if working else grads, ms, vs, steps, lr=1e-3,
+                    beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_scale=torch.tensor(2.0, device=DEVICE),
+                    working=working, block=block, num_warps=warps)
+        results.append([t.clone() for t in params + ms + vs + (working or [])])
     assert all(torch.equal(a, b) for a, b in zip(*results))
-    assert not torch.equal(results[0][0], _params(torch.bfloat16)[0].data)  # the step did move the weights
+    for before, after in zip(start, results[0]):
+        assert bool((after != before).all()), "a weight kept its value: the update was lost"
+    if storage == "master":  # the working copies are the new masters rounded to bf16
+        n = len(start)
+        for master, work in zip(results[0][:n], results[0][3 * n:]):
+            assert torch.equal(work, master.to(torch.bfloat16))
+
+
+def _grads_like(params):
+    shadow = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    _set_grads(shadow, 1)
+    return shadow
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_master_kernel_matches_its_reference(scaled):
+    """Three master-weight steps of the kernel (bf16 gradient in; float32 master and moments, bf16 working copy
+    out) against the plain-torch reference from the same state: master and moments to float32 rounding, the working
+    copy bit for bit the kernel's own master rounded to bf16."""
+    masters, ref = _params(torch.float32), _params(torch.float32)
+    working = [m.detach().to(torch.bfloat16) for m in masters]
+    ref_working = [w.clone() for w in working]
+    states = [(torch.zeros_like(p), torch.zeros_like(p)) for p in masters]
+    ref_states = [(torch.zeros_like(p), torch.zeros_like(p)) for p in masters]
+    steps = [torch.zeros((), device=DEVICE) for _ in masters]
+    for step in range(1, 4):
+        grads = [g.grad.to(torch.bfloat16) for g in _grads_like(masters)]
+        scale = torch.tensor(2.5 * step, device=DEVICE) if scaled else None
+        torch._foreach_add_(steps, 1.0)
+        adamw_step_([m.data for m in masters], grads, [m for m, _ in states], [v for _, v in states], steps,
+                    lr=HP["lr"], beta1=0.9, beta2=0.95, eps=HP["eps"], weight_decay=HP["weight_decay"],
+                    grad_scale=scale, working=working)
+        for i, g in enumerate(grads):
+            master_adamw_reference_(ref[i].data, ref_working[i], g, *ref_states[i], float(step), lr=HP["lr"],
+                                    beta1=0.9, beta2=0.95, eps=HP["eps"], weight_decay=HP["weight_decay"],
+                                    grad_scale=scale)
+            tol = dict(rtol=2e-6, atol=1e-6)
+            torch.testing.assert_close(masters[i].data, ref[i].data, **tol)
+            torch.testing.assert_close(states[i][0], ref_states[i][0], **tol)
+            torch.testing.assert_close(states[i][1], ref_states[i][1], **tol)
+            assert torch.equal(working[i], masters[i].data.to(torch.bfloat16))
+            ref[i].data.copy_(masters[i].data)  # the next step starts from one state
+            ref_working[i].copy_(working[i])
+            ref_states[i][0].copy_(states[i][0])
+            ref_states[i][1].copy_(states[i][1])
+
+
+def _master_pair(kernel: str):
+    """bf16 working weights (as a model holds them) and a MasterAdamW over them."""
+    working = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params(torch.float32)]
+    return working, MasterAdamW(working, kernel=kernel, **HP)
+
+
+def test_master_optimizer_kernel_and_torch_paths_agree_and_share_state():
+    """MasterAdamW's one-pass Triton step and its torch path (float32 gradient, torch's fused AdamW, copy back):
+    the same masters to float32 rounding and the same working weights over four steps with a clip factor, also
+    after the two swap state dicts mid-run (a checkpoint resumes under either kernel)."""
+    (wa, a), (wb, b) = _master_pair("triton"), _master_pair("torch")
+    for step in range(4):
+        if step == 2:
+            sa, sb = a.state_dict(), b.state_dict()
+            a.load_state_dict(sb)
+            b.load_state_dict(sa)
+        for ws in (wa, wb):
+            _set_grads(ws, step)
+        for opt in (a, b):
+            opt.grad_scale = torch.tensor(1.5, device=DEVICE)
+            opt.step()
+            del opt.grad_scale
+            opt.zero_grad()
+        assert all(w.grad is None for w in wa + wb)
+        for ma, mb in zip(a.state_dict()["master_params"], b.state_dict()["master_params"]):
+            torch.testing.assert_close(ma, mb, rtol=2e-6, atol=1e-7)
+        for x, y, m in zip(wa, wb, a.state_dict()["master_params"]):
+            assert torch.equal(x.data, m.to(torch.bfloat16))
+            torch.testing.assert_close(x.data, y.data, rtol=2 ** -7, atol=0)  # at most one bf16 step apart
+    st = a.state_dict()["state"][0]
+    assert st["exp_avg"].dtype == torch.float32 and float(st["step"]) == 4.0
 
 
 def _step_both(kw: dict, steps: int, swap_at: int | None = None) -> TritonAdamW:
@@ -118,9 +200,11 @@ def test_optimizer_kernel_choice():
 
     assert optimizer_kernel("torch", DEVICE) == "torch"
     assert optimizer_kernel("triton", DEVICE) == "triton"
-    with pytest.raises(UserError, match=r"train.optimizer_kernel must be one of torch, triton; got 'apex'"):
+    assert optimizer_kernel("auto", DEVICE) == "torch"  # float32 weights: torch's fused AdamW
+    assert optimizer_kernel("auto", DEVICE, master=True) == ("triton" if DEVICE.type == "cuda" else "torch")
+    with pytest.raises(UserError, match=r"train.optimizer_kernel must be one of auto, torch, triton; got 'apex'"):
         optimizer_kernel("apex", DEVICE)
-    with pytest.raises(UserError, match=r"optimizer_kernel must be one of torch, triton; got 'fused'"):
+    with pytest.raises(UserError, match=r"optimizer_kernel must be one of auto, torch, triton; got 'fused'"):
         TrainConfig.from_dict({"optimizer_kernel": "fused"})
     assert "optimizer_kernel" not in TrainConfig().identity_dict()  # a speed knob: resumes under either
 
@@ -140,3 +224,22 @@ def test_trainer_runs_either_kernel_to_one_trajectory_and_resumes_across_them(tm
     for (k, va), vb, vc in zip(_params(a.model).items(), _params(b.model).values(), _params(c.model).values()):
         torch.testing.assert_close(vb, va, rtol=1e-5, atol=1e-6, msg=k)
         torch.testing.assert_close(vc, va, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_trainer_master_weights_under_either_kernel_and_resumed_across_them(tmp_path):
+    """The trainer with bf16 working weights and float32 masters (param_dtype bfloat16): the Triton one-pass step
+    and the torch path train the same weights, and a run checkpointed under triton resumes under torch to the same
+    end (the masters travel in the checkpoint)."""
+    from test_trainer import ToyTask, _cfg, _params
+
+    from dspark_core.train.trainer import train
+
+    kw = dict(param_dtype="bfloat16", lr=3e-2)
+    a = train(ToyTask(), _cfg(tmp_path / "torch", optimizer_kernel="torch", **kw), progress=False)
+    b = train(ToyTask(), _cfg(tmp_path / "triton", optimizer_kernel="triton", **kw), progress=False)
+    train(ToyTask(), _cfg(tmp_path / "mixed", optimizer_kernel="triton", max_steps=5, **kw), progress=False)
+    c = train(ToyTask(), _cfg(tmp_path / "mixed", optimizer_kernel="torch", **kw), progress=False)
+    assert len(c.history) == 3 and all(p.dtype == torch.bfloat16 for p in a.model.parameters())
+    for (k, va), vb, vc in zip(_params(a.model).items(), _params(b.model).values(), _params(c.model).values()):
+        torch.testing.assert_close(vb, va, rtol=2 ** -7, atol=1e-3, msg=k)  # a bf16 step or two apart
+        torch.testing.assert_close(vc, va, rtol=2 ** -7, atol=1e-3, msg=k)

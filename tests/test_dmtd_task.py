@@ -115,6 +115,32 @@ def test_short_training_lowers_loss_and_checkpoint_reloads(workspace, tmp_path):
     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_dmtd_checkpoints_hold_no_pickle_and_resume_bit_identically(workspace, tmp_path, param_dtype):
+    """DMTD fine-tunes checkpoint through the shared trainer's code: a step folder holds safetensors + JSON (no
+    pickle), and a run resumed from step 2 ends with the uninterrupted run's weights; with bf16 working weights the
+    float32 masters travel in the checkpoint too."""
+    from dspark_core.train.trainer import TrainConfig, train
+
+    def run(out, max_steps):
+        tcfg = TrainConfig(lr=3e-3, warmup_ratio=0.0, total_steps=5, max_steps=max_steps, micro_batch_size=2,
+                           global_batch_size=2, checkpoint_every=2, log_every=1, out_dir=str(out), seed=3,
+                           param_dtype=param_dtype)
+        return train(DMTDTask(cfg_for(workspace), "causal_norefresh"), tcfg, progress=False)
+
+    full = run(tmp_path / "full", 4)
+    run(tmp_path / "part", 2)
+    resumed = run(tmp_path / "part", 4)
+    step = tmp_path / "part" / "checkpoints" / "step_00000004"
+    assert sorted(p.name for p in step.iterdir()) == ["manifest.json", "model.safetensors", "state.json",
+                                                      "state.safetensors"]
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history[2:]]
+    for (k, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert (step / "state.safetensors").read_bytes() == (tmp_path / "full" / "checkpoints" / "step_00000004" /
+                                                         "state.safetensors").read_bytes()
+
+
 def test_nested_eval_section_and_bad_values():
     cfg = DMTDConfig.from_dict({"tau": 3, "eval": {"max_new_tokens": 5, "graph": "compile"}}, prefix="dmtd.")
     assert cfg.eval.max_new_tokens == 5 and cfg.tau == 3 and cfg.eval.batch_size == 4

@@ -127,6 +127,57 @@ def test_bench_train_step_online_rows(tmp_path):
     assert "target_forward_s" not in rows[0]
 
 
+def test_bench_train_step_numerics_and_speculators_peer(tmp_path):
+    """The default numerics beside speculators' (CPU, tiny shapes, full and reduced draft vocabulary): rows for the
+    trainer's default (amp: fp32 weights) and the master mode (bf16_master, MasterAdamW), then speculators' own DSpark
+    model and loss on the same samples in the same process (fp32 weights and AdamW), its trainable parameters those
+    of dspark's draft (the same architecture), the same matrix work counted for both, and each dspark row's ratios to
+    it."""
+    pytest.importorskip("speculators")
+    for vocab in ([], ["--vocab-size", "100", "--teacher-vocab", "draft"]):
+        out = tmp_path / f"peers{len(vocab)}.json"
+        proc = subprocess.run([sys.executable, str(BENCH), "--tiny", "--steps", "1", "--warmup", "1", "--lengths", "48",
+                               "--peers", *vocab, "--out", str(out)], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        report = json.loads(out.read_text())
+        ours, peer = report["results"][:2], report["results"][2]
+        assert [(r["precision"], r["optimizer"]) for r in ours] == [("amp", "torch"), ("bf16_master", "torch")]
+        assert (peer["loop"], peer["precision"], peer["L"]) == ("speculators", "amp", 48)
+        assert peer["teacher_vocab"] == ("draft" if vocab else "full") and peer["draft_vocab_size"] == (100 if vocab
+                                                                                                     else None)
+        assert peer["trainable_params"] == report["trainable_params"] > 0
+        assert peer["model_tflop"] == ours[0]["model_tflop"] > 0 and peer["loss"] == peer["loss"] and peer["step_s"] > 0
+        for r in ours:
+            assert r["speedup_vs_speculators_run"] == peer["step_s"] / r["step_s"]
+        assert "speculators" in proc.stdout and "bf16_master" in proc.stdout
+    bad = subprocess.run([sys.executable, str(BENCH), "--tiny", "--trainer", "--precision", "bf16", "--out",
+                          str(tmp_path / "x.json")], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "refuses pure-bf16 training" in bad.stderr
+
+
+def test_reference_runs_read_the_peers_default_numerics_and_the_deepspec_harness(tmp_path):
+    """``--reference`` files: the peers' pure-bf16 runs, a peer's ``default_numerics`` block (key ``<peer>_default``)
+    and the DeepSpec harness's list of runs (``deepspec_default`` for its fp32-master optimiser, errors skipped); the
+    rows' ratios name each."""
+    bench = _bench_module()
+    peers = tmp_path / "peers.json"
+    peers.write_text(json.dumps({"speculators": {"runs": [{"seq_len": 2048, "step_s": 0.05, "peak_gib": 10.0}],
+                                                 "default_numerics": {"runs": [{"seq_len": 2048, "step_s": 0.08,
+                                                                                "peak_gib": 16.0}]}}}))
+    harness = tmp_path / "deepspec_c_bf16opt.json"
+    harness.write_text(json.dumps([{"seq_len": 2048, "optimizer": "bf16opt", "step_s": 0.12, "peak_gib": 30.0},
+                                   {"seq_len": 4096, "optimizer": "bf16opt", "error": "OOM"}]))
+    runs = bench.reference_runs([peers, harness, tmp_path / "missing.json"], 2048, None)
+    assert {k: v["step_s"] for k, v in runs.items()} == {"speculators": 0.05, "speculators_default": 0.08,
+                                                         "deepspec_default": 0.12}
+    assert bench.reference_runs([harness], 4096, None) == {}
+    row = {"L": 2048, "draft_vocab_size": None, "step_s": 0.04, "peak_gib": 8.0}
+    bench.add_reference(row, [peers, harness])
+    assert row["speedup_vs_speculators_default"] == pytest.approx(2.0)
+    assert row["peak_ratio_vs_deepspec_default"] == pytest.approx(8.0 / 30.0)
+    assert row["meets_speculators_target"] is False  # the goal stays against the pure-bf16 runs (1.25x)
+
+
 def test_device_time_shares_attributes_kernels_to_the_loss_range():
     bench = _bench_module()
 

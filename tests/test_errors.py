@@ -577,6 +577,31 @@ def damaged_file(call: Callable[[], Any], rel: str, how: str, copies=(("draft", 
     return setup
 
 
+class _RunsCode:
+    """Unpickling this calls ``exec`` on code that writes the file ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def pickle_that_runs_code(p: Project):
+    """The stopped run's checkpoint in the older layout (state.pt) with a pickle that would run code, its manifest
+    rewritten to match (as a checkpoint pulled from a shared remote could be)."""
+    from dspark_core.checkpoint import write_manifest
+
+    for asset, dst in TRAINED:
+        p.put(asset, dst)
+    ckpt = p.root / CKPT
+    for name in ("state.json", "state.safetensors"):
+        (ckpt / name).unlink()
+    torch.save({"step": 1, "scheduler": {}, "rng": {}, "x": _RunsCode(p.root / "ran_code")}, ckpt / "state.pt")
+    write_manifest(ckpt, ["model.safetensors", "state.pt"])
+    return train()
+
+
 def regenerate() -> Callable[[], Any]:
     return lambda: run_regenerate(RegenerateConfig.load("params.yaml", "regenerate"))
 
@@ -644,6 +669,13 @@ CASES = [
          r"params.yaml: train.total_steps must be > 0; got -1", TRAIN_OUT),
     Case("params/unknown_key", params_then(train(), train={"lrr": 1.0e-3}),
          r"params.yaml: train.lrr is not a known parameter \(known: .*\blr\b", TRAIN_OUT),
+    Case("params/pure_bf16_training", params_then(train(), train={"param_dtype": "bfloat16",
+                                                                  "master_dtype": "bfloat16"}),
+         r"params.yaml: train.param_dtype: bfloat16 with master_dtype: bfloat16 is pure-bf16 training .*fails the "
+         r"golden-curve check .*; set master_dtype: float32 \(bf16 working weights, float32 master weights", TRAIN_OUT),
+    Case("params/master_below_weights", params_then(train(), train={"master_dtype": "bfloat16"}),
+         r"params.yaml: train.master_dtype: bfloat16 below param_dtype: float32; .* set master_dtype: float32",
+         TRAIN_OUT),
     Case("params/variant_override_type",
          params_then(train("small"), variants={"small": {"draft": {"num_anchors": "x"}}}),
          r"params.yaml: draft.num_anchors must be an integer, got 'x'", ("data/train/small", "reports/train")),
@@ -863,6 +895,10 @@ CASES = [
     Case("checkpoint/truncated_train_resume", damaged_file(train(), f"{CKPT}/model.safetensors", "truncate", TRAINED),
          rf"{CKPT}/model.safetensors: \d+ bytes, manifest.json records \d+ \(truncated or replaced\); delete {CKPT} "
          r"and point data/train/baseline/checkpoints/latest.json at an earlier step"),
+    Case("checkpoint/pickle_that_runs_code", pickle_that_runs_code,
+         rf"{CKPT}/state.pt: refused, not a plain training state \(it asks for exec, which could run code\); nothing "
+         rf"of it was loaded or run. Restore the checkpoint from a source you trust, or delete {CKPT}",
+         ("ran_code",)),
     # 10. empty prompts and prompts that are not UTF-8: refused naming the line (no prompt silently dropped)
     Case("prompt/prepare_empty_turn", prepare_from(['{"turns": ["What is 2 + 3?"]}', '{"turns": ["  "]}']),
          r"src.jsonl:2: field 'turns' must be a non-empty list of non-empty strings, got \"\['  '\]\"",

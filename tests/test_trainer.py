@@ -11,6 +11,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from dspark_core.checkpoint import read_train_state
 from dspark_core.config import ParamsError
 from dspark_core.train.task import TermSpec
 from dspark_core.train.trainer import TrainConfig, lr_factor, lr_factor_by_time, sample_indices, train
@@ -131,6 +132,34 @@ def test_resume_is_bit_identical(tmp_path):
     assert [h["loss"] for h in full.history[3:]] == [h["loss"] for h in resumed.history]
 
 
+def test_a_checkpoint_of_the_older_state_pt_layout_resumes_bit_identically(tmp_path):
+    """A run stopped at step 3 whose checkpoint is in the older layout (the state pickled as state.pt, the RNG states
+    as Python / numpy objects) resumes, read with weights_only, to the uninterrupted run's weights and losses."""
+    import json
+
+    import numpy as np
+
+    from dspark_core.checkpoint import write_manifest
+
+    full = train(ToyTask(), _cfg(tmp_path / "full"), progress=False)
+    train(ToyTask(), _cfg(tmp_path / "part", max_steps=3), progress=False)
+    step = tmp_path / "part" / "checkpoints" / "step_00000003"
+    state = read_train_state(step)
+    py, npy = state["rng"]["python"], state["rng"]["numpy"]
+    state["rng"]["python"] = (py["version"], tuple(py["state"]), py["gauss_next"])
+    state["rng"]["numpy"] = (npy["kind"], np.asarray(npy["key"], dtype=np.uint32), npy["pos"], npy["has_gauss"],
+                             npy["cached_gaussian"])
+    for name in ("state.json", "state.safetensors"):
+        (step / name).unlink()
+    torch.save(state, step / "state.pt")
+    write_manifest(step, ["model.safetensors", "state.pt"])
+    assert json.loads((step.parent / "latest.json").read_text())["step"] == 3
+    resumed = train(ToyTask(), _cfg(tmp_path / "part"), progress=False)
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history[3:]]
+    for (k, a), b in zip(_params(full.model).items(), _params(resumed.model).values()):
+        assert torch.equal(a, b), k
+
+
 def test_the_same_run_writes_the_same_checkpoint_bytes(tmp_path):
     """Two runs of the same config write byte-identical checkpoints (the RNG states they hold are seeded), so a
     DVC stage that reruns leaves its output, and every stage after it, unchanged."""
@@ -142,7 +171,7 @@ def test_the_same_run_writes_the_same_checkpoint_bytes(tmp_path):
         random.random(), np.random.rand()  # what ran before (another process' history) moves the global RNGs
         train(ToyTask(), _cfg(tmp_path / name, max_steps=5), progress=False)
     for step in ("step_00000003", "step_00000005"):
-        for f in ("model.safetensors", "state.pt", "manifest.json"):
+        for f in ("model.safetensors", "state.safetensors", "state.json", "manifest.json"):
             a = (tmp_path / "a" / "checkpoints" / step / f).read_bytes()
             assert a == (tmp_path / "b" / "checkpoints" / step / f).read_bytes(), (step, f)
 
@@ -166,15 +195,14 @@ def test_finished_schedule_keeps_weights_not_optimizer_state(tmp_path):
     full = train(ToyTask(), _cfg(tmp_path / "full"), progress=False)
     ck = tmp_path / "full" / "checkpoints"
     last = ck / "step_00000008"
-    assert "optimizer" not in torch.load(last / "state.pt", weights_only=False)
+    assert "optimizer" not in read_train_state(last)
     again = train(ToyTask(), _cfg(tmp_path / "full"), progress=False)
     assert again.history == []
     for (k, va), vb in zip(_params(full.model).items(), _params(again.model).values()):
         assert torch.equal(va, vb), k
     train(ToyTask(), _cfg(tmp_path / "part", max_steps=5), progress=False)
-    assert "optimizer" in torch.load(tmp_path / "part" / "checkpoints" / "step_00000005" / "state.pt",
-                                     weights_only=False)
-    with pytest.raises(ValueError, match=r"state.pt: saved at the end of a 8-step schedule.*total_steps=12"):
+    assert "optimizer" in read_train_state(tmp_path / "part" / "checkpoints" / "step_00000005")
+    with pytest.raises(ValueError, match=r"step_00000008: saved at the end of a 8-step schedule.*total_steps=12"):
         train(ToyTask(), _cfg(tmp_path / "full", total_steps=12), progress=False)
 
 
@@ -494,7 +522,7 @@ def test_time_schedule_ends_annealed_and_resumes_where_it_stopped(tmp_path, monk
     want = [0.0] + [cfg.lr * lr_factor_by_time(2 * k / (budget - 2), cfg) for k in range(20)]
     assert [h["lr"] for h in full.history] == pytest.approx(want)
     assert max(want) == pytest.approx(cfg.lr, rel=0.01) and want[-1] < 1.1 * cfg.min_lr_ratio * cfg.lr
-    assert "optimizer" in torch.load(tmp_path / "full/checkpoints/step_00000021/state.pt", weights_only=False)
+    assert "optimizer" in read_train_state(tmp_path / "full/checkpoints/step_00000021")
 
     killed = _cfg(tmp_path / "killed", total_steps=100, checkpoint_every=5, lr_schedule="time", time_budget_s=budget)
     monkeypatch.setattr(trainer, "_now", _FakeClock(crash_at=26))  # during step 12: the last checkpoint is 10
@@ -621,18 +649,122 @@ def test_reading_each_step_one_step_late_changes_nothing_but_the_timing(tmp_path
         assert fa == fb, step
 
 
-def test_bfloat16_weights_train_and_resume_bit_identically(tmp_path):
-    """train.param_dtype bfloat16: the weights, their gradients and AdamW's moments in bf16; it learns, and a run
-    resumed from a checkpoint ends with the same weights as one that never stopped."""
-    full = train(ToyTask(), _cfg(tmp_path / "full", param_dtype="bfloat16", lr=3e-2), progress=False)
-    assert all(p.dtype == torch.bfloat16 for p in full.model.parameters())
+def _master_reference(task, cfg: TrainConfig, steps: int):
+    """A plain fp32-master loop (DeepSpec's BF16Optimizer numerics, written out): the task's model in bf16, a
+    float32 copy of each trainable weight under ``torch.optim.AdamW`` (not fused), the step's micro-batches in
+    bf16 autocast with the global denominators, the bf16 gradients cast to float32, ``clip_grad_norm_``, the
+    step, the masters rounded into the model. Returns (model, masters, per-step losses)."""
+    from dspark_core.dist import Dist
+    from dspark_core.train.trainer import StepBatches
+
+    torch.manual_seed(cfg.seed)
+    model = task.build_model(torch.device("cpu"), torch.bfloat16)
+    working = [p for p in model.parameters() if p.requires_grad]
+    masters = [p.detach().float().clone() for p in working]
+    opt = torch.optim.AdamW(masters, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                            weight_decay=cfg.weight_decay, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    batches, losses = StepBatches(task, cfg, Dist(), 0, steps), []
+    for step in range(steps):
+        micro = batches[step]
+        dens = {k: sum(task.denominators(b)[k].double() for b in micro) for k in ("w",)}
+        total = 0.0
+        for b in micro:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                sums = task.forward_sums(model, b)
+                loss = sum(spec.weight * sums[name] / dens[spec.denominator].float()
+                           for name, spec in task.terms.items())
+            loss.backward()
+            total += sum(spec.weight * float(sums[name].detach())
+                         for name, spec in task.terms.items()) / float(dens["w"])
+        losses.append(total)
+        for m, w in zip(masters, working):
+            m.grad = w.grad.float()
+            w.grad = None
+        torch.nn.utils.clip_grad_norm_(masters, cfg.grad_clip)
+        opt.step()
+        sched.step()
+        with torch.no_grad():
+            for m, w in zip(masters, working):
+                w.copy_(m)
+    return model, masters, losses
+
+
+def test_master_weights_match_a_plain_fp32_master_loop(tmp_path):
+    """train.param_dtype bfloat16 (master_dtype float32 by default): bf16 working weights, float32 masters and AdamW
+    moments in the optimiser. Seven steps (the clip active on some) against a plain fp32-master loop: the masters to
+    float32 rounding, the working weights the masters rounded (within one bf16 step of the reference's), the same
+    losses; the working weights are what the forward reads (bf16 parameters, no float32 copy in the model)."""
+    cfg = _cfg(tmp_path / "run", param_dtype="bfloat16", lr=3e-2, grad_clip=0.5, max_steps=7, checkpoint_every=100)
+    res = train(ToyTask(), cfg, progress=False)
+    assert all(p.dtype == torch.bfloat16 for p in res.model.parameters())
+    ref_model, ref_masters, ref_losses = _master_reference(ToyTask(), cfg, 7)
+    assert any(h["grad_norm"] > cfg.grad_clip for h in res.history)  # the clip took part
+    state = read_train_state(tmp_path / "run" / "checkpoints" / "step_00000007")
+    masters = state["optimizer"]["master_params"]
+    assert all(m.dtype == torch.float32 for m in masters)
+    assert all(s["exp_avg_sq"].dtype == torch.float32 for s in state["optimizer"]["state"].values())
+    working = [p for p in res.model.parameters() if p.requires_grad]
+    for m, ref_m, w, ref_w in zip(masters, ref_masters, working, ref_model.parameters()):
+        torch.testing.assert_close(m, ref_m, rtol=1e-5, atol=1e-6)
+        assert torch.equal(w.data, m.to(torch.bfloat16))
+        torch.testing.assert_close(w.data.float(), ref_w.data.float(), rtol=2 ** -7, atol=1e-6)
+    assert [h["loss"] for h in res.history] == pytest.approx(ref_losses, rel=1e-4)
+
+
+def test_master_weights_resume_bit_identically(tmp_path):
+    """A master-weights run stopped after step 3 and resumed ends where an uninterrupted one does: the same working
+    weights, losses and float32 masters, and byte-identical checkpoint files after the resume."""
+    kw = dict(param_dtype="bfloat16", lr=3e-2, max_steps=7)
+    full = train(ToyTask(), _cfg(tmp_path / "full", **kw), progress=False)
     assert full.history[-1]["loss"] < full.history[0]["loss"]
-    train(ToyTask(), _cfg(tmp_path / "part", param_dtype="bfloat16", lr=3e-2, max_steps=5), progress=False)
-    resumed = train(ToyTask(), _cfg(tmp_path / "part", param_dtype="bfloat16", lr=3e-2), progress=False)
+    train(ToyTask(), _cfg(tmp_path / "part", **{**kw, "max_steps": 4}), progress=False)  # checkpoints 3 and 4
+    ck = tmp_path / "part" / "checkpoints"
+    import json
+    import shutil
+    shutil.rmtree(ck / "step_00000004")
+    (ck / "latest.json").write_text(json.dumps({"step": 3, "dir": "step_00000003", "manifest": True}))
+    resumed = train(ToyTask(), _cfg(tmp_path / "part", **kw), progress=False)
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history[3:]]
     for (k, a), b in zip(_params(full.model).items(), _params(resumed.model).values()):
         assert torch.equal(a, b), k
-    with pytest.raises(ParamsError, match="param_dtype"):
-        _cfg(tmp_path / "x", param_dtype="fp16").validate()
+    for step in ("step_00000006", "step_00000007"):
+        for f in ("model.safetensors", "state.safetensors", "state.json"):
+            a = (tmp_path / "full" / "checkpoints" / step / f).read_bytes()
+            assert a == (ck / step / f).read_bytes(), (step, f)
+
+
+def test_pure_bf16_loses_small_updates_that_master_weights_keep():
+    """Why the masters: a weight at 1 (every RMSNorm starts there) under lr 3e-4. AdamW on the bf16 weight itself
+    rounds every step back to 1 (its neighbours are 1 - 2^-8 and 1 + 2^-7); the float32 master moves 3e-4 a step
+    and after ten steps its bf16 working copy has moved too."""
+    from dspark_core.train.optim import MasterAdamW
+
+    pure = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    working = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opts = [torch.optim.AdamW([pure], lr=3e-4, weight_decay=0.0), MasterAdamW([working], lr=3e-4, weight_decay=0.0)]
+    for _ in range(10):
+        for p, opt in zip((pure, working), opts):
+            p.grad = torch.full_like(p, 0.5)
+            opt.step()
+            opt.zero_grad()
+    master = opts[1].state_dict()["master_params"][0]
+    assert torch.equal(pure.data, torch.ones(4, dtype=torch.bfloat16))  # ten updates lost
+    torch.testing.assert_close(master, torch.full((4,), 1 - 10 * 3e-4), rtol=0, atol=1e-6)
+    assert torch.equal(working.data, master.to(torch.bfloat16)) and bool((working.data < 1).all())
+
+
+def test_master_weights_refuse_sparse_gradients(tmp_path):
+    """A task whose parameter group is marked sparse (an Engram table with sparse: true) cannot train on master
+    weights: one line naming the settings to change, before anything is written."""
+    class SparseGroup(ToyTask):
+        def param_groups(self, model):
+            return [{"params": list(model.parameters()), "sparse": True}]
+
+    with pytest.raises(ValueError, match=r"sparse gradients \(draft.engram.sparse: true\) take no master weights; "
+                                         r"set draft.engram.sparse: false or train.param_dtype: float32"):
+        train(SparseGroup(), _cfg(tmp_path / "run", param_dtype="bfloat16"), progress=False)
+    assert not (tmp_path / "run").exists()
 
 
 def test_first_step_metrics_equal_a_hand_computed_global_batch(tmp_path):

@@ -1,2 +1,3 @@
 """Benchmarks that run as pipeline stages: the online speculative-decoding benchmark (``online``), its peers
-(``peers``) and plots (``plots``)."""
+(``peers``) and plots (``plots``); and the training-step peer of ``benchmarks/bench_train_step.py --peers``
+(``train_peers``: speculators' own DSpark step)."""

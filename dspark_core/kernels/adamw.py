@@ -14,6 +14,11 @@ whatever the storage dtype: ``g /= grad_scale`` (the clip factor, ``train.traine
 increment; the bias corrections come from ``exp2(t log2 b)`` rather than ``powf``, so results agree with torch to
 float32 rounding (bf16 storage: to a bf16 rounding step; tests/test_adamw_kernel.py). The optimiser state keeps
 torch's layout (``step``, ``exp_avg``, ``exp_avg_sq``): a checkpoint resumes under either kernel.
+
+Master weights (``train.param_dtype: bfloat16``, ``train/optim.py``'s ``MasterAdamW``): ``p`` is the float32 master
+copy, ``g`` the bf16 gradient of the working copy, and ``working`` names the bf16 working tensors, which the same
+pass writes as ``p`` rounded to nearest even (``p.to(bfloat16)``): one read of the gradient, master and moments,
+one write of master, moments and working copy, no float32 gradient in memory.
 """
 
 from __future__ import annotations
@@ -27,15 +32,30 @@ BLOCK = 4096  # elements per program: 16 per thread at 8 warps (two 16-byte load
 NUM_WARPS = 8
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _kernel: Any = None
+_store_rounded: Any = None
 
 
 def _build_kernel():
     import triton
     import triton.language as tl
 
+    global _store_rounded  # a module global: Triton resolves the kernel's callees there
+
     @triton.jit
-    def adamw_tensor(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, scale_ptr, n, lr, lr_wd, beta1, beta2, log2_b1, log2_b2,
-                     eps, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    def _store_rounded(ptrs, x, mask):
+        """Store float32 ``x`` in the pointers' dtype, rounded to nearest even as torch's ``.to()`` rounds; bf16 from
+        its bits (NaN stays NaN), so Triton's CPU interpreter, whose cast truncates, writes the GPU's bits too."""
+        if ptrs.dtype.element_ty == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            top = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            top = tl.where(x != x, 0x7FC0, top)
+            tl.store(ptrs, top.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+        else:
+            tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def adamw_tensor(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, scale_ptr, w_ptr, n, lr, lr_wd, beta1, beta2, log2_b1,
+                     log2_b2, eps, HAS_SCALE: tl.constexpr, WORKING: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
         mask = offs < n
         p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
@@ -52,9 +72,11 @@ def _build_kernel():
         v = beta2 * v + (1.0 - beta2) * g * g
         denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
         p = p - tl.div_rn(tl.div_rn(lr, bc1) * m, denom)
-        tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
-        tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+        _store_rounded(p_ptr + offs, p, mask)
+        _store_rounded(m_ptr + offs, m, mask)
+        _store_rounded(v_ptr + offs, v, mask)
+        if WORKING:  # the working copy the forward reads: the new master rounded to its dtype
+            _store_rounded(w_ptr + offs, p, mask)
 
     return adamw_tensor
 
@@ -66,19 +88,23 @@ def supported(tensors: list[torch.Tensor]) -> bool:
 
 def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                 exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *, lr: float, beta1: float, beta2: float,
-                eps: float, weight_decay: float, grad_scale: torch.Tensor | None = None, block: int = BLOCK,
-                num_warps: int = NUM_WARPS) -> None:
+                eps: float, weight_decay: float, grad_scale: torch.Tensor | None = None,
+                working: list[torch.Tensor] | None = None, block: int = BLOCK, num_warps: int = NUM_WARPS) -> None:
     """One AdamW update of every tensor in place (``steps``: float32 step counts, already incremented);
-    ``block`` / ``num_warps``: the launch shape (``bench_kernels.py --parts adamw`` compares them)."""
+    ``working``: per tensor, a copy of the same shape (bf16) that receives the updated ``params`` rounded to its
+    dtype (the master-weights step); ``block`` / ``num_warps``: the launch shape (``bench_kernels.py --parts
+    adamw`` compares them)."""
     global _kernel
     if _kernel is None:
         _kernel = _build_kernel()
     scalars = (float(lr), float(lr) * float(weight_decay), float(beta1), float(beta2), math.log2(beta1),
                math.log2(beta2), float(eps))
-    for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+    outs = working if working is not None else [None] * len(params)
+    for p, g, m, v, s, w in zip(params, grads, exp_avgs, exp_avg_sqs, steps, outs):
         n = p.numel()
-        _kernel[(-(-n // block),)](p, g, m, v, s, grad_scale if grad_scale is not None else s, n, *scalars,
-                                   HAS_SCALE=grad_scale is not None, BLOCK=block, num_warps=num_warps)
+        _kernel[(-(-n // block),)](p, g, m, v, s, grad_scale if grad_scale is not None else s,
+                                   w if w is not None else p, n, *scalars, HAS_SCALE=grad_scale is not None,
+                                   WORKING=w is not None, BLOCK=block, num_warps=num_warps)
 
 
 def adamw_reference_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: float, *, lr: float,
@@ -96,3 +122,12 @@ def adamw_reference_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch
     p.copy_(p32)
     m.copy_(m32)
     v.copy_(v32)
+
+
+def master_adamw_reference_(master: torch.Tensor, working: torch.Tensor, g: torch.Tensor, m: torch.Tensor,
+                            v: torch.Tensor, step: float, **hp: Any) -> None:
+    """The master-weights step of one tensor in plain torch: :func:`adamw_reference_` on the float32 ``master``
+    with the working copy's gradient ``g``, then ``working`` = the new master rounded to its dtype (the tests'
+    reference for ``adamw_step_(..., working=...)``)."""
+    adamw_reference_(master, g, m, v, step, **hp)
+    working.copy_(master)
