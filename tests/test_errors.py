@@ -972,10 +972,10 @@ def test_bad_input_gives_one_clear_error(case: Case, project: Project):
 
 
 def test_catalogue_covers_every_item():
-    """The issue's eight kinds of bad input each have cases; names are unique."""
+    """Every kind of bad input has cases; names are unique."""
     kinds = {c.name.split("/")[0] for c in CASES}
     assert kinds == {"variant", "params", "layers", "cache", "nan", "empty", "too_long", "target", "draft",
-                     "checkpoint", "prompt"}
+                     "checkpoint", "prompt", "template"}
     assert len({c.name for c in CASES}) == len(CASES)
 
 
