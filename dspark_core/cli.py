@@ -1,6 +1,6 @@
 """The ``dspark`` command line: tools around the DVC pipeline (the stages themselves run from dvc.yaml).
 
-    dspark profile list | apply NAME | args NAME
+    dspark profile list | apply NAME | args NAME | check NAME   # check: every stage's params + the DAG, no download
     dspark cache verify data/cache/eval.zarr --target data/target -n 4
     dspark cache info data/cache/train.zarr
     dspark stages list | run TARGET...    # dvc.yaml's commands without DVC (a machine where DVC is not installed)
@@ -51,6 +51,26 @@ def profile_args(name: str) -> None:
     from dspark_core.profiles import exp_run_args
 
     typer.echo(" ".join(exp_run_args(name)))
+
+
+@profile_app.command("check")
+def profile_check(name: str, params: Path = typer.Option(Path("params.yaml")),
+                  samples: int = typer.Option(None, help="samples the cache will hold (default: the prepare sizes)"),
+                  tokens_per_sample: int = typer.Option(None, help="mean tokens a sample (default: cache.max_length, "
+                                                                     "an upper bound)"),
+                  tokens: int = typer.Option(None, help="tokens the cache will hold (instead of the two above)")) -> None:
+    """Check profile NAME stage by stage and its DAG, downloading nothing; list what the pipeline would download
+    and estimate the hidden-state cache's bytes."""
+    from dspark_core.profile_check import check_profile
+
+    report = check_profile(name, params, samples=samples, tokens_per_sample=tokens_per_sample, tokens=tokens)
+    for line in report.lines:
+        typer.echo(line)
+    for line in report.problems:
+        typer.echo(f"problem: {line}", err=True)
+    typer.echo(f"profile {name}: " + ("ok" if not report.problems else f"{len(report.problems)} problem(s)"))
+    if report.problems:
+        raise typer.Exit(1)
 
 
 @cache_app.command("verify")
