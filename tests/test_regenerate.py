@@ -179,7 +179,7 @@ def test_a_rerun_that_keeps_every_answer_keeps_their_measured_throughput(tiny, t
     measured = first["last_measured"]
     assert measured["new_tokens"] == first["new_tokens_now"] == first["response_tokens"] > 0
     assert measured["generate_seconds"] == first["generate_seconds"] > 0
-    assert measured["tokens_per_s"] == round(measured["new_tokens"] / measured["generate_seconds"], 2)
+    assert measured["tokens_per_s"] == first["tokens_per_s"] > 0
 
     made = _patch_backend(monkeypatch)
     for _ in range(2):  # kept twice: the figure is carried on, not lost after one rerun

@@ -497,19 +497,20 @@ def _last_measured(now: dict, before: dict | None, earlier: dict, stats: dict) -
     run had the same backend and target and ended with the same prompts and response tokens -- the same answers.
     None when nothing was ever measured for them."""
     if now["new_tokens_now"] and now["generate_seconds"]:
-        tokens, seconds = now["new_tokens_now"], now["generate_seconds"]
-    else:
-        same_run = all(earlier.get(k) == stats[k] for k in ("backend", "target_fingerprint"))
-        before = before if isinstance(before, dict) else {}
-        same_answers = all(before.get(k) == now[k] for k in ("prompts", "response_tokens"))
-        if not (same_run and same_answers):
-            return None
-        last = before.get("last_measured") or {"new_tokens": before.get("new_tokens_now"),
-                                                 "generate_seconds": before.get("generate_seconds")}
-        tokens, seconds = last.get("new_tokens"), last.get("generate_seconds")
-        if not (isinstance(tokens, int) and isinstance(seconds, (int, float)) and tokens > 0 and seconds > 0):
-            return None
-    return {"new_tokens": tokens, "generate_seconds": seconds, "tokens_per_s": round(tokens / seconds, 2)}
+        return {"new_tokens": now["new_tokens_now"], "generate_seconds": now["generate_seconds"],
+                "tokens_per_s": now["tokens_per_s"]}
+    before = before if isinstance(before, dict) else {}
+    same_run = all(earlier.get(k) == stats[k] for k in ("backend", "target_fingerprint"))
+    same_answers = all(before.get(k) == now[k] for k in ("prompts", "response_tokens"))
+    if not (same_run and same_answers):
+        return None
+    last = before.get("last_measured") or {"new_tokens": before.get("new_tokens_now"),
+                                             "generate_seconds": before.get("generate_seconds"),
+                                             "tokens_per_s": before.get("tokens_per_s")}
+    tokens, seconds = last.get("new_tokens"), last.get("generate_seconds")
+    if not (isinstance(tokens, int) and isinstance(seconds, (int, float)) and tokens > 0 and seconds > 0):
+        return None
+    return {"new_tokens": tokens, "generate_seconds": seconds, "tokens_per_s": last.get("tokens_per_s")}
 
 
 def _remove_if_empty(path: Path) -> None:
