@@ -6,14 +6,19 @@ Reads the metrics JSON the other stages wrote (``reports/eval_offline/<v>.json``
   sets (Draft Memory: ``post_error/...`` keys), the draft and the reference draft on exactly those anchors;
 - ``reports/plots/dspark_accept_rate.png``: offline accept_rate@i per DSpark variant;
 - ``reports/plots/dmtd_quality_speed.png``: DMTD perplexity vs decode speedup per variant;
-- ``reports/metrics/``: the headline figures people compare, flat, one small JSON per variant
-  (``draft/<v>.json``: tau_prob, accept_rate@i, mal, tokens_per_s, speedup (+ the reranker's gains; the tau_prob of
-  a draft's extra anchor sets, ``post_error/tau_prob`` and ``post_error/<reference>/tau_prob``; with GPU
-  kernels speedup_vs_fastest_ar; with ``bench_online.also_temperatures`` mal@t<T>, speedup@t<T> and, with
-  kernels, speedup_vs_fastest_ar@t<T>);
-  ``dmtd/<v>.json``: perplexity, token_acc, accuracy, tokens_per_s, speedup; ``data.json``: regenerate and
-  cache throughput, bytes_per_token). dvc.yaml declares only this folder as metrics, so ``dvc metrics show`` /
-  ``diff`` stay terminal-sized; the stages' full JSON stay plain outputs beside them.
+- ``reports/metrics/``: the headline figures people compare, flat, one small JSON per variant and concern, so
+  that ``dvc metrics show reports/metrics/<concern>`` and ``dvc metrics diff --targets reports/metrics/<concern>``
+  give narrow tables of keys that belong together:
+  ``offline/<v>.json``: tau_prob, accept_rate@0, accept_rate@1 (+ ``<set>/tau_prob`` and
+  ``<set>/<reference>/tau_prob`` of a draft's extra anchor sets, e.g. Draft Memory's ``post_error``);
+  ``reranker/<v>.json`` (variants with a prefix reranker): candidate_recall and the reranker's gains;
+  ``online/<v>.json``: mal, tokens_per_s, speedup (+ speedup_vs_fastest_ar with GPU kernels), greedy decoding, and
+  ``online/<v>@t<T>.json`` the same keys for a sampling pass at temperature T (``bench_online.also_temperatures``);
+  ``dmtd/<v>.json``: perplexity, token_acc, accuracy, tokens_per_s, speedup;
+  ``data.json``: regenerate_tokens_per_s, cache_tokens_per_s, bytes_per_token.
+  ``dvc metrics show`` alone merges every file into one table, so the concerns share key names (tokens_per_s,
+  speedup) and keep few keys. The stages' full JSON (every slot's accept_rate@i, per-domain MAL, timings) stay
+  plain outputs beside them.
 """
 
 from __future__ import annotations
@@ -159,7 +164,11 @@ def _save(fig, path: Path) -> None:
     plt.close(fig)
 
 
-DRAFT_HEADLINE = ("tau_prob", "mal", "tokens_per_s", "speedup")
+# The headline keys of each concern (the module docstring lists the files); a key a stage did not make is left
+# out. Offline: the first two slots' accept rates (seven slots beside the path do not fit a terminal; the whole
+# curve is reports/eval_offline/<v>/accept_rate.json, which `dvc plots diff` draws).
+OFFLINE_HEADLINE = ("tau_prob", "accept_rate@0", "accept_rate@1")
+ONLINE_HEADLINE = ("mal", "tokens_per_s", "speedup", "speedup_vs_fastest_ar")
 DMTD_HEADLINE = {"perplexity": "perplexity", "token_acc": "token_acc", "accuracy": "gsm8k_accuracy",
                  "tokens_per_s": "tokens_per_s", "speedup": "speedup"}
 
@@ -168,31 +177,46 @@ def _num(x: Any) -> Any:
     return round(x, 6) if isinstance(x, float) else x
 
 
+def _flat(m: dict[str, Any]) -> dict[str, Any]:
+    return {k: _num(v) for k, v in m.items() if v is not None}
+
+
 def headline_metrics(dspark: list[dict[str, Any]], dmtd: list[dict[str, Any]], root: Path = REPORTS
                      ) -> dict[str, dict[str, Any]]:
-    """{relative path under reports/metrics: flat metrics}; a figure a stage did not make is left out."""
+    """{relative path under reports/metrics: flat metrics}, one file per variant and concern (the module docstring);
+    a figure a stage did not make is left out. ``offline`` / ``online`` / ``dmtd`` have a file for every variant of
+    params.yaml (``{}`` before its stages ran); ``reranker`` and ``online/<v>@t<T>`` only where there are figures."""
     out: dict[str, dict[str, Any]] = {}
     for r in dspark:
-        m = {k: r[k] for k in DRAFT_HEADLINE}
-        m.update({f"accept_rate@{i}": x for i, x in enumerate(r["_rates"])})
-        m.update({k: r[k] for k in RERANK_KEYS})
-        m["speedup_vs_fastest_ar"] = r["_speedup_vs_fastest_ar"]
-        m.update(r["_anchor_set_tau"])  # e.g. post_error/tau_prob, post_error/baseline/tau_prob
+        v, off = r["variant"], _load(root / "eval_offline" / f"{r['variant']}.json") or {}
+        out[f"offline/{v}.json"] = _flat({**{k: off.get(k) for k in OFFLINE_HEADLINE}, **r["_anchor_set_tau"]})
+        rerank = _flat({k: r[k] for k in RERANK_KEYS})
+        if rerank:
+            out[f"reranker/{v}.json"] = rerank
+        greedy = {**r, "speedup_vs_fastest_ar": r["_speedup_vs_fastest_ar"]}
+        out[f"online/{v}.json"] = _flat({k: greedy[k] for k in ONLINE_HEADLINE})
         for temp, row in r["_at_temperature"].items():
-            m.update({f"mal@t{temp}": row.get("mal"), f"speedup@t{temp}": row.get("speedup"),
-                      f"speedup_vs_fastest_ar@t{temp}": row.get("speedup_vs_fastest_ar")})
-        out[f"draft/{r['variant']}.json"] = {k: _num(v) for k, v in m.items() if v is not None}
+            out[f"online/{v}@t{temp}.json"] = _flat({k: row.get(k) for k in ONLINE_HEADLINE})
     for r in dmtd:
         d = _load(root / "dmtd" / f"{r['variant']}.json") or {}
-        out[f"dmtd/{r['variant']}.json"] = {k: _num(d[src]) for k, src in DMTD_HEADLINE.items()
-                                            if d.get(src) is not None}
-    regen, cache = _load(root / "regenerate_stats.json") or {}, _load(root / "cache_stats.json") or {}
-    splits = [s for s in (regen.get("splits") or {}).values() if s.get("generate_seconds")]
-    seconds = sum(s["generate_seconds"] for s in splits)
-    data = {"regenerate_tokens_per_s": sum(s.get("new_tokens_now", 0) for s in splits) / seconds if seconds else None,
-            "cache_tokens_per_s": cache.get("tokens_per_s"), "bytes_per_token": cache.get("bytes_per_token")}
-    out["data.json"] = {k: _num(v) for k, v in data.items() if v is not None}
+        out[f"dmtd/{r['variant']}.json"] = _flat({k: d.get(src) for k, src in DMTD_HEADLINE.items()})
+    out["data.json"] = _flat(data_metrics(root))
     return out
+
+
+def data_metrics(root: Path = REPORTS) -> dict[str, Any]:
+    """Regenerate and cache throughput and the cache's bytes per token. The regenerate figure is the split-summed
+    ``last_measured`` of ``regenerate_stats.json``: the run that made the answers, also after a rerun that kept
+    them all (older stats files: the split's own generation, when it generated)."""
+    regen, cache = _load(root / "regenerate_stats.json") or {}, _load(root / "cache_stats.json") or {}
+    tokens = seconds = 0.0
+    for split in (regen.get("splits") or {}).values():
+        last = split.get("last_measured") or {"new_tokens": split.get("new_tokens_now"),
+                                               "generate_seconds": split.get("generate_seconds")}
+        if last.get("new_tokens") and last.get("generate_seconds"):
+            tokens, seconds = tokens + last["new_tokens"], seconds + last["generate_seconds"]
+    return {"regenerate_tokens_per_s": tokens / seconds if seconds else None,
+            "cache_tokens_per_s": cache.get("tokens_per_s"), "bytes_per_token": cache.get("bytes_per_token")}
 
 
 def write_headlines(metrics: dict[str, dict[str, Any]], out_dir: Path) -> None:
@@ -203,6 +227,9 @@ def write_headlines(metrics: dict[str, dict[str, Any]], out_dir: Path) -> None:
     for old in out_dir.rglob("*.json") if out_dir.is_dir() else []:
         if old not in keep:
             old.unlink()
+    for folder in sorted(out_dir.rglob("*"), reverse=True) if out_dir.is_dir() else []:  # a concern no longer made
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
     for rel, m in metrics.items():
         write_json(out_dir / rel, m)
 

@@ -1,4 +1,4 @@
-"""DVC stage `report`: reports/summary.md and comparison plots over all DSpark and DMTD variants."""
+"""DVC stage `report`: reports/summary.md, comparison plots and the headline metrics by concern (reports/metrics/)."""
 
 from pathlib import Path
 

@@ -8,8 +8,12 @@ dspark_core/; then the everyday loop of the README:
   bytecode caches are gone (as in a fresh clone);
 - `dvc exp run -S '++variants.reranker_frozen.train.lr=5e-4'` reruns exactly that variant's train / eval_offline /
   bench_online and the report (not the draft it starts from), with the new lr in the run's config;
-- `dvc metrics diff` names the changed headline file and fits a terminal; `dvc exp show` lists the experiment
-  with tau_prob and mal columns; `dvc plots diff` draws accept_rate@i and the training curves.
+- `dvc metrics diff` names the changed headline file and fits a terminal; `dvc metrics show` of one concern is
+  that concern's narrow table;
+- the README's comparison of two experiments (a second lr): `dvc exp show` restricted to the columns that matter
+  (`--drop` / `--keep`) lists both with the changed param and metric, `dvc metrics diff` between them moves that
+  variant's metrics only, and `dvc plots diff` between them draws both experiments' accept_rate@i and training
+  curves on one chart each.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ pytestmark = pytest.mark.slow  # the packaged model (setup.sh installs it)
 ROOT = Path(__file__).resolve().parent.parent
 DVC = [sys.executable, "-m", "dvc"]
 ABLATION = "++variants.reranker_frozen.train.lr=5e-4"
+ABLATION_2 = "++variants.reranker_frozen.train.lr=2e-3"
+ABLATED_STAGES = ["train_warm@reranker_frozen", "eval_offline@reranker_frozen", "bench_online@reranker_frozen",
+                  "report"]
 TERMINAL = 120  # columns
 
 
@@ -95,9 +102,13 @@ def test_repro_runs_every_stage_and_writes_headline_metrics(repo, first_repro):
     assert {"train@baseline", "train_warm@reranker_frozen", "export@baseline", "dmtd_eval@bidir_refresh"} <= set(ran)
     params = yaml.safe_load((repo / "params.yaml").read_text())
     for v in params["variants"]:
-        m = json.loads((repo / "reports/metrics/draft" / f"{v}.json").read_text())
-        assert {"tau_prob", "accept_rate@0", "mal", "tokens_per_s", "speedup"} <= set(m), v
-        assert 1.0 <= m["tau_prob"] <= 7.0 and 1.0 <= m["mal"] <= 7.0
+        off = json.loads((repo / "reports/metrics/offline" / f"{v}.json").read_text())
+        on = json.loads((repo / "reports/metrics/online" / f"{v}.json").read_text())
+        assert set(off) == {"tau_prob", "accept_rate@0", "accept_rate@1"}, v
+        assert set(on) == {"mal", "tokens_per_s", "speedup"}, v
+        assert 1.0 <= off["tau_prob"] <= 7.0 and 1.0 <= on["mal"] <= 7.0
+    assert set(json.loads((repo / "reports/metrics/reranker/reranker_frozen.json").read_text())) == {
+        "candidate_recall", "rerank_tau_gain", "rerank_target_agreement_gain", "rerank_teacher_forced_prefix_gain"}
     for v in params["dmtd"]["variants"]:
         m = json.loads((repo / "reports/metrics/dmtd" / f"{v}.json").read_text())
         assert {"perplexity", "accuracy", "tokens_per_s", "speedup"} <= set(m), v
@@ -114,8 +125,7 @@ def test_repro_runs_every_stage_and_writes_headline_metrics(repo, first_repro):
 
 def test_exp_run_reruns_only_the_ablated_variant(repo, first_repro):
     out = _run(DVC + ["exp", "run", "-n", "lr5e4", "-S", ABLATION], repo)
-    assert sorted(_ran(out)) == sorted(["train_warm@reranker_frozen", "eval_offline@reranker_frozen",
-                                        "bench_online@reranker_frozen", "report"])
+    assert sorted(_ran(out)) == sorted(ABLATED_STAGES)
     run_config = json.loads((repo / "data/train/reranker_frozen/run_config.json").read_text())
     assert run_config["config"]["train"]["lr"] == 5e-4
     assert json.loads((repo / "data/train/baseline/run_config.json").read_text())["config"]["train"]["lr"] == 1e-3
@@ -124,21 +134,53 @@ def test_exp_run_reruns_only_the_ablated_variant(repo, first_repro):
     lines = [ln for ln in diff.splitlines() if ln.strip()]
     assert lines[0].split()[:2] == ["Path", "Metric"]
     changed = {ln.split()[0] for ln in lines[1:]}
-    assert "reports/metrics/draft/reranker_frozen.json" in changed
-    assert not any("baseline" in p or "dmtd" in p for p in changed)  # untouched variants do not move
+    assert "reports/metrics/offline/reranker_frozen.json" in changed
+    assert all("reranker_frozen" in p for p in changed)  # untouched variants, DMTD and data do not move
     assert max(len(ln) for ln in lines) <= TERMINAL
 
-    table = list(csv.DictReader(io.StringIO(_run(DVC + ["exp", "show", "--csv"], repo))))
-    assert any(row.get("Experiment") == "lr5e4" for row in table)
-    assert any(k.endswith("tau_prob") for k in table[0]) and any(k.endswith(":mal") or k == "mal" for k in table[0])
+    show = _run(DVC + ["metrics", "show", "reports/metrics/offline"], repo).splitlines()
+    assert show[0].split() == ["Path", "accept_rate@0", "accept_rate@1", "tau_prob"]
+    assert [ln.split()[0] for ln in show[1:]] == [f"reports/metrics/offline/{v}.json"
+                                                  for v in ("baseline", "reranker_frozen")]
 
-    show = _run(DVC + ["metrics", "show", "reports/metrics/draft"], repo)
-    assert "reranker_frozen.json" in show and "tau_prob" in show
 
-    html = repo / "dvc_plots" / "index.html"
-    _run(DVC + ["plots", "diff", "HEAD", "-o", "dvc_plots"], repo)
-    text = html.read_text()
-    assert "accept_rate" in text and "reports/train/reranker_frozen/plots/metrics" in text
+def test_compare_two_experiments(repo, first_repro):
+    """The README's "Compare variants and ablations" on the smoke profile: a second experiment beside lr5e4,
+    then the commands that compare them, checked on what they print."""
+    if "lr5e4" not in _run(DVC + ["exp", "list", "--name-only"], repo):  # the test above makes it
+        _run(DVC + ["exp", "run", "-n", "lr5e4", "-S", ABLATION], repo)
+    assert sorted(_ran(_run(DVC + ["exp", "run", "-n", "lr2e3", "-S", ABLATION_2], repo))) == sorted(ABLATED_STAGES)
+
+    # dvc exp show: every column dropped but the experiment, the ablated param and two of its variant's metrics
+    keep = r"Experiment|.*reranker_frozen.json:(tau_prob|mal)|(variants.reranker_frozen.)?train.lr$"
+    rows = list(csv.DictReader(io.StringIO(_run(DVC + ["exp", "show", "--drop", ".*", "--keep", keep, "--csv"],
+                                                 repo))))
+    param, tau = "variants.reranker_frozen.train.lr", "reports/metrics/offline/reranker_frozen.json:tau_prob"
+    assert set(rows[0]) == {"Experiment", "train.lr", param, tau, "reports/metrics/online/reranker_frozen.json:mal"}
+    exps = {r["Experiment"]: r for r in rows if r["Experiment"]}
+    assert sorted(exps) == ["lr2e3", "lr5e4"]
+    assert (float(exps["lr5e4"][param]), float(exps["lr2e3"][param])) == (5e-4, 2e-3)
+    assert exps["lr5e4"][tau] != exps["lr2e3"][tau]  # the changed metric
+    assert {r["train.lr"] for r in rows} == {"0.001"}  # the other variants' lr, unchanged
+
+    # dvc metrics diff between the two experiments, two concerns: that variant's rows only, both columns named
+    diff = _run(DVC + ["metrics", "diff", "lr5e4", "lr2e3", "--targets", "reports/metrics/offline",
+                       "reports/metrics/online"], repo).splitlines()
+    assert diff[0].split() == ["Path", "Metric", "lr5e4", "lr2e3", "Change"]
+    moved = {(ln.split()[0], ln.split()[1]) for ln in diff[1:] if ln.strip()}
+    assert ("reports/metrics/offline/reranker_frozen.json", "tau_prob") in moved
+    assert all(path.endswith("/reranker_frozen.json") for path, _ in moved)
+    assert max(map(len, diff)) <= TERMINAL
+
+    # dvc plots diff between them: one chart per plot file, both experiments' curves on it
+    _run(DVC + ["plots", "diff", "lr5e4", "lr2e3", "--targets", "reports/eval_offline/reranker_frozen/accept_rate.json",
+                "reports/train/reranker_frozen/plots/metrics/train/loss.tsv", "-o", "dvc_plots"], repo)
+    html = (repo / "dvc_plots" / "index.html").read_text()
+    for target in ("reports/eval_offline/reranker_frozen/accept_rate.json",
+                   "reports/train/reranker_frozen/plots/metrics/train/loss.tsv"):
+        assert target in html
+    for rev in ("lr5e4", "lr2e3"):
+        assert f'"rev": "{rev}"' in html or f'"rev":"{rev}"' in html, rev
 
 
 def test_bench_batch_layout_on_the_pipeline_cache(repo, first_repro, tmp_path):

@@ -169,6 +169,31 @@ def test_resume_after_interrupt_skips_done_ids(tiny, tmp_path, monkeypatch):
     assert not (out / "parts").exists()
 
 
+def test_a_rerun_that_keeps_every_answer_keeps_their_measured_throughput(tiny, tmp_path, monkeypatch):
+    """The report's regenerate_tokens_per_s reads ``last_measured``: a rerun that generates nothing carries the
+    figure of the run that made the answers; without that run's stats file, or with another target's, it has none."""
+    target, prompts = tiny
+    out = tmp_path / "out"
+    cfg = _cfg(target, prompts, out, batch_size=3)
+    first = run_regenerate(cfg)["splits"]["eval"]
+    measured = first["last_measured"]
+    assert measured["new_tokens"] == first["new_tokens_now"] == first["response_tokens"] > 0
+    assert measured["generate_seconds"] == first["generate_seconds"] > 0
+    assert measured["tokens_per_s"] == first["tokens_per_s"] > 0
+
+    made = _patch_backend(monkeypatch)
+    for _ in range(2):  # kept twice: the figure is carried on, not lost after one rerun
+        again = run_regenerate(cfg)["splits"]["eval"]
+        assert made == [] and again["generated_now"] == 0 and again["tokens_per_s"] is None
+        assert again["last_measured"] == measured
+    stats_path = Path(cfg.stats_path)
+    other = {**json.loads(stats_path.read_text()), "target_fingerprint": "another"}
+    stats_path.write_text(json.dumps(other))
+    assert "last_measured" not in run_regenerate(cfg)["splits"]["eval"]  # not these answers' figure
+    stats_path.unlink()
+    assert "last_measured" not in run_regenerate(cfg)["splits"]["eval"]  # nothing measured is known
+
+
 def test_time_budget_answers_a_subset_and_a_rerun_completes(tiny, tmp_path, monkeypatch):
     target, prompts = tiny
     out = tmp_path / "out"

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 from dspark_core.report import run_report
 
@@ -26,46 +31,78 @@ def test_report_tables_and_plots(tmp_path):
     run_report(params, root=tmp_path)
     text = (tmp_path / "summary.md").read_text()
     assert "| baseline | 2.500 | 0.700 | 1.250 | 0.100 | 2.750 | 30.000 | 10.000 | 3.000 | yes |" in text
-    assert "| other | - |" in text
-    assert "| rr | 2.000 |" in text and "| 0.250 | 0.020 | 0.900 | 0.125 | - |" in text  # the reranker's gains  # a variant without results shows dashes, not zeros
+    assert "| other | - |" in text  # a variant without results shows dashes, not zeros
+    assert "| rr | 2.000 |" in text and "| 0.250 | 0.020 | 0.900 | 0.125 | - |" in text  # the reranker's gains
     assert "| bidir_refresh | 2.500 | 2.000 | 0.500 | 0.500 | 40.000 | 20.000 | 2.000 | cpu |" in text
     for png in ("dspark_accept_rate.png", "dmtd_quality_speed.png"):
         assert (tmp_path / "plots" / png).read_bytes()[:4] == b"\x89PNG"
-    # the headline metrics (the only files dvc.yaml declares as metrics): flat, one per variant, only what exists
+    # the headline metrics (the only files dvc.yaml declares as metrics): flat, one per variant and concern,
+    # only what exists
     head = tmp_path / "metrics"
-    assert json.loads((head / "draft" / "baseline.json").read_text()) == {
-        "tau_prob": 2.5, "accept_rate@0": 0.7, "accept_rate@1": 0.5, "mal": 2.75, "tokens_per_s": 30.0, "speedup": 3.0}
-    assert json.loads((head / "draft" / "other.json").read_text()) == {}
-    assert json.loads((head / "draft" / "rr.json").read_text())["rerank_tau_gain"] == 0.25
-    # a GPU run: the speedup over the fastest AR of both kernel modes and a sampling pass join the headline
+    assert json.loads((head / "offline" / "baseline.json").read_text()) == {
+        "tau_prob": 2.5, "accept_rate@0": 0.7, "accept_rate@1": 0.5}
+    assert json.loads((head / "online" / "baseline.json").read_text()) == {
+        "mal": 2.75, "tokens_per_s": 30.0, "speedup": 3.0}
+    assert json.loads((head / "offline" / "other.json").read_text()) == {}
+    assert json.loads((head / "online" / "other.json").read_text()) == {}
+    assert json.loads((head / "reranker" / "rr.json").read_text()) == {
+        "rerank_tau_gain": 0.25, "rerank_target_agreement_gain": 0.02, "candidate_recall": 0.9,
+        "rerank_teacher_forced_prefix_gain": 0.125}
+    assert sorted(p.name for p in (head / "reranker").iterdir()) == ["rr.json"]  # no empty file for the others
+    # a GPU run: the speedup over the fastest AR of both kernel modes; a sampling pass is a row of its own with the
+    # greedy row's keys
     (tmp_path / "bench_online" / "rr.json").write_text(json.dumps(
         {"overall": {"mal": 2.0, "speedup": 1.5, "speedup_vs_fastest_ar": 1.25,
                      "at_temperature": {"0.7": {"mal": 1.75, "speedup": 1.125, "tokens_per_s": 9.0,
-                                                "speedup_vs_fastest_ar": 0.75}}}}))
+                                                "speedup_vs_fastest_ar": 0.75, "cycle_ms": 2.0}}}}))
     run_report(params, root=tmp_path)
-    rr = json.loads((head / "draft" / "rr.json").read_text())
-    assert (rr["speedup_vs_fastest_ar"], rr["mal@t0.7"], rr["speedup@t0.7"]) == (1.25, 1.75, 1.125)
-    assert rr["speedup_vs_fastest_ar@t0.7"] == 0.75
+    assert json.loads((head / "online" / "rr.json").read_text()) == {
+        "mal": 2.0, "speedup": 1.5, "speedup_vs_fastest_ar": 1.25}
+    assert json.loads((head / "online" / "rr@t0.7.json").read_text()) == {
+        "mal": 1.75, "speedup": 1.125, "tokens_per_s": 9.0, "speedup_vs_fastest_ar": 0.75}
     assert json.loads((head / "dmtd" / "bidir_refresh.json").read_text()) == {
         "perplexity": 2.5, "accuracy": 0.5, "tokens_per_s": 40.0, "speedup": 2.0}
     assert json.loads((head / "data.json").read_text()) == {}  # no regenerate / cache stats here
+    assert sorted(p.name for p in head.iterdir()) == ["data.json", "dmtd", "offline", "online", "reranker"]
 
 
 def test_report_headline_files_follow_params(tmp_path):
-    """A variant dropped from params.yaml leaves no stale headline file behind (dvc metrics show lists files)."""
-    stale = tmp_path / "metrics" / "draft" / "gone.json"
-    stale.parent.mkdir(parents=True)
-    stale.write_text("{}")
-    (tmp_path / "regenerate_stats.json").write_text(json.dumps(
-        {"splits": {"train": {"new_tokens_now": 300, "generate_seconds": 2.0},
-                    "eval": {"new_tokens_now": 100, "generate_seconds": 2.0}}}))
-    (tmp_path / "cache_stats.json").write_text(json.dumps({"bytes_per_token": 4000.0, "tokens_per_s": 800.0}))
+    """A variant dropped from params.yaml, or a concern of an older layout, leaves no stale file or folder behind
+    (dvc metrics show lists files)."""
+    stale = [tmp_path / "metrics" / "offline" / "gone.json", tmp_path / "metrics" / "draft" / "baseline.json"]
+    for path in stale:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}")
     params = tmp_path / "params.yaml"
     params.write_text("variants:\n  baseline: {}\ndmtd:\n  variants: []\n")
     run_report(params, root=tmp_path)
-    assert not stale.exists() and (tmp_path / "metrics" / "draft" / "baseline.json").is_file()
+    assert not any(path.exists() for path in stale) and not (tmp_path / "metrics" / "draft").exists()
+    assert (tmp_path / "metrics" / "offline" / "baseline.json").is_file()
+
+
+def test_data_metrics_keep_the_throughput_the_answers_were_made_at(tmp_path):
+    """regenerate_tokens_per_s: new tokens over seconds summed over the splits, from each split's last_measured
+    (the run that made its answers, carried by a rerun that generated nothing) or, in a stats file without it,
+    its own generation; a split with neither adds nothing."""
+    params = tmp_path / "params.yaml"
+    params.write_text("variants: {}\n")
+    (tmp_path / "cache_stats.json").write_text(json.dumps({"bytes_per_token": 4000.0, "tokens_per_s": 800.0}))
+    (tmp_path / "regenerate_stats.json").write_text(json.dumps(
+        {"splits": {"train": {"new_tokens_now": 300, "generate_seconds": 2.0},
+                    "eval": {"new_tokens_now": 100, "generate_seconds": 2.0}}}))
+    run_report(params, root=tmp_path)
     assert json.loads((tmp_path / "metrics" / "data.json").read_text()) == {
         "regenerate_tokens_per_s": 100.0, "cache_tokens_per_s": 800.0, "bytes_per_token": 4000.0}
+    kept = {"new_tokens_now": 0, "generate_seconds": 0.0, "tokens_per_s": None}
+    (tmp_path / "regenerate_stats.json").write_text(json.dumps(
+        {"splits": {"train": {**kept, "last_measured": {"new_tokens": 250, "generate_seconds": 4.0}},
+                    "eval": {**kept, "last_measured": {"new_tokens": 50, "generate_seconds": 1.0}},
+                    "extra": kept}}))
+    run_report(params, root=tmp_path)
+    assert json.loads((tmp_path / "metrics" / "data.json").read_text())["regenerate_tokens_per_s"] == 60.0
+    (tmp_path / "regenerate_stats.json").write_text(json.dumps({"splits": {"train": kept}}))
+    run_report(params, root=tmp_path)
+    assert "regenerate_tokens_per_s" not in json.loads((tmp_path / "metrics" / "data.json").read_text())
 
 
 def test_report_compares_memory_with_the_reference_at_the_same_post_error_anchors(tmp_path):
@@ -90,6 +127,39 @@ def test_report_compares_memory_with_the_reference_at_the_same_post_error_anchor
     assert "| draft_memory | post_error | draft_memory | 1.750 | 0.500 | 0.250 | 2.000 | 12 |" in table
     assert "| draft_memory | post_error | baseline | 1.500 | 0.375 | 0.125 | 2.250 | 12 |" in table
     assert "\n| baseline |" not in table  # no row of its own for a draft without extra anchor sets
-    head = json.loads((tmp_path / "metrics" / "draft" / "draft_memory.json").read_text())
-    assert (head["tau_prob"], head["post_error/tau_prob"], head["post_error/baseline/tau_prob"]) == (2.5, 1.75, 1.5)
-    assert "post_error/tau_prob" not in json.loads((tmp_path / "metrics" / "draft" / "baseline.json").read_text())
+    head = json.loads((tmp_path / "metrics" / "offline" / "draft_memory.json").read_text())
+    assert head == {"tau_prob": 2.5, "accept_rate@0": 0.75, "post_error/tau_prob": 1.75,
+                    "post_error/baseline/tau_prob": 1.5}
+    assert json.loads((tmp_path / "metrics" / "offline" / "baseline.json").read_text()) == {"tau_prob": 2.25}
+
+
+REPO = Path(__file__).resolve().parent.parent
+WIDEST = 160  # characters: a per-concern table of `dvc metrics show` must fit a wide terminal
+
+
+def test_each_concern_of_the_committed_metrics_is_a_narrow_dvc_table(tmp_path):
+    """`dvc metrics show reports/metrics/<concern>` on the default pipeline's committed headline metrics, through
+    DVC (its own table layout): every concern has rows, none is wider than WIDEST, and a concern's columns are its
+    own keys (no other concern's key in the table)."""
+    (tmp_path / "reports").mkdir()
+    shutil.copytree(REPO / "reports" / "metrics", tmp_path / "reports" / "metrics")
+    for name in ("dvc.yaml", "params.yaml"):  # the `metrics:` entry as the pipeline declares it (stages need params)
+        shutil.copy(REPO / name, tmp_path / name)
+    env = dict(os.environ, DVC_NO_ANALYTICS="1", COLUMNS="400")
+    dvc = [sys.executable, "-m", "dvc"]
+    subprocess.run(dvc + ["init", "-q", "--no-scm"], cwd=tmp_path, env=env, check=True)
+    concerns = sorted(p.name for p in (tmp_path / "reports" / "metrics").iterdir())
+    assert {"offline", "online", "dmtd", "data.json"} <= set(concerns)
+    keys = {}
+    for c in concerns:
+        path = tmp_path / "reports" / "metrics" / c
+        files = sorted(path.glob("*.json")) if path.is_dir() else [path]
+        keys[c] = set().union(*(json.loads(f.read_text()) for f in files))
+        out = subprocess.run(dvc + ["metrics", "show", f"reports/metrics/{c}"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, check=True).stdout
+        lines = out.splitlines()
+        assert lines[0].split() == ["Path", *sorted(keys[c])], out  # DVC read every file (it exits 0 when not)
+        assert [ln.split()[0] for ln in lines[1:]] == [str(f.relative_to(tmp_path)) for f in files]
+        assert max(map(len, lines)) <= WIDEST, f"dvc metrics show reports/metrics/{c}:\n{out}"
+    merged = set().union(*keys.values())
+    assert "tau_prob" in merged and "mal" in merged and len(merged) <= 20, sorted(merged)

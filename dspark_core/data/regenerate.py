@@ -37,7 +37,10 @@ Resumable: each finished batch is written atomically as a small parquet under
 settings -- another target, sampling params, system prompt, backend, dtype, max_turns, enable_thinking -- are
 discarded). The final parquet is assembled in prompt order at the end and the parts are removed; a final parquet
 written under the same settings for the same prompts makes the split a no-op (so ``persist: true`` in dvc.yaml is
-safe). ``stats_path`` records tokens and tokens/s per split.
+safe). ``stats_path`` records tokens and tokens/s per split, and ``last_measured`` (new tokens and seconds of the
+run that made the split's answers: this run's when it answered any, else the earlier stats file's for the same
+answers), so a rerun that kept every answer still says how fast they were made (dvc.yaml keeps the file:
+``persist: true``).
 
 Another prompt set (a source added, ``n_train`` raised): the answers of the split's earlier final parquet
 that were made under the same settings are kept (``kept_answers`` in the stats) and only the prompts without
@@ -692,6 +695,7 @@ def run_regenerate(cfg: RegenerateConfig, time_budget_s: float | None = None) ->
             backend.append(make_backend(cfg, tok, eos_ids, max_model_len=longest))
         return backend[0]
 
+    earlier = _earlier_stats(cfg.stats_path)
     stats: dict = {"backend": cfg.backend, "target_fingerprint": fingerprint, "splits": {}}
     try:
         for split, (convs, key) in plans.items():
@@ -710,8 +714,11 @@ def run_regenerate(cfg: RegenerateConfig, time_budget_s: float | None = None) ->
                 rows = assemble(convs, store.rows(), final, key, row_key, allow_missing=counters["stopped_early"])
                 if len(rows) == len(convs):
                     store.remove()
-            stats["splits"][split] = _split_stats(rows, counters, len(convs),
-                                                  turns=cfg.max_turns > 1 or cfg.backend == NONE)
+            stats["splits"][split] = split_stats = _split_stats(rows, counters, len(convs),
+                                                                turns=cfg.max_turns > 1 or cfg.backend == NONE)
+            measured = _last_measured(split_stats, (earlier.get("splits") or {}).get(split), earlier, stats)
+            if measured:
+                split_stats["last_measured"] = measured
     finally:
         for b in backend:
             b.close()
@@ -743,6 +750,37 @@ def _split_stats(rows: list[dict], counters: dict, num_requests: int | None = No
     if num_requests is not None and num_requests > len(rows):
         out["skipped_prompts"] = num_requests - len(rows)  # left by a time budget
     return out
+
+
+def _earlier_stats(path: str | Path) -> dict:
+    """The stats file an earlier run left ({} if none or unreadable: it only carries a throughput figure)."""
+    try:
+        doc = read_json(path)
+    except (FileNotFoundError, UserError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _last_measured(now: dict, before: dict | None, earlier: dict, stats: dict) -> dict | None:
+    """``{new_tokens, generate_seconds, tokens_per_s}`` of the run that made a split's answers: this run's when it
+    generated any; else the earlier stats' split figure (its ``last_measured``, or its own generation) when that
+    run had the same backend and target and ended with the same prompts and response tokens -- the same answers.
+    None when nothing was ever measured for them."""
+    if now["new_tokens_now"] and now["generate_seconds"]:
+        return {"new_tokens": now["new_tokens_now"], "generate_seconds": now["generate_seconds"],
+                "tokens_per_s": now["tokens_per_s"]}
+    before = before if isinstance(before, dict) else {}
+    same_run = all(earlier.get(k) == stats[k] for k in ("backend", "target_fingerprint"))
+    same_answers = all(before.get(k) == now[k] for k in ("prompts", "response_tokens"))
+    if not (same_run and same_answers):
+        return None
+    last = before.get("last_measured") or {"new_tokens": before.get("new_tokens_now"),
+                                             "generate_seconds": before.get("generate_seconds"),
+                                             "tokens_per_s": before.get("tokens_per_s")}
+    tokens, seconds = last.get("new_tokens"), last.get("generate_seconds")
+    if not (isinstance(tokens, int) and isinstance(seconds, (int, float)) and tokens > 0 and seconds > 0):
+        return None
+    return {"new_tokens": tokens, "generate_seconds": seconds, "tokens_per_s": last.get("tokens_per_s")}
 
 
 def _remove_if_empty(path: Path) -> None:
