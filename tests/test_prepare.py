@@ -349,7 +349,8 @@ def test_jsonl_errors_name_file_line_and_field(tmp_path):
         list(iter_jsonl(bad))
     no_turns = tmp_path / "nt.jsonl"
     no_turns.write_text('{"text": "hi"}\n')
-    with pytest.raises(ValueError, match=r"nt.jsonl:1: record has no 'turns' field"):
+    with pytest.raises(ValueError, match=r"nt.jsonl:1: record has no 'turns', 'messages' or 'conversations' field; "
+                                         r"accepted records: "):
         list(iter_jsonl(no_turns))
     wrong = tmp_path / "w.jsonl"
     wrong.write_text('{"turns": "hi"}\n')
