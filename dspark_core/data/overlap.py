@@ -93,6 +93,8 @@ class EvalIndex:
             inner = ws[1:-1]
             w = min(range(len(inner)), key=lambda i: (len(self.containing[inner[i]]), -len(inner[i]), i))
             self.anchored.setdefault(inner[w], []).append(k)
+        self.vocab = set(self.containing)
+        self.anchor_words = set(self.anchored)
 
     # -- checks -------------------------------------------------------------------------------------
     def overlap(self, p: Prompt, norms: Sequence[str] | None = None) -> Overlap | None:
@@ -114,19 +116,20 @@ class EvalIndex:
         if self.long:
             for i, norm in enumerate(norms):
                 if len(norm) >= MIN_CONTAINED_CHARS and norm not in self.norm:
-                    found = self._inside_eval(norm, i) or self._eval_inside(norm, i)
+                    ws = norm.split(" ")
+                    words = set(ws)
+                    found = self._inside_eval(norm, ws, words, i) or self._eval_inside(norm, words, i)
                     if found is not None:
                         return found
         return None
 
-    def _inside_eval(self, norm: str, i: int) -> Overlap | None:
-        """A long train turn inside a long eval turn."""
-        ws = norm.split(" ")
+    def _inside_eval(self, norm: str, ws: list[str], words: set[str], i: int) -> Overlap | None:
+        """A long train turn (``ws``: its words, ``words``: as a set) inside a long eval turn."""
         if len(ws) >= 3:
-            inner = ws[1:-1]
-            if not self.containing.keys() >= set(inner):
+            missing = words - self.vocab            # only its first and last word may be missing (cut words)
+            if len(missing) > 2 or (missing and any(w in missing for w in ws[1:-1])):
                 return None
-            rarest = min(inner, key=lambda w: len(self.containing[w]))
+            rarest = min(ws[1:-1], key=lambda w: len(self.containing[w]))
             candidates: Iterable[int] = self.containing[rarest]
         elif norm in self.blob:
             candidates = range(len(self.long))
@@ -138,10 +141,11 @@ class EvalIndex:
                 return Overlap(e, i, j, "the train text is inside the eval text")
         return None
 
-    def _eval_inside(self, norm: str, i: int) -> Overlap | None:
-        """A long eval turn inside a long train turn."""
-        hits = self.anchored.keys() & set(norm.split(" "))
-        candidates = sorted({k for w in hits for k in self.anchored[w]})
+    def _eval_inside(self, norm: str, words: set[str], i: int) -> Overlap | None:
+        """A long eval turn inside a long train turn (``words``: the train turn's words)."""
+        candidates: list[int] = []
+        if not self.anchor_words.isdisjoint(words):
+            candidates = sorted({k for w in self.anchor_words & words for k in self.anchored[w]})
         for k in (*candidates, *self.loose) if self.loose else candidates:
             text, e, j = self.long[k]
             if text in norm:

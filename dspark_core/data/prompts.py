@@ -89,6 +89,13 @@ _MIN_SLACK = 256
 _HOLDOUT_PERSON = b"dspark-holdout"   # the holdout hash's personalisation: independent of the draw order's
 
 
+def _prompts_schema() -> Any:
+    import pyarrow as pa
+
+    return pa.schema([("id", pa.string()), ("source", pa.string()), ("domain", pa.string()), ("group", pa.string()),
+                      ("turns", pa.list_(pa.string())), ("system", pa.string()), ("replies", pa.list_(pa.string()))])
+
+
 @dataclasses.dataclass(frozen=True)
 class EvalDraw:
     domain: str | None    # None: the old list form (each prompt keeps its source's domain)
@@ -358,23 +365,30 @@ class _Lowest:
 
     def __init__(self, limit: int | None):
         self.limit = limit
-        self.heap: list[tuple[int, int, Prompt]] = []   # (-key, -seq, prompt): the highest kept on top
+        # bounded: a heap of (-key, -seq, prompt), the highest kept on top; unbounded: (key, seq, prompt)
+        self.entries: list[tuple[int, int, Prompt]] = []
         self.offered = 0
 
     def offer(self, key: int, seq: int, p: Prompt) -> None:
         self.offered += 1
-        h = self.heap
-        if self.limit is None or len(h) < self.limit:
+        h = self.entries
+        if self.limit is None:
+            h.append((key, seq, p))
+        elif len(h) < self.limit:
             h.append((-key, -seq, p))
-            if self.limit is not None and len(h) == self.limit:
+            if len(h) == self.limit:
                 heapq.heapify(h)
         elif (key, seq) < (-h[0][0], -h[0][1]):
             heapq.heapreplace(h, (-key, -seq, p))
 
-    def ordered(self) -> list[tuple[int, int, Prompt]]:
-        """``(key, seq, prompt)`` in increasing order."""
-        out = [(-k, -s, p) for k, s, p in self.heap]
-        out.sort(key=lambda e: (e[0], e[1]))
+    def take_descending(self) -> list[tuple[int, int, Prompt]]:
+        """``(key, seq, prompt)`` in decreasing order (pop from the end: the lowest first), handed over."""
+        h, self.entries = self.entries, []
+        if self.limit is None:
+            h.sort(key=lambda e: (e[0], e[1]), reverse=True)
+            return h
+        out = [(-k, -s, p) for k, s, p in h]
+        out.sort(key=lambda e: (e[0], e[1]), reverse=True)
         return out
 
     @property
@@ -436,7 +450,9 @@ class StreamedSource:
     def _drain(self, side: str, lowest: _Lowest, limit: int | None) -> Iterator[Prompt]:
         while True:
             last = None
-            for key, seq, p in lowest.ordered():
+            entries = lowest.take_descending()
+            while entries:                     # popped as drawn: a drawn record is held by the split only
+                key, seq, p = entries.pop()
                 last = (key, seq)
                 yield p
             if lowest.complete or last is None:
@@ -453,12 +469,16 @@ def _limit(need: int | None) -> int | None:
 # ----------------------------------------------------------------------------------------------
 # selection
 # ----------------------------------------------------------------------------------------------
+READER_SKIPS = ("tool", "non_text", "bad_record")   # skipped by the reader: records that are no prompt
+
+
 @dataclasses.dataclass
 class SourceStats:
     """What the draw did with one source: records read and held out, prompts drawn per split, records skipped
-    (by reason), extra passes over a streamed source."""
+    (by reason: :data:`READER_SKIPS`, a first turn over ``max_prompt_chars`` (``too_long``), a repeated id or first
+    turn, an evaluated group, an eval overlap), passes over a streamed source."""
 
-    read: int = 0
+    read: int = 0                 # prompts read (records less READER_SKIPS)
     held_out: int = 0
     passes: int = 1
     streamed: bool = False
@@ -471,7 +491,8 @@ class SourceStats:
             yield p
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"read": self.read, "drawn": dict(self.drawn),
+        records = self.read + sum(self.skipped[k] for k in READER_SKIPS)
+        out: dict[str, Any] = {"records": records, "drawn": dict(self.drawn),
                                "skipped": dict(sorted(self.skipped.items()))}
         if self.streamed:
             out.update(held_out=self.held_out, passes=self.passes)
@@ -573,13 +594,13 @@ class _Selection:
 
 def select_splits(cfg: PrepareConfig, stats: dict[str, Any] | None = None) -> dict[str, list[Prompt]]:
     """Draw every eval set, then the training mix, never reusing an id, a text or an evaluated group, and never
-    training on a conversation that overlaps an eval one. ``stats``: filled with what :func:`prepare_stats`
-    reports per source."""
+    training on a conversation that overlaps an eval one: every train prompt is checked against the finished eval
+    split's :class:`~dspark_core.data.overlap.EvalIndex` as it is drawn (the check :func:`check_no_overlap` makes,
+    without a second pass over the training split). ``stats``: filled with each source's :class:`SourceStats`."""
     if cfg.snapshot_dir is not None:
         check_snapshot_options(cfg)
     sel = _Selection(cfg)
     out = sel.run()
-    check_no_overlap(out["train"], out["eval"])
     for source, st in sel.stats.items():
         if st.skipped:
             log.info("prepare: %s skipped %s", source, ", ".join(f"{k} {v}" for k, v in sorted(st.skipped.items())))
@@ -627,22 +648,34 @@ def check_no_overlap(train: list[Prompt], evals: list[Prompt]) -> None:
 # ----------------------------------------------------------------------------------------------
 # parquet
 # ----------------------------------------------------------------------------------------------
+WRITE_ROWS = 1 << 16   # prompts converted to Arrow and written (one row group) at a time
+
+
 def write_prompts(path: str | Path, prompts: list[Prompt]) -> None:
+    """The prompts parquet (columns: the module docstring), written a row group of ``WRITE_ROWS`` at a time (so
+    the Arrow copy is one group's, not the split's), atomically."""
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    from dspark_core.io import atomic_path, write_parquet
+    from dspark_core.io import atomic_path
 
-    table = pa.table({
+    schema = _prompts_schema()
+    with atomic_path(path, ".parquet") as tmp:
+        with pq.ParquetWriter(tmp, schema, write_page_checksum=True) as writer:
+            for start in range(0, max(len(prompts), 1), WRITE_ROWS):
+                writer.write_table(_prompts_table(prompts[start:start + WRITE_ROWS], schema, pa))
+
+
+def _prompts_table(prompts: list[Prompt], schema: Any, pa: Any) -> Any:
+    return pa.table({
         "id": pa.array([p.id for p in prompts], pa.string()),
         "source": pa.array([p.source for p in prompts], pa.string()),
         "domain": pa.array([p.domain for p in prompts], pa.string()),
         "group": pa.array([p.group for p in prompts], pa.string()),
-        "turns": pa.array([list(p.turns) for p in prompts], pa.list_(pa.string())),
+        "turns": pa.array([p.turns for p in prompts], pa.list_(pa.string())),
         "system": pa.array([p.system for p in prompts], pa.string()),
-        "replies": pa.array([list(p.replies) for p in prompts], pa.list_(pa.string())),
-    })
-    with atomic_path(path, ".parquet") as tmp:
-        write_parquet(table, tmp)
+        "replies": pa.array([p.replies for p in prompts], pa.list_(pa.string())),
+    }, schema=schema)
 
 
 def domain_of_source(source: str) -> str:

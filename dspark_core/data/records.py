@@ -79,7 +79,7 @@ ACCEPTED = ("accepted records: {'turns': [user texts]}, OpenAI {'messages': [{'r
 _SKIP_HINT = "; or set prepare.on_bad_record: skip to skip and count such records"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Prompt:
     """A conversation to answer: its user turns in order, the system message it carries (None: the chat
     template's default) and the assistant turns the data set gave (``replies[i]`` answers ``turns[i]``; used
@@ -136,46 +136,85 @@ def _turns_record(rec: dict) -> tuple[str | None, tuple[str, ...], tuple[str, ..
     return system, tuple(t.strip() for t in turns), tuple(r.strip() for r in replies)
 
 
+@dataclasses.dataclass(slots=True)
+class MessageColumns:
+    """One record's messages as parallel lists (read column-wise from Arrow: no dict a message)."""
+
+    names: list[Any]            # role / from
+    contents: list[Any]         # content / value
+    tools: list[Any] | None     # tool_calls / function_call (None: the data has neither)
+
+
 def parse_messages(msgs: Any, field: str = "messages") -> tuple[str | None, tuple[str, ...], tuple[str, ...]] | str:
-    """``(system, turns, replies)`` of an OpenAI / ShareGPT message list (see the module docstring), or a skip
-    reason; raises :class:`BadRecord`."""
-    if not isinstance(msgs, list) or not msgs:
+    """``(system, turns, replies)`` of an OpenAI / ShareGPT message list (see the module docstring) or of
+    :class:`MessageColumns`, or a skip reason; raises :class:`BadRecord`."""
+    if type(msgs) is MessageColumns:
+        return _conversation(msgs.names, msgs.contents, msgs.tools, field)
+    if not isinstance(msgs, list):
         raise BadRecord(f"field {field!r} must be a non-empty list of messages, got {str(msgs)[:80]!r}")
+    try:   # the usual record: every message an object with the first one's key pair
+        if "role" in msgs[0]:
+            names = [m["role"] for m in msgs]
+            contents = [m.get("content") for m in msgs]
+            tools = [m.get("tool_calls") or m.get("function_call") for m in msgs]
+        else:
+            names = [m["from"] for m in msgs]
+            contents = [m.get("value") for m in msgs]
+            tools = None
+        if None not in names:
+            return _conversation(names, contents, tools, field)
+    except (KeyError, TypeError, IndexError, AttributeError):
+        pass
+    names, contents, tools = [], [], []    # mixed key pairs, or a message that is not an object
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise BadRecord(f"{field}[{i}] is not an object: {str(m)[:60]!r}")
+        name = m.get("role")
+        if name is None:
+            names.append(m.get("from"))
+            contents.append(m.get("value"))
+        else:
+            names.append(name)
+            contents.append(m.get("content"))
+        tools.append(m.get("tool_calls") or m.get("function_call"))
+    return _conversation(names, contents, tools, field)
+
+
+def _conversation(names: list[Any], contents: list[Any], tools: list[Any] | None,
+                  field: str) -> tuple[str | None, tuple[str, ...], tuple[str, ...]] | str:
+    """The role rules of :func:`parse_messages` over message ``i`` = (``names[i]``, ``contents[i]``,
+    ``tools[i]``: its tool calls, if any)."""
+    if not names:
+        raise BadRecord(f"field {field!r} must be a non-empty list of messages, got []")
     system = None
     turns: list[str] = []
     replies: list[str] = []
     last = None
-    for i, m in enumerate(msgs, 1):
-        if not isinstance(m, dict):
-            raise BadRecord(f"{field}[{i - 1}] is not an object: {str(m)[:60]!r}")
-        name = m.get("role")
-        content = m.get("content") if name is not None else m.get("value")
-        if name is None:
-            name = m.get("from")
+    for i, (name, content) in enumerate(zip(names, contents)):
         role = ROLES.get(name) if isinstance(name, str) else None
         if role is None:
-            raise BadRecord(f"{field}[{i - 1}] has {'no role' if name is None else f'an unknown role {name!r}'} "
+            raise BadRecord(f"{field}[{i}] has {'no role' if name is None else f'an unknown role {name!r}'} "
                             f"(roles: user / human, assistant / gpt / chatgpt / bing / bard, system; tool messages "
                             f"skip the conversation)")
-        if role == TOOL or (role == ASSISTANT and (m.get("tool_calls") or m.get("function_call"))):
+        if role == TOOL or (role == ASSISTANT and tools is not None and tools[i]):
             return "tool"
         text = content if isinstance(content, str) else _text_parts(content, field, i)
         if text is None:
             return "non_text"
         text = text.strip()
         if role == SYSTEM:
-            if i != 1:
-                raise BadRecord(f"{field}[{i - 1}] is a system message after the first message")
+            if i:
+                raise BadRecord(f"{field}[{i}] is a system message after the first message")
             system = text or None
         elif not text:
-            raise BadRecord(f"{field}[{i - 1}] ({name}) has an empty content")
+            raise BadRecord(f"{field}[{i}] ({name}) has an empty content")
         elif role == USER:
             if last == USER:
-                raise BadRecord(f"{field}[{i - 2}] and [{i - 1}] are two user turns in a row")
+                raise BadRecord(f"{field}[{i - 1}] and [{i}] are two user turns in a row")
             turns.append(text)
         else:
             if last != USER:
-                raise BadRecord(f"{field}[{i - 1}] is an assistant turn "
+                raise BadRecord(f"{field}[{i}] is an assistant turn "
                                 + ("before any user turn" if last is None or last == SYSTEM else
                                    "after another (two assistant turns in a row)"))
             replies.append(text)
@@ -189,16 +228,16 @@ def _text_parts(content: Any, field: str, i: int) -> str | None:
     """The text of a list of content parts (``{"type": "text", "text": ...}``, joined by newlines); None when a
     part is not text (an image, audio: the conversation is skipped)."""
     if not isinstance(content, list):
-        raise BadRecord(f"{field}[{i - 1}] has an empty content" if content is None else
-                        f"{field}[{i - 1}]: content must be a string or a list of text parts, got {str(content)[:60]!r}")
+        raise BadRecord(f"{field}[{i}] has an empty content" if content is None else
+                        f"{field}[{i}]: content must be a string or a list of text parts, got {str(content)[:60]!r}")
     texts = []
     for part in content:
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise BadRecord(f"{field}[{i - 1}]: a content part must be an object with a 'type', got {str(part)[:60]!r}")
+            raise BadRecord(f"{field}[{i}]: a content part must be an object with a 'type', got {str(part)[:60]!r}")
         if part["type"] != "text":
             return None
         if not isinstance(part.get("text"), str):
-            raise BadRecord(f"{field}[{i - 1}]: a text part needs a 'text' string")
+            raise BadRecord(f"{field}[{i}]: a text part needs a 'text' string")
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -374,15 +413,57 @@ def _no_records(path: Any, skipped: Counter) -> None:
 # Parquet and Hugging Face data sets (Arrow record batches)
 # ----------------------------------------------------------------------------------------------
 def arrow_rows(batches: Iterable[Any], reader: RecordReader, where: Any) -> Iterator[tuple[str, Prompt]]:
-    """``(record id, Prompt)`` of the rows of Arrow record batches (row numbers from 0; ``where(n)`` names row
-    n), converted to Python a batch at a time."""
+    """``(record id, Prompt)`` of the rows of Arrow record batches or tables (row numbers from 0; ``where(n)``
+    names row n), converted to Python a column at a time."""
     row = 0
     for batch in batches:
-        for rec in batch.to_pylist():
-            got = reader.prompt(rec, row, lambda: where(row))
-            if got is not None:
-                yield got
-            row += 1
+        for part in batch.to_batches() if hasattr(batch, "to_batches") else (batch,):
+            names = part.schema.names
+            columns = [_python_column(part.column(k)) for k in range(part.num_columns)]
+            for values in zip(*columns):
+                got = reader.prompt(dict(zip(names, values)), row, lambda: where(row))
+                if got is not None:
+                    yield got
+                row += 1
+
+
+def _python_column(arr: Any) -> list[Any]:
+    """A column as Python values; a list of message structs as :class:`MessageColumns` a row (its role / from,
+    content / value and tool-call fields converted as flat lists, not as a dict a message)."""
+    import pyarrow as pa
+
+    t = arr.type
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t)) or not pa.types.is_struct(t.value_type):
+        return arr.to_pylist()
+    fields = [t.value_type.field(k).name for k in range(t.value_type.num_fields)]
+    if not ({"role", "from"} & set(fields)):
+        return arr.to_pylist()
+    children = dict(zip(fields, arr.flatten().flatten()))   # the rows' messages; a null message: null fields
+    def child(name: str) -> list[Any] | None:
+        return children[name].to_pylist() if name in children else None
+
+    role, frm, content, value = child("role"), child("from"), child("content"), child("value")
+    if role is None or frm is None:
+        names, contents = (frm, value) if role is None else (role, content)
+    else:
+        names = [r if r is not None else f for r, f in zip(role, frm)]
+        contents = [c if r is not None else v for r, c, v in zip(role, content or [None] * len(role),
+                                                                  value or [None] * len(role))]
+    if contents is None:
+        contents = [None] * len(names)
+    calls, fcall = child("tool_calls"), child("function_call")
+    tools = calls if fcall is None else fcall if calls is None else [a or b for a, b in zip(calls, fcall)]
+    offsets = arr.offsets.to_pylist()
+    base = offsets[0]
+    valid = arr.is_valid().to_pylist() if arr.null_count else None
+    out: list[Any] = []
+    for r in range(len(arr)):
+        if valid is not None and not valid[r]:
+            out.append(None)
+            continue
+        a, b = offsets[r] - base, offsets[r + 1] - base
+        out.append(MessageColumns(names[a:b], contents[a:b], None if tools is None else tools[a:b]))
+    return out
 
 
 def _conversation_columns(names: list[str], what: str) -> list[str]:

@@ -1,0 +1,212 @@
+"""The ``prepare`` stage over a big chat source: records per second and peak memory against the source's size.
+
+Generates a synthetic source of ShareGPT ``conversations`` and OpenAI ``messages`` records (mixed in one file:
+from / value and role / content keys, system messages, 1-4 user turns with their replies, text-part contents in
+the JSONL file, ~1% tool conversations, ~0.5% repeated first turns) as JSONL and as Parquet, at several sizes
+(each a prefix of the largest), then runs the ``prepare`` stage on each in a process of its own:
+
+- ``kept``: a fixed training set (``--n-train``) drawn from the records outside a 5% holdout, ``--n-eval`` eval
+  prompts from the held-out 5% (``hf:``-style DeepSpec split): the memory should stay flat as the source grows;
+- ``all``: ``n_train: null``, every usable record outside the holdout trained on: the memory follows the records
+  kept.
+
+Each run reports its seconds (the whole stage: read, draw, leak check, Parquet written), the source records read
+per second and the process's peak RSS. The machine's load average is recorded before and after (the machine may
+be shared). Results: a table on stdout and JSON (``--out``, default ``reports/bench/prepare_cpu.json``)::
+
+    python benchmarks/bench_prepare.py                              # 250k, 500k, 1M records; JSONL and Parquet
+    python benchmarks/bench_prepare.py --sizes 20000 --formats jsonl --out /tmp/p.json   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "shi", "po", "de", "va", "qu", "ber", "ton", "gal", "fre", "sy",
+             "an", "el", "is", "or", "um", "ix", "zo", "pra", "ct", "ing", "tion", "al")
+TOOL_SHARE = 0.01
+REPEAT_SHARE = 0.005
+
+
+def _vocabulary(rng: random.Random, n: int = 20000) -> list[str]:
+    words = {"".join(rng.choice(SYLLABLES) for _ in range(rng.choice((1, 2, 2, 3, 3, 4)))) for _ in range(n)}
+    return sorted(words)
+
+
+class RecordMaker:
+    """Deterministic synthetic chat records (record i depends on the seed and i only)."""
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self.vocab = _vocabulary(random.Random(seed))
+
+    def _text(self, rng: random.Random, lo: int, hi: int) -> str:
+        words = rng.choices(self.vocab, k=rng.randint(lo, hi))
+        return " ".join(words).capitalize() + rng.choice(("?", ".", "!", " please."))
+
+    def record(self, i: int, parts: bool) -> dict:
+        rng = random.Random(f"{self.seed}:{i}")
+        n_turns = rng.choices((1, 2, 3, 4), weights=(50, 25, 15, 10))[0]
+        users = [self._text(rng, 8, 60) for _ in range(n_turns)]
+        if rng.random() < REPEAT_SHARE:   # a first turn seen before
+            users[0] = self._text(random.Random(f"{self.seed}:{i // 100}:r"), 8, 60)
+        replies = [self._text(rng, 20, 200) for _ in range(n_turns)]
+        system = self._text(rng, 5, 20) if rng.random() < 0.2 else None
+        tool = rng.random() < TOOL_SHARE
+        rec: dict = {} if rng.random() < 0.5 else {"id": f"c{i:08d}"}
+        if rng.random() < 0.55:   # ShareGPT
+            msgs = [{"from": "system", "value": system}] if system else []
+            for u, r in zip(users, replies):
+                msgs += [{"from": "human", "value": u}, {"from": "gpt", "value": r}]
+            if tool:
+                msgs.insert(2 if system else 1, {"from": "function_call", "value": "{\"name\": \"f\"}"})
+            rec["conversations"] = msgs
+        else:                     # OpenAI
+            msgs = [{"role": "system", "content": system}] if system else []
+            for u, r in zip(users, replies):
+                content = [{"type": "text", "text": u}] if parts and rng.random() < 0.2 else u
+                msgs += [{"role": "user", "content": content}, {"role": "assistant", "content": r}]
+            if tool:
+                msgs.append({"role": "tool", "content": "42"})
+            rec["messages"] = msgs
+        return rec
+
+
+def write_sources(folder: Path, sizes: list[int], formats: list[str], seed: int = 0) -> dict[tuple[str, int], Path]:
+    """The source files of every (format, size): JSONL files are prefixes of one stream, Parquet files too."""
+    import orjson
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    maker = RecordMaker(seed)
+    out: dict[tuple[str, int], Path] = {}
+    top = max(sizes)
+    handles = {n: (folder / f"chat_{n}.jsonl").open("wb") for n in sizes} if "jsonl" in formats else {}
+    writers: dict[int, pq.ParquetWriter] = {}
+    schema = pa.schema([("id", pa.string()),
+                        ("conversations", pa.list_(pa.struct([("from", pa.string()), ("value", pa.string())]))),
+                        ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))])
+    rows: list[dict] = []
+    for i in range(top):
+        if "jsonl" in formats:
+            line = orjson.dumps(maker.record(i, parts=True)) + b"\n"
+            for n, fh in handles.items():
+                if i < n:
+                    fh.write(line)
+        if "parquet" in formats:
+            rec = maker.record(i, parts=False)
+            rows.append({"id": rec.get("id"), "conversations": rec.get("conversations"),
+                         "messages": rec.get("messages")})
+            if len(rows) == 50_000 or i == top - 1:
+                table = pa.Table.from_pylist(rows, schema=schema)
+                start = i + 1 - len(rows)
+                for n in sizes:
+                    if start < n:
+                        if n not in writers:
+                            writers[n] = pq.ParquetWriter(folder / f"chat_{n}.parquet", schema)
+                        writers[n].write_table(table.slice(0, n - start))
+                rows = []
+    for fh in handles.values():
+        fh.close()
+    for w in writers.values():
+        w.close()
+    for fmt in formats:
+        for n in sizes:
+            out[(fmt, n)] = folder / f"chat_{n}.{fmt}"
+    return out
+
+
+def prepare_params(source: str, mode: str, n_train: int, n_eval: int, out_dir: Path) -> dict:
+    return {"train_mix": [[source, 1]], "eval_sources": {"chat": [source]}, "holdout": [[source, 0.05]],
+            "n_train": None if mode == "all" else n_train, "n_eval_per_domain": n_eval, "max_prompt_chars": 1500,
+            "seed": 0, "out_dir": str(out_dir)}
+
+
+def run_one(params: dict) -> dict:
+    """Run the stage in this process; return its seconds, peak RSS and stats."""
+    from dspark_core.data.prompts import PrepareConfig, run_prepare
+
+    cfg = PrepareConfig.from_dict(params)
+    stats: dict = {}
+    t0 = time.perf_counter()
+    run_prepare(cfg, stats)
+    seconds = time.perf_counter() - t0
+    src = next(iter(stats["sources"].values()))
+    return {"seconds": round(seconds, 2), "read": src["records"], "held_out": src["held_out"],
+            "train": stats["train"]["prompts"], "eval": stats["eval"]["prompts"], "skipped": src["skipped"],
+            "passes": src["passes"], "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+
+
+def _child(params: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(params)], capture_output=True, text=True,
+                          env=env, cwd=REPO)
+    if proc.returncode != 0:
+        raise SystemExit(f"prepare failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="250000,500000,1000000", help="source records, comma-separated")
+    ap.add_argument("--formats", default="jsonl,parquet", help="jsonl, parquet")
+    ap.add_argument("--modes", default="kept,all", help="kept (a fixed --n-train), all (n_train: null)")
+    ap.add_argument("--n-train", type=int, default=20000)
+    ap.add_argument("--n-eval", type=int, default=64)
+    ap.add_argument("--dir", type=Path, default=None, help="where the sources are written (default: a temp dir)")
+    ap.add_argument("--out", type=Path, default=REPO / "reports/bench/prepare_cpu.json")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child is not None:
+        print(json.dumps(run_one(json.loads(args.child))))
+        return
+    sizes = sorted(int(s) for s in args.sizes.split(","))
+    formats = args.formats.split(",")
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        tmp_path = Path(tmp)
+        t0 = time.perf_counter()
+        files = write_sources(tmp_path, sizes, formats)
+        gen_s = time.perf_counter() - t0
+        load_before = os.getloadavg()
+        rows = []
+        print(f"sources written in {gen_s:.0f} s; load average {load_before[0]:.2f}")
+        print(f"{'format':8} {'records':>9} {'mode':5} {'train':>8} {'eval':>5} {'seconds':>8} {'records/s':>10} "
+              f"{'peak RSS MiB':>12}")
+        for fmt in formats:
+            for n in sizes:
+                for mode in args.modes.split(","):
+                    source = f"{fmt}:{files[(fmt, n)]}"
+                    res = _child(prepare_params(source, mode, args.n_train, args.n_eval, tmp_path / "out"))
+                    row = {"format": fmt, "source_records": n, "source_mib": round(files[(fmt, n)].stat().st_size
+                                                                                 / 2**20, 1),
+                           "mode": mode, **res, "records_per_s": round(res["read"] / res["seconds"])}
+                    rows.append(row)
+                    print(f"{fmt:8} {n:>9} {mode:5} {res['train']:>8} {res['eval']:>5} {res['seconds']:>8.1f} "
+                          f"{row['records_per_s']:>10} {res['peak_rss_mib']:>12.0f}", flush=True)
+        load_after = os.getloadavg()
+    report = {"command": "python " + " ".join([Path(sys.argv[0]).relative_to(REPO).as_posix()
+                                                if Path(sys.argv[0]).is_absolute() else sys.argv[0],
+                                                *sys.argv[1:]]),
+              "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+                          "load_average_before": [round(x, 2) for x in load_before],
+                          "load_average_after": [round(x, 2) for x in load_after]},
+              "n_train": args.n_train, "n_eval": args.n_eval, "holdout": 0.05, "generate_seconds": round(gen_s, 1),
+              "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
