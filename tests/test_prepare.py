@@ -625,6 +625,12 @@ def test_parquet_message_columns_with_tool_calls_and_text_parts(tmp_path):
     skipped = Counter()
     got = list(source_info(f"parquet:{f}").read(ReadOptions(), skipped))
     assert [(p.id, p.turns, p.replies) for p in got] == [("t:1", ("Hi",), ("Hello",))] and skipped == {"tool": 1}
+    as_text = [{"messages": [{"role": "user", "content": "Hi"}], "tools": "[]"},     # tool definitions as JSON text
+               {"messages": [{"role": "user", "content": "Hi"}], "tools": '[{"type": "function"}]'}]
+    skipped = Counter()
+    f = _parquet(tmp_path / "d.parquet", as_text)
+    assert [p.id for p in source_info(f"parquet:{f}").read(ReadOptions(), skipped)] == ["d:0"]
+    assert skipped == {"tool": 1}
     parts = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}]
     f = _parquet(tmp_path / "p.parquet", parts)
     assert [p.turns for p in source_info(f"parquet:{f}").read(ReadOptions(), Counter())] == [("a\nb",)]

@@ -114,7 +114,7 @@ def parse_record(rec: Any) -> tuple[str | None, tuple[str, ...], tuple[str, ...]
     field = present[0]
     if field == "turns":
         return _turns_record(rec)
-    if rec.get("tools"):   # tool definitions: the replies may call them
+    if has_tools(rec.get("tools")):   # tool definitions: the replies may call them
         return "tool"
     return parse_messages(rec[field], field)
 
@@ -196,7 +196,7 @@ def _conversation(names: list[Any], contents: list[Any], tools: list[Any] | None
             raise BadRecord(f"{field}[{i}] has {'no role' if name is None else f'an unknown role {name!r}'} "
                             f"(roles: user / human, assistant / gpt / chatgpt / bing / bard, system; tool messages "
                             f"skip the conversation)")
-        if role == TOOL or (role == ASSISTANT and tools is not None and tools[i]):
+        if role == TOOL or (role == ASSISTANT and tools is not None and has_tools(tools[i])):
             return "tool"
         text = content if isinstance(content, str) else _text_parts(content, field, i)
         if text is None:
@@ -222,6 +222,14 @@ def _conversation(names: list[Any], contents: list[Any], tools: list[Any] | None
     if not turns:
         raise BadRecord(f"field {field!r} holds no user turn")
     return system, tuple(turns), tuple(replies)
+
+
+def has_tools(value: Any) -> bool:
+    """Whether a ``tools`` / ``tool_calls`` / ``function_call`` value holds anything (a Parquet column may keep them
+    as JSON text: ``"[]"`` holds nothing)."""
+    if isinstance(value, str):
+        return value.strip() not in ("", "[]", "{}", "null")
+    return bool(value)
 
 
 def _text_parts(content: Any, field: str, i: int) -> str | None:
