@@ -936,3 +936,20 @@ def test_ascii_normalisation_takes_the_fast_path_with_the_same_result():
         slow = " ".join(re.sub(r"[\W_]+", " ", unicodedata.normalize("NFKC", s).casefold()).split())
         assert normalize_text(s) == slow, repr(s)
     assert normalize_text("Ｃafé — NAÏVE_x") == "cafe naive x".replace("cafe", "café").replace("naive", "naïve")
+
+
+def test_a_registry_source_takes_a_holdout_too(tmp_path):
+    from dspark_core.data.sources import write_snapshot
+
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    (snap / "split.json").write_text(json.dumps({"read_options": {}}))
+    write_snapshot(snap / "codeio.jsonl", [Prompt(f"codeio:{i}", "codeio", (f"task {i}",), "code") for i in range(60)])
+    cfg = _cfg(tmp_path, snapshot_dir=str(snap), train_mix={"codeio": 1}, eval_sources={"code": ["codeio"]},
+               holdout={"codeio": 0.3}, n_train=None, n_eval_per_domain=5)
+    stats: dict = {}
+    splits = select_splits(cfg, stats)
+    held = {f"codeio:{i}" for i in range(60) if is_held_out(str(i), 0.3)}
+    assert {p.id for p in splits["train"]} == {f"codeio:{i}" for i in range(60)} - held
+    assert {p.id for p in splits["eval"]} <= held and len(splits["eval"]) == 5
+    assert stats["codeio"]["held_out"] == len(held) and stats["codeio"]["records"] == 60

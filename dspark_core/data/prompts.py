@@ -416,6 +416,13 @@ class StreamedSource:
             self.sides = {s: self._drain(s, got[s], limits[s]) for s in self.need}
         return self.sides[name]
 
+    def _records(self, skipped: Counter) -> Iterator[tuple[str, Prompt]]:
+        """``(record id, Prompt)``: a file's own records; a registry source's prompts with their ids less the
+        ``source:`` prefix."""
+        if self.info.records is not None:
+            return self.info.records(self.cfg.read_options, skipped)
+        return ((p.id.split(":", 1)[1], p) for p in _source_prompts(self.info, self.cfg, skipped))
+
     def _side_of(self, rid: str) -> str:
         if self.threshold == 0:
             return "all"
@@ -428,7 +435,7 @@ class StreamedSource:
         seed, max_chars = self.cfg.seed, self.cfg.max_prompt_chars
         held = 0
         seq = -1
-        for seq, (rid, p) in enumerate(self.info.records(self.cfg.read_options, skipped)):
+        for seq, (rid, p) in enumerate(self._records(skipped)):
             side = self._side_of(rid)
             if side == "eval":
                 held += 1
