@@ -10,8 +10,12 @@ the JSONL file, ~1% tool conversations, ~0.5% repeated first turns) as JSONL and
 - ``all``: ``n_train: null``, every usable record outside the holdout trained on: the memory follows the records
   kept.
 
+``--formats hf`` reads the Parquet file as a local data set folder in the hub's layout (``hf:<folder>``, through
+``datasets.load_dataset(..., streaming=True)``), the path a hub data set such as PerfectBlend takes.
+
 Each run reports its seconds (the whole stage: read, draw, leak check, Parquet written), the source records read
-per second and the process's peak RSS. The machine's load average is recorded before and after (the machine may
+per second (of wall time, and of the process's CPU time, which a shared machine disturbs less) and the
+process's peak RSS. The machine's load average is recorded before and after (the machine may
 be shared). Results: a table on stdout and JSON (``--out``, default ``reports/bench/prepare_cpu.json``)::
 
     python benchmarks/bench_prepare.py                              # 250k, 500k, 1M records; JSONL and Parquet
@@ -104,7 +108,7 @@ def write_sources(folder: Path, sizes: list[int], formats: list[str], seed: int 
             for n, fh in handles.items():
                 if i < n:
                     fh.write(line)
-        if "parquet" in formats:
+        if "parquet" in formats or "hf" in formats:
             rec = maker.record(i, parts=False)
             rows.append({"id": rec.get("id"), "conversations": rec.get("conversations"),
                          "messages": rec.get("messages")})
@@ -124,6 +128,10 @@ def write_sources(folder: Path, sizes: list[int], formats: list[str], seed: int 
     for fmt in formats:
         for n in sizes:
             out[(fmt, n)] = folder / f"chat_{n}.{fmt}"
+            if fmt == "hf":   # the Parquet file as a local data set folder in the hub's layout
+                (folder / f"hf_{n}" / "data").mkdir(parents=True)
+                (folder / f"hf_{n}" / "data" / "train-00000-of-00001.parquet").symlink_to(folder / f"chat_{n}.parquet")
+                out[(fmt, n)] = folder / f"hf_{n}"
     return out
 
 
@@ -139,17 +147,21 @@ def run_one(params: dict) -> dict:
 
     cfg = PrepareConfig.from_dict(params)
     stats: dict = {}
+    before = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     run_prepare(cfg, stats)
     seconds = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     src = next(iter(stats["sources"].values()))
-    return {"seconds": round(seconds, 2), "read": src["records"], "held_out": src["held_out"],
-            "train": stats["train"]["prompts"], "eval": stats["eval"]["prompts"], "skipped": src["skipped"],
-            "passes": src["passes"], "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    return {"seconds": round(seconds, 2), "cpu_seconds": round(cpu, 2), "read": src["records"],
+            "held_out": src["held_out"], "train": stats["train"]["prompts"], "eval": stats["eval"]["prompts"],
+            "skipped": src["skipped"], "passes": src["passes"], "peak_rss_mib": round(after.ru_maxrss / 1024, 1)}
 
 
-def _child(params: dict) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+def _child(params: dict, tmp: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(tmp / "hf_datasets_cache")}
     proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(params)], capture_output=True, text=True,
                           env=env, cwd=REPO)
     if proc.returncode != 0:
@@ -160,7 +172,8 @@ def _child(params: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="250000,500000,1000000", help="source records, comma-separated")
-    ap.add_argument("--formats", default="jsonl,parquet", help="jsonl, parquet")
+    ap.add_argument("--formats", default="jsonl,parquet", help="jsonl, parquet, hf (the Parquet file as a local "
+                                                                "data set folder read through datasets)")
     ap.add_argument("--modes", default="kept,all", help="kept (a fixed --n-train), all (n_train: null)")
     ap.add_argument("--n-train", type=int, default=20000)
     ap.add_argument("--n-eval", type=int, default=64)
@@ -182,18 +195,20 @@ def main() -> None:
         rows = []
         print(f"sources written in {gen_s:.0f} s; load average {load_before[0]:.2f}")
         print(f"{'format':8} {'records':>9} {'mode':5} {'train':>8} {'eval':>5} {'seconds':>8} {'records/s':>10} "
-              f"{'peak RSS MiB':>12}")
+              f"{'records/cpu-s':>13} {'peak RSS MiB':>12}")
         for fmt in formats:
             for n in sizes:
                 for mode in args.modes.split(","):
                     source = f"{fmt}:{files[(fmt, n)]}"
-                    res = _child(prepare_params(source, mode, args.n_train, args.n_eval, tmp_path / "out"))
-                    row = {"format": fmt, "source_records": n, "source_mib": round(files[(fmt, n)].stat().st_size
-                                                                                 / 2**20, 1),
-                           "mode": mode, **res, "records_per_s": round(res["read"] / res["seconds"])}
+                    res = _child(prepare_params(source, mode, args.n_train, args.n_eval, tmp_path / "out"), tmp_path)
+                    size = tmp_path / f"chat_{n}.{'parquet' if fmt == 'hf' else fmt}"
+                    row = {"format": fmt, "source_records": n, "source_mib": round(size.stat().st_size / 2**20, 1),
+                           "mode": mode, **res, "records_per_s": round(res["read"] / res["seconds"]),
+                           "records_per_cpu_s": round(res["read"] / res["cpu_seconds"])}
                     rows.append(row)
                     print(f"{fmt:8} {n:>9} {mode:5} {res['train']:>8} {res['eval']:>5} {res['seconds']:>8.1f} "
-                          f"{row['records_per_s']:>10} {res['peak_rss_mib']:>12.0f}", flush=True)
+                          f"{row['records_per_s']:>10} {row['records_per_cpu_s']:>13} {res['peak_rss_mib']:>12.0f}",
+                          flush=True)
         load_after = os.getloadavg()
     report = {"command": "python " + " ".join([Path(sys.argv[0]).relative_to(REPO).as_posix()
                                                 if Path(sys.argv[0]).is_absolute() else sys.argv[0],

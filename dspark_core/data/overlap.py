@@ -117,19 +117,18 @@ class EvalIndex:
             for i, norm in enumerate(norms):
                 if len(norm) >= MIN_CONTAINED_CHARS and norm not in self.norm:
                     ws = norm.split(" ")
-                    words = set(ws)
-                    found = self._inside_eval(norm, ws, words, i) or self._eval_inside(norm, words, i)
+                    found = self._inside_eval(norm, ws, i) or self._eval_inside(norm, ws, i)
                     if found is not None:
                         return found
         return None
 
-    def _inside_eval(self, norm: str, ws: list[str], words: set[str], i: int) -> Overlap | None:
-        """A long train turn (``ws``: its words, ``words``: as a set) inside a long eval turn."""
+    def _inside_eval(self, norm: str, ws: list[str], i: int) -> Overlap | None:
+        """A long train turn (``ws``: its words) inside a long eval turn."""
         if len(ws) >= 3:
-            missing = words - self.vocab            # only its first and last word may be missing (cut words)
-            if len(missing) > 2 or (missing and any(w in missing for w in ws[1:-1])):
+            inner = ws[1:-1]                        # whole words of the eval turn (the first and last may be cut)
+            if not self.vocab.issuperset(inner):    # stops at the first word no eval turn holds
                 return None
-            rarest = min(ws[1:-1], key=lambda w: len(self.containing[w]))
+            rarest = min(inner, key=lambda w: len(self.containing[w]))
             candidates: Iterable[int] = self.containing[rarest]
         elif norm in self.blob:
             candidates = range(len(self.long))
@@ -141,11 +140,11 @@ class EvalIndex:
                 return Overlap(e, i, j, "the train text is inside the eval text")
         return None
 
-    def _eval_inside(self, norm: str, words: set[str], i: int) -> Overlap | None:
-        """A long eval turn inside a long train turn (``words``: the train turn's words)."""
+    def _eval_inside(self, norm: str, ws: list[str], i: int) -> Overlap | None:
+        """A long eval turn inside a long train turn (``ws``: the train turn's words)."""
         candidates: list[int] = []
-        if not self.anchor_words.isdisjoint(words):
-            candidates = sorted({k for w in self.anchor_words & words for k in self.anchored[w]})
+        if not self.anchor_words.isdisjoint(ws):
+            candidates = sorted({k for w in set(ws) & self.anchor_words for k in self.anchored[w]})
         for k in (*candidates, *self.loose) if self.loose else candidates:
             text, e, j = self.long[k]
             if text in norm:
