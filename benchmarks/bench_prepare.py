@@ -135,6 +135,20 @@ def write_sources(folder: Path, sizes: list[int], formats: list[str], seed: int 
     return out
 
 
+def kept_sources(folder: Path, sizes: list[int], formats: list[str]) -> dict[tuple[str, int], Path]:
+    """:func:`write_sources` into ``folder``, unless it holds them already (its ``sources.json`` says so)."""
+    want = {"sizes": sizes, "formats": formats, "seed": 0}
+    marker = folder / "sources.json"
+    if marker.is_file() and json.loads(marker.read_text()) == want:
+        return {(f, n): folder / (f"hf_{n}" if f == "hf" else f"chat_{n}.{f}") for f in formats for n in sizes}
+    if folder.exists() and any(folder.iterdir()):
+        raise SystemExit(f"{folder}: not empty and not a source folder of these sizes and formats")
+    folder.mkdir(parents=True, exist_ok=True)
+    files = write_sources(folder, sizes, formats)
+    marker.write_text(json.dumps(want))
+    return files
+
+
 def prepare_params(source: str, mode: str, n_train: int, n_eval: int, out_dir: Path) -> dict:
     return {"train_mix": [[source, 1]], "eval_sources": {"chat": [source]}, "holdout": [[source, 0.05]],
             "n_train": None if mode == "all" else n_train, "n_eval_per_domain": n_eval, "max_prompt_chars": 1500,
@@ -177,7 +191,9 @@ def main() -> None:
     ap.add_argument("--modes", default="kept,all", help="kept (a fixed --n-train), all (n_train: null)")
     ap.add_argument("--n-train", type=int, default=20000)
     ap.add_argument("--n-eval", type=int, default=64)
-    ap.add_argument("--dir", type=Path, default=None, help="where the sources are written (default: a temp dir)")
+    ap.add_argument("--sources", type=Path, default=None,
+                    help="a folder to write the sources to and keep (reused when it holds these sizes and formats; "
+                         "default: a temp dir, removed)")
     ap.add_argument("--out", type=Path, default=REPO / "reports/bench/prepare_cpu.json")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -186,10 +202,11 @@ def main() -> None:
         return
     sizes = sorted(int(s) for s in args.sizes.split(","))
     formats = args.formats.split(",")
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
+        src_dir = args.sources or tmp_path / "sources"
         t0 = time.perf_counter()
-        files = write_sources(tmp_path, sizes, formats)
+        files = kept_sources(src_dir, sizes, formats)
         gen_s = time.perf_counter() - t0
         load_before = os.getloadavg()
         rows = []
@@ -201,7 +218,7 @@ def main() -> None:
                 for mode in args.modes.split(","):
                     source = f"{fmt}:{files[(fmt, n)]}"
                     res = _child(prepare_params(source, mode, args.n_train, args.n_eval, tmp_path / "out"), tmp_path)
-                    size = tmp_path / f"chat_{n}.{'parquet' if fmt == 'hf' else fmt}"
+                    size = src_dir / f"chat_{n}.{'parquet' if fmt == 'hf' else fmt}"
                     row = {"format": fmt, "source_records": n, "source_mib": round(size.stat().st_size / 2**20, 1),
                            "mode": mode, **res, "records_per_s": round(res["read"] / res["seconds"]),
                            "records_per_cpu_s": round(res["read"] / res["cpu_seconds"])}
