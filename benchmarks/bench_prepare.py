@@ -49,25 +49,33 @@ def _vocabulary(rng: random.Random, n: int = 20000) -> list[str]:
 
 
 class RecordMaker:
-    """Deterministic synthetic chat records (record i depends on the seed and i only)."""
+    """Synthetic chat records, made in order from one seeded stream (so every size is a prefix of the largest).
+    A text is a few fragments of a fixed pool (3-30 random words each): unique in practice, made fast."""
 
-    def __init__(self, seed: int = 0):
-        self.seed = seed
-        self.vocab = _vocabulary(random.Random(seed))
+    def __init__(self, seed: int = 0, fragments: int = 100_000):
+        rng = random.Random(seed)
+        vocab = _vocabulary(rng)
+        self.fragments = [" ".join(rng.choices(vocab, k=rng.randint(3, 30))) for _ in range(fragments)]
+        self.rng = random.Random(seed + 1)
+        self.recent: list[str] = []     # earlier first turns, to repeat a few
 
-    def _text(self, rng: random.Random, lo: int, hi: int) -> str:
-        words = rng.choices(self.vocab, k=rng.randint(lo, hi))
-        return " ".join(words).capitalize() + rng.choice(("?", ".", "!", " please."))
+    def _text(self, parts: int) -> str:
+        rng = self.rng
+        return " ".join(rng.choices(self.fragments, k=parts)).capitalize() + rng.choice(("?", ".", "!", " please."))
 
-    def record(self, i: int, parts: bool) -> dict:
-        rng = random.Random(f"{self.seed}:{i}")
+    def record(self, i: int) -> dict:
+        """Record ``i`` (the next one): ShareGPT or OpenAI, 1-4 user turns and their replies."""
+        rng = self.rng
         n_turns = rng.choices((1, 2, 3, 4), weights=(50, 25, 15, 10))[0]
-        users = [self._text(rng, 8, 60) for _ in range(n_turns)]
-        if rng.random() < REPEAT_SHARE:   # a first turn seen before
-            users[0] = self._text(random.Random(f"{self.seed}:{i // 100}:r"), 8, 60)
-        replies = [self._text(rng, 20, 200) for _ in range(n_turns)]
-        system = self._text(rng, 5, 20) if rng.random() < 0.2 else None
+        users = [self._text(2) for _ in range(n_turns)]
+        if self.recent and rng.random() < REPEAT_SHARE:   # a first turn seen before
+            users[0] = rng.choice(self.recent)
+        elif len(self.recent) < 1000:
+            self.recent.append(users[0])
+        replies = [self._text(rng.randint(2, 9)) for _ in range(n_turns)]
+        system = self._text(1) if rng.random() < 0.2 else None
         tool = rng.random() < TOOL_SHARE
+        parts = rng.random() < 0.2
         rec: dict = {} if rng.random() < 0.5 else {"id": f"c{i:08d}"}
         if rng.random() < 0.55:   # ShareGPT
             msgs = [{"from": "system", "value": system}] if system else []
@@ -76,19 +84,27 @@ class RecordMaker:
             if tool:
                 msgs.insert(2 if system else 1, {"from": "function_call", "value": "{\"name\": \"f\"}"})
             rec["conversations"] = msgs
-        else:                     # OpenAI
+        else:                     # OpenAI (text parts: JSONL only, a Parquet column holds one content type)
             msgs = [{"role": "system", "content": system}] if system else []
             for u, r in zip(users, replies):
-                content = [{"type": "text", "text": u}] if parts and rng.random() < 0.2 else u
-                msgs += [{"role": "user", "content": content}, {"role": "assistant", "content": r}]
+                msgs += [{"role": "user", "content": [{"type": "text", "text": u}] if parts else u},
+                         {"role": "assistant", "content": r}]
             if tool:
                 msgs.append({"role": "tool", "content": "42"})
             rec["messages"] = msgs
         return rec
 
 
+def _flat_content(msgs: list[dict] | None) -> list[dict] | None:
+    if msgs is None:
+        return None
+    return [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
+             else "\n".join(p["text"] for p in m["content"])} for m in msgs]
+
+
 def write_sources(folder: Path, sizes: list[int], formats: list[str], seed: int = 0) -> dict[tuple[str, int], Path]:
-    """The source files of every (format, size): JSONL files are prefixes of one stream, Parquet files too."""
+    """The source files of every (format, size): each a prefix of one stream of records (Parquet: row groups of
+    50,000 rows; its OpenAI contents as plain strings)."""
     import orjson
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -103,15 +119,15 @@ def write_sources(folder: Path, sizes: list[int], formats: list[str], seed: int 
                         ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))])
     rows: list[dict] = []
     for i in range(top):
+        rec = maker.record(i)
         if "jsonl" in formats:
-            line = orjson.dumps(maker.record(i, parts=True)) + b"\n"
+            line = orjson.dumps(rec) + b"\n"
             for n, fh in handles.items():
                 if i < n:
                     fh.write(line)
         if "parquet" in formats or "hf" in formats:
-            rec = maker.record(i, parts=False)
             rows.append({"id": rec.get("id"), "conversations": rec.get("conversations"),
-                         "messages": rec.get("messages")})
+                         "messages": _flat_content(rec.get("messages"))})
             if len(rows) == 50_000 or i == top - 1:
                 table = pa.Table.from_pylist(rows, schema=schema)
                 start = i + 1 - len(rows)

@@ -338,13 +338,6 @@ def raw_lines(path: Path) -> Iterator[tuple[int, bytes]]:
                         f"({e})") from None
 
 
-def lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, line) of a text file (see :func:`raw_lines`); a line that is not UTF-8 is refused by its
-    number and byte offset (no prompt is silently dropped)."""
-    for lineno, raw in raw_lines(path):
-        yield lineno, utf8_line(raw, path, lineno)
-
-
 def json_line(raw: bytes, path: Path, lineno: int) -> Any:
     """The JSON value of one line; not UTF-8 or not JSON: a :class:`UserError` naming the place."""
     if orjson is not None:
