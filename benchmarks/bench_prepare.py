@@ -152,11 +152,14 @@ def write_sources(folder: Path, sizes: list[int], formats: list[str], seed: int 
 
 
 def kept_sources(folder: Path, sizes: list[int], formats: list[str]) -> dict[tuple[str, int], Path]:
-    """:func:`write_sources` into ``folder``, unless it holds them already (its ``sources.json`` says so)."""
+    """:func:`write_sources` into ``folder``, unless it holds them already (its ``sources.json`` names these sizes
+    and formats, or more)."""
     want = {"sizes": sizes, "formats": formats, "seed": 0}
     marker = folder / "sources.json"
-    if marker.is_file() and json.loads(marker.read_text()) == want:
-        return {(f, n): folder / (f"hf_{n}" if f == "hf" else f"chat_{n}.{f}") for f in formats for n in sizes}
+    if marker.is_file():
+        have = json.loads(marker.read_text())
+        if have["seed"] == 0 and set(sizes) <= set(have["sizes"]) and set(formats) <= set(have["formats"]):
+            return {(f, n): folder / (f"hf_{n}" if f == "hf" else f"chat_{n}.{f}") for f in formats for n in sizes}
     if folder.exists() and any(folder.iterdir()):
         raise SystemExit(f"{folder}: not empty and not a source folder of these sizes and formats")
     folder.mkdir(parents=True, exist_ok=True)

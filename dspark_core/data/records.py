@@ -489,8 +489,10 @@ def parquet_records(spec: str | Path, source: str, on_bad_record: str = "error",
         pf = pq.ParquetFile(path, page_checksum_verification=True)
         columns = _conversation_columns(pf.schema_arrow.names, str(path))
         reader = RecordReader(source, file_stem(path), on_bad_record, skipped)
-        yield from arrow_rows(pf.iter_batches(batch_size=BATCH_ROWS, columns=columns), reader,
-                              lambda n: f"{path} row {n}")
+        # a reader a row group: one reader over the whole file keeps the list columns' buffers to its end
+        batches = (b for g in range(pf.num_row_groups)
+                   for b in pf.iter_batches(batch_size=BATCH_ROWS, columns=columns, row_groups=[g]))
+        yield from arrow_rows(batches, reader, lambda n: f"{path} row {n}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -553,6 +555,8 @@ def hf_records(name: HfName, source: str, on_bad_record: str = "error",
                skipped: Counter | None = None) -> Iterator[tuple[str, Prompt]]:
     """``(record id, Prompt)`` of a Hugging Face data set, streamed as Arrow batches of the record columns."""
     ds = load_hf(name, source)
+    if hasattr(ds, "reshard"):   # a Parquet shard a row group: a file's read buffers are held to its shard's end
+        ds = ds.reshard()
     names = list(ds.column_names or [])
     columns = _conversation_columns(names, f"{source} ({name.label})") if names else None
     if columns is not None and len(columns) < len(names):
