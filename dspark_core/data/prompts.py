@@ -47,7 +47,9 @@ written.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import hashlib
 import heapq
 import logging
@@ -728,12 +730,27 @@ def split_summary(prompts: list[Prompt]) -> dict[str, Any]:
             "by_domain": dict(sorted(Counter(f"{p.domain}/{p.source}" for p in prompts).items()))}
 
 
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """The draw makes millions of objects that hold no reference cycle (records, prompts, their texts); the cyclic
+    collector's passes over the kept ones find nothing and cost ~10% of the stage at 250k records. Reference
+    counting frees everything as usual meanwhile."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def run_prepare(cfg: PrepareConfig, stats: dict[str, Any] | None = None) -> dict[str, int]:
     """The ``prepare`` stage: write ``{out_dir}/{train,eval}.parquet`` and the stats (``stats_path``, and into
     ``stats`` when given); return the split sizes."""
     t0 = time.perf_counter()
     per_source: dict[str, Any] = {}
-    splits = select_splits(cfg, per_source)
+    with _cyclic_gc_paused():
+        splits = select_splits(cfg, per_source)
     for split in SPLITS:
         write_prompts(Path(cfg.out_dir) / f"{split}.parquet", splits[split])
         by = Counter(f"{p.domain}/{p.source}" for p in splits[split])
