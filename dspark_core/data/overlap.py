@@ -97,9 +97,10 @@ class EvalIndex:
         self.anchor_words = set(self.anchored)
 
     # -- checks -------------------------------------------------------------------------------------
-    def overlap(self, p: Prompt, norms: Sequence[str] | None = None) -> Overlap | None:
-        """The first overlap of train prompt ``p`` with an eval prompt, or None. ``norms``: its turns normalised
-        (computed when not given)."""
+    def overlap(self, p: Prompt, norms: Sequence[str] | None = None,
+                words: Sequence[list[str]] | None = None) -> Overlap | None:
+        """The first overlap of train prompt ``p`` with an eval prompt, or None. ``norms``: its turns normalised,
+        ``words``: their words (both computed when not given)."""
         if p.id in self.by_id:
             return Overlap(self.by_id[p.id], None, None, "same id")
         if p.group is not None and p.group in self.groups:
@@ -116,7 +117,7 @@ class EvalIndex:
         if self.long:
             for i, norm in enumerate(norms):
                 if len(norm) >= MIN_CONTAINED_CHARS and norm not in self.norm:
-                    ws = norm.split(" ")
+                    ws = norm.split(" ") if words is None else words[i]
                     found = self._inside_eval(norm, ws, i) or self._eval_inside(norm, ws, i)
                     if found is not None:
                         return found

@@ -68,7 +68,8 @@ from dspark_core.data.sources import (DOMAINS, GSM_DIR, GSM_PACKAGE, JSONL_PREFI
                                       ReadOptions, SourceInfo, _load_toml, check_source_name, iter_aime2025,
                                       iter_codeio, iter_gsm8k_symbolic, iter_gsm8k_test, iter_gsm_symbolic_variants,
                                       iter_humaneval, iter_json_array, iter_jsonl, iter_project_euler, iter_sharegpt,
-                                      iter_snapshot, normalize_text, snapshot_options, source_info)
+                                      iter_snapshot, normalize_text, normalized_words, snapshot_options,
+                                      source_info)
 from dspark_core.errors import UserError
 from dspark_core.io import package_dir  # noqa: F401  (re-exported: dspark_core.dmtd.stage)
 
@@ -387,10 +388,10 @@ class _Lowest:
         """``(key, seq, prompt)`` in decreasing order (pop from the end: the lowest first), handed over."""
         h, self.entries = self.entries, []
         if self.limit is None:
-            h.sort(key=lambda e: (e[0], e[1]), reverse=True)
+            h.sort(reverse=True)       # (key, seq) decide: seq is unique, a prompt is never compared
             return h
         out = [(-k, -s, p) for k, s, p in h]
-        out.sort(key=lambda e: (e[0], e[1]), reverse=True)
+        out.sort(reverse=True)
         return out
 
     @property
@@ -548,19 +549,22 @@ class _Selection:
                                                   {s: k for s, k in sides.items() if k != 0}, self.stats[source])
         return self.streams[source].side(split if self.holdouts.get(source, 0.0) > 0 else "all")
 
-    def skip_reason(self, p: Prompt, split: str) -> tuple[str | None, list[str]]:
-        """Why ``p`` cannot be drawn (None: it can), and its turns normalised as far as they were."""
+    def skip_reason(self, p: Prompt, split: str) -> tuple[str | None, str]:
+        """Why ``p`` cannot be drawn (None: it can), and its first turn normalised."""
         if p.id in self.used_ids:
-            return "repeated_id", []
-        first = normalize_text(p.turns[0])
+            return "repeated_id", ""
+        words = normalized_words(p.turns[0])
+        first = " ".join(words)
         if first in self.used_texts:
-            return "repeated_text", [first]
+            return "repeated_text", first
         if p.group is not None and p.group in self.eval_groups:
-            return "evaluated_group", [first]
-        norms = [first, *(normalize_text(t) for t in p.turns[1:])]
-        if split == "train" and self.index is not None and self.index.overlap(p, norms) is not None:
-            return "eval_overlap", norms
-        return None, norms
+            return "evaluated_group", first
+        if split == "train" and self.index is not None:
+            turn_words = [words, *(normalized_words(t) for t in p.turns[1:])]
+            norms = [first, *(" ".join(ws) for ws in turn_words[1:])]
+            if self.index.overlap(p, norms, turn_words) is not None:
+                return "eval_overlap", first
+        return None, first
 
     def draw(self, source: str, k: int | None, split: str, domain: str | None) -> None:
         """``k`` prompts (None: every usable one) of ``source`` into ``split``."""
@@ -573,14 +577,14 @@ class _Selection:
                 if k is None:
                     break
                 raise UserError(_too_few(source, split, self.need[source], self.cfg, self.holdouts.get(source)))
-            why, norms = self.skip_reason(p, split)
+            why, first = self.skip_reason(p, split)
             if why is not None:
                 stats.skipped[why] += 1
                 continue
             if domain is not None and p.domain != domain:
                 p = dataclasses.replace(p, domain=domain)
             self.used_ids.add(p.id)
-            self.used_texts.add(norms[0])
+            self.used_texts.add(first)
             if split == "eval" and p.group is not None:
                 self.eval_groups.add(p.group)
             self.out[split].append(p)

@@ -125,10 +125,14 @@ def normalize_text(text: str) -> str:
     """Case-, accent-width- and punctuation-insensitive form used by the overlap check: NFKC, casefolded, every
     run of non-word characters (and ``_``) one space, no space at either end. An ASCII text takes a byte table
     instead (the same result: NFKC and casefolding leave ASCII as lower-cased ASCII)."""
+    return " ".join(normalized_words(text))
+
+
+def normalized_words(text: str) -> list[str]:
+    """The words of :func:`normalize_text` (``normalize_text(t) == " ".join(normalized_words(t))``)."""
     if text.isascii():
-        return " ".join(text.encode("ascii").translate(_ASCII_NORM).decode("ascii").split())
-    text = unicodedata.normalize("NFKC", text).casefold()
-    return " ".join(re.sub(r"[\W_]+", " ", text).split())
+        return text.encode("ascii").translate(_ASCII_NORM).decode("ascii").split()
+    return re.sub(r"[\W_]+", " ", unicodedata.normalize("NFKC", text).casefold()).split()
 
 
 # ----------------------------------------------------------------------------------------------
