@@ -1,22 +1,20 @@
-"""DVC stage `prepare`: collect prompts into a weighted training mix and per-domain held-out eval sets (disjoint,
-checked), written as train / eval parquet files."""
+"""DVC stage `prepare`: collect conversations into a weighted training mix and per-domain held-out eval sets
+(disjoint, checked), written as train / eval parquet files, with their stats."""
 import json
-from collections import Counter
 from pathlib import Path
 
 import typer
 
-from dspark_core.data.prompts import PrepareConfig, read_prompts, run_prepare
+from dspark_core.data.prompts import PrepareConfig, run_prepare
 from dspark_core.errors import run_stage
 
 
 def main(params: Path = typer.Option(Path("params.yaml"), help="params file")) -> None:
     cfg = PrepareConfig.load(params, "prepare")
-    sizes = run_prepare(cfg)
-    by_domain = {split: dict(sorted(Counter(f"{p.domain}/{p.source}" for p in
-                                            read_prompts(Path(cfg.out_dir) / f"{split}.parquet")).items()))
-                 for split in sizes}
-    typer.echo(json.dumps({**sizes, "by_domain": by_domain}, indent=1))
+    stats: dict = {}
+    sizes = run_prepare(cfg, stats)
+    by_domain = {split: stats[split]["by_domain"] for split in sizes}
+    typer.echo(json.dumps({**sizes, "by_domain": by_domain, "sources": stats["sources"]}, indent=1))
 
 
 if __name__ == "__main__":

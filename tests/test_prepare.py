@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -13,10 +17,11 @@ import pytest
 
 from dspark_core.config import ParamsError
 from dspark_core.data.prompts import (DOMAINS, PrepareConfig, Prompt, allocate, check_no_overlap, find_overlaps,
-                                      iter_gsm8k_symbolic, iter_json_array, iter_jsonl, iter_sharegpt, read_prompts,
-                                      run_prepare, select_splits, split_evenly, write_prompts)
-from dspark_core.data.sources import (REGISTRY, iter_aime2025, iter_codeio, iter_gsm8k_test,
-                                      iter_gsm_symbolic_variants, iter_humaneval, iter_project_euler, normalize_text)
+                                      is_held_out, iter_gsm8k_symbolic, iter_json_array, iter_jsonl, iter_sharegpt,
+                                      read_prompts, run_prepare, select_splits, split_evenly, write_prompts)
+from dspark_core.data.sources import (REGISTRY, ReadOptions, iter_aime2025, iter_codeio, iter_gsm8k_test,
+                                      iter_gsm_symbolic_variants, iter_humaneval, iter_project_euler, normalize_text,
+                                      source_info)
 
 
 def _jsonl(path: Path, texts: list[str], **extra) -> Path:
@@ -349,7 +354,8 @@ def test_jsonl_errors_name_file_line_and_field(tmp_path):
         list(iter_jsonl(bad))
     no_turns = tmp_path / "nt.jsonl"
     no_turns.write_text('{"text": "hi"}\n')
-    with pytest.raises(ValueError, match=r"nt.jsonl:1: record has no 'turns' field"):
+    with pytest.raises(ValueError, match=r"nt.jsonl:1: record has no 'turns', 'messages' or 'conversations' field; "
+                                         r"accepted records: "):
         list(iter_jsonl(no_turns))
     wrong = tmp_path / "w.jsonl"
     wrong.write_text('{"turns": "hi"}\n')
@@ -384,3 +390,566 @@ def test_snapshot_dir_replaces_the_packages(tmp_path):
     assert splits["train"][0].id.startswith("codeio:") and splits["eval"][0].domain == "code"
     with pytest.raises(ValueError, match=r"snap/sharegpt.jsonl not found: the snapshot holds no 'sharegpt'"):
         select_splits(dataclasses.replace(cfg, train_mix={"sharegpt": 1}))
+
+
+# ----------------------------------------------------------------------------------------------
+# chat record shapes (records.py)
+# ----------------------------------------------------------------------------------------------
+SYSTEM = "You are terse."
+USERS = ("What is a prime number?", "Is 9 one?", "And 11?")
+REPLIES = ("A number with exactly two divisors.", "No: 3 divides it.", "Yes.")
+
+
+def _openai(users=USERS, replies=REPLIES, system=SYSTEM, parts=False) -> dict:
+    msgs = [{"role": "system", "content": system}] if system is not None else []
+    for i, u in enumerate(users):
+        msgs.append({"role": "user", "content": [{"type": "text", "text": u}] if parts else u})
+        if i < len(replies):
+            msgs.append({"role": "assistant", "content": replies[i]})
+    return {"messages": msgs}
+
+
+def _sharegpt(users=USERS, replies=REPLIES, system=SYSTEM, bot="gpt", keys=("from", "value")) -> dict:
+    k, v = keys
+    names = {"system": "system", "user": "human" if k == "from" else "user", "bot": bot if k == "from" else "assistant"}
+    msgs = [{k: names["system"], v: system}] if system is not None else []
+    for i, u in enumerate(users):
+        msgs.append({k: names["user"], v: u})
+        if i < len(replies):
+            msgs.append({k: names["bot"], v: replies[i]})
+    return {"conversations": msgs}
+
+
+def _write_jsonl(path: Path, recs: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+SHAPES = {
+    "turns": {"turns": list(USERS), "system": SYSTEM, "replies": list(REPLIES)},
+    "openai": _openai(),
+    "openai_text_parts": _openai(parts=True),
+    "sharegpt": _sharegpt(),
+    "sharegpt_chatgpt": _sharegpt(bot="chatgpt"),
+    "sharegpt_bing": _sharegpt(bot="bing"),
+    "sharegpt_bard": _sharegpt(bot="bard"),
+    "conversations_role_content": _sharegpt(keys=("role", "content")),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_every_record_shape_reads_to_the_same_conversation(tmp_path, shape):
+    f = _write_jsonl(tmp_path / "c.jsonl", [SHAPES[shape]])
+    [p] = list(iter_jsonl(f))
+    assert (p.id, p.source, p.domain, p.group) == ("c:1", f"jsonl:{f}", "chat", None)
+    assert (p.turns, p.system, p.replies) == (USERS, SYSTEM, REPLIES)
+
+
+def test_single_turn_no_system_and_an_unanswered_last_turn(tmp_path):
+    recs = [_openai(USERS[:1], (), None), _sharegpt(USERS[:1], REPLIES[:1], None), _openai(USERS, REPLIES[:2]),
+            {"messages": [{"role": "system", "content": "  "}, {"role": "user", "content": " hi "}]}]
+    got = list(iter_jsonl(_write_jsonl(tmp_path / "c.jsonl", recs)))
+    assert [(p.turns, p.system, p.replies) for p in got] == [
+        (USERS[:1], None, ()), (USERS[:1], None, REPLIES[:1]), (USERS, SYSTEM, REPLIES[:2]), (("hi",), None, ())]
+
+
+def test_one_file_mixes_shapes_ids_domains_and_groups(tmp_path):
+    recs = [{"id": "a", **_openai(), "domain": "code", "group": "g1"}, _sharegpt(("Hi there",), ()),
+            {"turns": ["plain"], "id": 7, "domain": "math_word"}]
+    got = list(iter_jsonl(_write_jsonl(tmp_path / "mix.jsonl", recs)))
+    assert [(p.id, p.domain, p.group, p.turns[0]) for p in got] == [
+        ("mix:a", "code", "g1", USERS[0]), ("mix:2", "chat", None, "Hi there"), ("mix:7", "math_word", None, "plain")]
+
+
+TOOL_RECORDS = [
+    {"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None,
+                                                          "tool_calls": [{"id": "1", "function": {"name": "w"}}]},
+                  {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]},
+    {"messages": [{"role": "user", "content": "Weather?"}, {"role": "function", "content": "sunny"}]},
+    {"messages": [{"role": "user", "content": "Weather?"}], "tools": [{"type": "function"}]},
+    {"conversations": [{"from": "human", "value": "Weather?"}, {"from": "function_call", "value": "{}"},
+                       {"from": "observation", "value": "sunny"}, {"from": "gpt", "value": "Sunny."}]},
+]
+IMAGE_RECORD = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                          {"type": "image_url", "image_url": {"url": "x"}}]}]}
+
+
+def test_tool_and_image_conversations_are_skipped_and_counted(tmp_path):
+    from collections import Counter as C
+
+    f = _write_jsonl(tmp_path / "t.jsonl", TOOL_RECORDS + [IMAGE_RECORD] + [_openai()] * 1)
+    skipped = C()
+    got = list(iter_jsonl(f, skipped=skipped))
+    assert [p.id for p in got] == ["t:6"] and skipped == {"tool": 4, "non_text": 1}
+    only_tools = _write_jsonl(tmp_path / "only.jsonl", TOOL_RECORDS)
+    assert list(iter_jsonl(only_tools)) == []          # not "empty": its records were read and skipped
+
+
+BAD_RECORDS = {
+    "assistant_first": ({"conversations": [{"from": "gpt", "value": "Hello"}, {"from": "human", "value": "Hi"}]},
+                        r"conversations\[0\] is an assistant turn before any user turn"),
+    "assistant_after_system": ({"messages": [{"role": "system", "content": "s"}, {"role": "assistant",
+                                                                               "content": "a"}]},
+                               r"messages\[1\] is an assistant turn before any user turn"),
+    "unknown_role": ({"conversations": [{"from": "narrator", "value": "Once"}]},
+                     r"conversations\[0\] has an unknown role 'narrator' \(roles: user / human, assistant / gpt"),
+    "no_role": ({"messages": [{"content": "hi"}]}, r"messages\[0\] has no role"),
+    "two_users": ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
+                  r"messages\[0\] and \[1\] are two user turns in a row"),
+    "two_assistants": ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                     {"role": "assistant", "content": "c"}]},
+                       r"messages\[2\] is an assistant turn after another \(two assistant turns in a row\)"),
+    "empty_content": ({"conversations": [{"from": "human", "value": "  "}]},
+                      r"conversations\[0\] \(human\) has an empty content"),
+    "null_content": ({"messages": [{"role": "user", "content": None}]}, r"messages\[0\] has an empty content"),
+    "no_user_turn": ({"messages": [{"role": "system", "content": "s"}]}, r"field 'messages' holds no user turn"),
+    "late_system": ({"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "s"}]},
+                    r"messages\[1\] is a system message after the first message"),
+    "empty_list": ({"messages": []}, r"field 'messages' must be a non-empty list of messages"),
+    "not_a_list": ({"conversations": "hi"}, r"field 'conversations' must be a non-empty list of messages"),
+    "not_an_object": ({"messages": [{"role": "user", "content": "a"}, "b"]}, r"messages\[1\] is not an object"),
+    "both_fields": ({"turns": ["a"], "messages": [{"role": "user", "content": "a"}]},
+                    r"record holds both 'messages' and 'turns'"),
+    "bad_part": ({"messages": [{"role": "user", "content": [{"text": "a"}]}]},
+                 r"messages\[0\]: a content part must be an object with a 'type'"),
+    "bad_replies": ({"turns": ["a"], "replies": ["x", "y"]}, r"field 'replies' must be a list of non-empty strings, at "
+                                                           r"most one a turn"),
+    "bad_domain": ({**_openai(), "domain": "poetry"}, r"field 'domain' must be one of math_word"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RECORDS))
+def test_bad_records_are_refused_with_their_line_and_the_accepted_shapes(tmp_path, case):
+    rec, msg = BAD_RECORDS[case]
+    f = _write_jsonl(tmp_path / "bad.jsonl", [_openai(), rec])
+    with pytest.raises(ValueError, match=rf"bad.jsonl:2: {msg}.*; accepted records: .*'turns'.*'messages'.*"
+                                         r"'conversations'.*; or set prepare.on_bad_record: skip") as e:
+        list(iter_jsonl(f))
+    assert "\n" not in str(e.value)
+    from collections import Counter as C
+
+    skipped = C()
+    assert len(list(iter_jsonl(f, on_bad_record="skip", skipped=skipped))) == 1 and skipped == {"bad_record": 1}
+
+
+def test_stage_counts_what_it_skipped(tmp_path):
+    recs = TOOL_RECORDS + [BAD_RECORDS["two_users"][0]] + [_sharegpt((f"question {i}",), (f"answer {i}",))
+                                                           for i in range(12)]
+    f = _write_jsonl(tmp_path / "s.jsonl", recs)
+    cfg = _cfg(tmp_path, **_one(f"jsonl:{f}", 6, 3), on_bad_record="skip", stats_path=str(tmp_path / "stats.json"))
+    assert run_prepare(cfg) == {"train": 6, "eval": 3}
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["sources"][f"jsonl:{f}"]["skipped"] == {"bad_record": 1, "tool": 4}
+    assert stats["sources"][f"jsonl:{f}"]["records"] == len(recs)
+    assert stats["train"]["prompts"] == 6 and stats["train"]["with_replies"] == 6
+    assert stats["eval"]["by_domain"] == {f"chat/jsonl:{f}": 3}
+    with pytest.raises(ValueError, match=r"s.jsonl:5: messages\[0\] and \[1\] are two user turns in a row"):
+        run_prepare(dataclasses.replace(cfg, on_bad_record="error"))
+
+
+# ----------------------------------------------------------------------------------------------
+# parquet: and hf: sources
+# ----------------------------------------------------------------------------------------------
+def _arrow_rows(n: int, bad_row: int | None = None) -> list[dict]:
+    """ShareGPT and OpenAI rows for one Arrow table (the other column null), multi-turn, some with a system."""
+    rows = []
+    for i in range(n):
+        users = (f"question {i}", f"follow-up {i}") if i % 3 == 0 else (f"question {i}",)
+        replies = tuple(f"answer {i}.{k}" for k in range(len(users)))
+        system = SYSTEM if i % 2 else None
+        if i % 2:
+            rows.append({"id": f"r{i}", "conversations": _sharegpt(users, replies, system)["conversations"],
+                         "messages": None})
+        else:
+            rows.append({"id": None, "conversations": None, "messages": _openai(users, replies, system)["messages"]})
+    if bad_row is not None:
+        rows[bad_row]["conversations"] = [{"from": "gpt", "value": "I start"}] + (rows[bad_row]["conversations"] or [])
+        rows[bad_row]["messages"] = None
+    return rows
+
+
+def _expected(rows: list[dict], prefix: str) -> list[tuple]:
+    out = []
+    for i, r in enumerate(rows):
+        msgs = r["conversations"] or r["messages"]
+        text = [m.get("value") or m.get("content") for m in msgs]
+        system = text[0] if len(text) % 2 else None
+        rest = text[1:] if system else text
+        out.append((f"{prefix}:{r['id'] if r['id'] is not None else i}", tuple(rest[0::2]), system, tuple(rest[1::2])))
+    return out
+
+
+def _parquet(path: Path, rows: list[dict]) -> Path:
+    import pyarrow as pa
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=3)   # several row groups and batches
+    return path
+
+
+def test_parquet_source_reads_mixed_rows_streamed(tmp_path, monkeypatch):
+    from dspark_core.data import records
+
+    monkeypatch.setattr(records, "BATCH_ROWS", 2)
+    rows = _arrow_rows(11)
+    f = _parquet(tmp_path / "chat.parquet", rows)
+    got = list(source_info(f"parquet:{f}").read(ReadOptions(), Counter()))
+    assert [(p.id, p.turns, p.system, p.replies) for p in got] == _expected(rows, "chat")
+    assert {p.source for p in got} == {f"parquet:{f}"}
+    # the same records as JSONL read the same
+    j = _write_jsonl(tmp_path / "chat.jsonl", [{k: v for k, v in r.items() if v is not None} for r in rows])
+    assert [(p.turns, p.system, p.replies) for p in iter_jsonl(j)] == [(p.turns, p.system, p.replies) for p in got]
+    bad = _parquet(tmp_path / "bad.parquet", _arrow_rows(7, bad_row=5))
+    with pytest.raises(ValueError, match=r"bad.parquet row 5: conversations\[0\] is an assistant turn before any "
+                                         r"user turn; accepted records"):
+        list(source_info(f"parquet:{bad}").read(ReadOptions(), Counter()))
+    import pyarrow as pa
+
+    other = tmp_path / "other.parquet"
+    pq.write_table(pa.table({"text": ["hi"]}), other)
+    with pytest.raises(ValueError, match=r"other.parquet: no 'turns', 'messages' or 'conversations' column "
+                                         r"\(columns: text\)"):
+        list(source_info(f"parquet:{other}").read(ReadOptions(), Counter()))
+    with pytest.raises(ValueError, match=r"parquet:nope.parquet: file nope.parquet not found"):
+        list(source_info("parquet:nope.parquet").read(ReadOptions(), Counter()))
+
+
+def test_parquet_message_columns_with_tool_calls_and_text_parts(tmp_path):
+    """Arrow unifies the message structs of a column: absent keys are nulls; tool calls and text parts still
+    read as in JSON."""
+    rows = [{"messages": [{"role": "user", "content": "Weather?", "tool_calls": None},
+                          {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
+            {"messages": [{"role": "user", "content": "Hi", "tool_calls": None},
+                          {"role": "assistant", "content": "Hello", "tool_calls": []}]}]
+    f = _parquet(tmp_path / "t.parquet", rows)
+    skipped = Counter()
+    got = list(source_info(f"parquet:{f}").read(ReadOptions(), skipped))
+    assert [(p.id, p.turns, p.replies) for p in got] == [("t:1", ("Hi",), ("Hello",))] and skipped == {"tool": 1}
+    as_text = [{"messages": [{"role": "user", "content": "Hi"}], "tools": "[]"},     # tool definitions as JSON text
+               {"messages": [{"role": "user", "content": "Hi"}], "tools": '[{"type": "function"}]'}]
+    skipped = Counter()
+    f = _parquet(tmp_path / "d.parquet", as_text)
+    assert [p.id for p in source_info(f"parquet:{f}").read(ReadOptions(), skipped)] == ["d:0"]
+    assert skipped == {"tool": 1}
+    parts = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}]
+    f = _parquet(tmp_path / "p.parquet", parts)
+    assert [p.turns for p in source_info(f"parquet:{f}").read(ReadOptions(), Counter())] == [("a\nb",)]
+
+
+def _hub_layout(folder: Path, train: list[dict], test: list[dict]) -> Path:
+    """A data set folder as the hub lays out parquet data sets."""
+    _parquet(folder / "data" / "train-00000-of-00001.parquet", train)
+    _parquet(folder / "data" / "test-00000-of-00001.parquet", test)
+    return folder
+
+
+@pytest.fixture
+def datasets_cache(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets_cache")
+
+
+def test_hf_local_dataset_folder(tmp_path, monkeypatch, datasets_cache):
+    rows = _arrow_rows(9)
+    folder = _hub_layout(tmp_path / "my-set", rows, rows[:2])
+    got = list(source_info(f"hf:{folder}").read(ReadOptions(), Counter()))
+    assert [(p.id, p.turns, p.system, p.replies) for p in got] == _expected(rows, "my-set@train")
+    monkeypatch.chdir(tmp_path)
+    test = list(source_info("hf:./my-set@test").read(ReadOptions(), Counter()))
+    assert [(p.id, p.turns) for p in test] == [(i, t) for i, t, _, _ in _expected(rows[:2], "my-set@test")]
+    assert test[0].source == "hf:./my-set@test"
+    _hub_layout(tmp_path / "bad-set", _arrow_rows(4, bad_row=3), rows[:1])
+    with pytest.raises(ValueError, match=r"bad-set\[train\] row 3: conversations\[0\] is an assistant turn"):
+        list(source_info("hf:./bad-set").read(ReadOptions(), Counter()))
+    with pytest.raises(ValueError, match=r"hf:./my-set@validation: cannot load .*my-set\[validation\] \(.*split"):
+        list(source_info("hf:./my-set@validation").read(ReadOptions(), Counter()))
+    with pytest.raises(ValueError, match=r"hf:./none: no dataset folder none"):
+        list(source_info("hf:./none").read(ReadOptions(), Counter()))
+    # the prepare stage over it: eval from the test split, train from train
+    cfg = _cfg(tmp_path, train_mix={"hf:./my-set": 1}, eval_sources={"chat": ["hf:./my-set@test"]}, n_train=None,
+               n_eval_per_domain=2)
+    splits = select_splits(cfg)
+    assert len(splits["train"]) == 7 and {p.id for p in splits["eval"]} == {"my-set@test:0", "my-set@test:r1"}
+
+
+def test_hf_hub_name_reads_the_hub_cache_offline(tmp_path):
+    """``hf:org/name`` with HF_HUB_OFFLINE=1 resolves the data set's snapshot in the hub cache (HF_HOME) and
+    reads it through the same load_dataset path; a data set not in the cache is one clear line."""
+    pytest.importorskip("datasets")
+    hub = tmp_path / "hf_home" / "hub" / "datasets--org--chat-set"
+    rows = _arrow_rows(5)
+    _hub_layout(hub / "snapshots" / ("a" * 40), rows, rows[:1])
+    (hub / "refs").mkdir()
+    (hub / "refs" / "main").write_text("a" * 40)
+    script = ("from collections import Counter\n"
+              "from dspark_core.data.sources import ReadOptions, source_info\n"
+              "print([(p.id, p.turns) for p in source_info('hf:org/chat-set').read(ReadOptions(), Counter())])\n"
+              "try:\n    list(source_info('hf:org/other').read(ReadOptions(), Counter()))\n"
+              "except ValueError as e:\n    print(e)\n")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got, err = out.stdout.strip().splitlines()[-2:]
+    assert got == str([(i, t) for i, t, _, _ in _expected(rows, "chat-set@train")])
+    assert err.startswith("hf:org/other: HF_HUB_OFFLINE is set and org/other is not in the hub cache (")
+    assert err.endswith("download it first (hf download --repo-type dataset org/other) or unset HF_HUB_OFFLINE")
+
+
+def test_hf_names_parse_and_a_malformed_name_is_one_line(tmp_path, monkeypatch):
+    from dspark_core.data.records import HfName, parse_hf_name
+
+    assert parse_hf_name("hf:mlabonne/open-perfectblend") == HfName("mlabonne/open-perfectblend", None, "train",
+                                                                     False)
+    assert parse_hf_name("hf:org/set.v2:cfg_1@test") == HfName("org/set.v2", "cfg_1", "test", False)
+    assert parse_hf_name("hf:squad@validation") == HfName("squad", None, "validation", False)
+    assert parse_hf_name("hf:org/name").id_prefix == "name@train"
+    odd = tmp_path / "runs:1" / "set@v2"          # a local folder whose name holds ':' and '@'
+    odd.mkdir(parents=True)
+    assert parse_hf_name(f"hf:{odd}") == HfName(str(odd), None, "train", True)
+    assert parse_hf_name(f"hf:{odd}:cfg@test") == HfName(str(odd), "cfg", "test", True)
+    monkeypatch.chdir(tmp_path)
+    assert parse_hf_name("hf:./runs:1/set@v2@test") == HfName("runs:1/set@v2", None, "test", True)
+    for bad in ("hf:", "hf:a/b/c", "hf:org/name:", "hf:org/name@", "hf:org/na me", "hf:org/name:a:b", "hf:-org/x",
+                "hf:org//x", "hf:org/x@a@b", "hf:org--x/y", "hf:org/../x"):
+        with pytest.raises(ParamsError, match=rf"prepare.train_mix: malformed source name '{re.escape(bad)}': use "
+                                              r"hf:<org>/<name>\[:<config>\]\[@<split>\] \(a local dataset folder"):
+            PrepareConfig.from_dict({"train_mix": {bad: 1}}, prefix="prepare.")
+
+
+# ----------------------------------------------------------------------------------------------
+# the holdout and the streamed draw
+# ----------------------------------------------------------------------------------------------
+def _chat_file(path: Path, n: int, start: int = 0, ids: bool = True) -> Path:
+    recs = []
+    for i in range(start, start + n):
+        rec = _sharegpt((f"Tell me about topic number {i}.", f"More on {i}?"), (f"Topic {i} is ...",), None)
+        recs.append({"id": f"q{i}", **rec} if ids else rec)
+    return _write_jsonl(path, recs)
+
+
+def test_holdout_is_stable_disjoint_and_the_only_eval_pool(tmp_path):
+    f = _chat_file(tmp_path / "big.jsonl", 2000)
+    src = f"jsonl:{f}"
+    base = dict(train_mix={src: 1}, eval_sources={"chat": [src]}, holdout={src: 0.1}, n_eval_per_domain=30)
+    held = {f"big:q{i}" for i in range(2000) if is_held_out(f"q{i}", 0.1)}
+    assert 150 < len(held) < 250                                    # ~10%
+    stats: dict = {}
+    everything = select_splits(_cfg(tmp_path, **base, n_train=None), stats)
+    assert {p.id for p in everything["train"]} == {f"big:q{i}" for i in range(2000)} - held   # every other record
+    assert {p.id for p in everything["eval"]} <= held and len(everything["eval"]) == 30
+    assert stats[src]["held_out"] == len(held) and stats[src]["records"] == 2000
+    assert stats[src]["drawn"] == {"eval": 30, "train": 2000 - len(held)}
+    for seed, n_train in ((0, 50), (1, 50), (0, 400)):
+        got = select_splits(_cfg(tmp_path, **base, n_train=n_train, seed=seed))
+        assert len(got["train"]) == n_train and not {p.id for p in got["train"]} & held     # never a held-out one
+        assert {p.id for p in got["eval"]} <= held
+    # the seed orders the draw; the holdout does not move with it, nor with another source beside it
+    a = select_splits(_cfg(tmp_path, **base, n_train=50, seed=0))
+    b = select_splits(_cfg(tmp_path, **base, n_train=50, seed=1))
+    assert a["train"] != b["train"] and a["eval"] != b["eval"]
+    other = _chat_file(tmp_path / "other.jsonl", 100, start=5000)
+    c = select_splits(_cfg(tmp_path, **{**base, "train_mix": {src: 1, f"jsonl:{other}": 1}}, n_train=100, seed=0))
+    assert not {p.id for p in c["train"]} & held and [p.id for p in c["eval"]] == [p.id for p in a["eval"]]
+
+
+def test_streamed_draw_is_a_prefix_of_one_seeded_order(tmp_path):
+    """A streamed source is drawn in one seeded order of its ids: a smaller draw is a prefix of a bigger one, and
+    the same order whether the lowest keys fit the first pass or the source is read again for more."""
+    f = _chat_file(tmp_path / "s.jsonl", 600, ids=False)
+    src = f"jsonl:{f}"
+    base = dict(train_mix={src: 1}, eval_sources={"chat": [src]}, holdout={src: 0.0}, n_eval_per_domain=5)
+    full = select_splits(_cfg(tmp_path, **base, n_train=None))
+    assert len(full["train"]) == 595
+    for n in (1, 40, 300):
+        got = select_splits(_cfg(tmp_path, **base, n_train=n))
+        assert got["eval"] == full["eval"] and got["train"] == full["train"][:n]
+
+
+def test_streamed_draw_reads_again_when_its_slack_runs_out(tmp_path, monkeypatch):
+    import dspark_core.data.prompts as prompts
+
+    recs = [_sharegpt((f"Question {i % 50}",), ()) for i in range(400)]   # 50 texts, each 8 times
+    f = _write_jsonl(tmp_path / "dup.jsonl", recs)
+    src = f"jsonl:{f}"
+    cfg = _cfg(tmp_path, train_mix={src: 1}, eval_sources={"chat": [src]}, holdout={src: 0.2}, n_train=30,
+               n_eval_per_domain=4)
+    stats: dict = {}
+    roomy = select_splits(cfg, stats)
+    assert stats[src]["passes"] == 1
+    monkeypatch.setattr(prompts, "_MIN_SLACK", 0)
+    monkeypatch.setattr(prompts, "_SLACK_SHARE", 0.0)
+    tight_stats: dict = {}
+    tight = select_splits(cfg, tight_stats)
+    assert tight == roomy and tight_stats[src]["passes"] >= 2 and tight_stats[src]["skipped"] == stats[src]["skipped"]
+    assert len({normalize_text(p.turns[0]) for p in tight["train"] + tight["eval"]}) == 34
+
+
+def test_parquet_and_jsonl_copies_draw_the_same_records(tmp_path):
+    """The holdout and the order hash the record's own id: a data set converted to Parquet keeps its split (a
+    record without an id is known by its place: its line in a JSONL file, from 1, its row in Parquet, from 0)."""
+    rows = [{**r, "id": f"x{i}"} for i, r in enumerate(_arrow_rows(300))]
+    pqf = _parquet(tmp_path / "a.parquet", rows)
+    jf = _write_jsonl(tmp_path / "a.jsonl", [{k: v for k, v in r.items() if v is not None} for r in rows])
+    draws = []
+    for src in (f"parquet:{pqf}", f"jsonl:{jf}"):
+        cfg = _cfg(tmp_path, train_mix={src: 1}, eval_sources={"chat": [src]}, holdout={src: 0.1}, n_train=40,
+                   n_eval_per_domain=10)
+        draws.append({s: [p.id for p in ps] for s, ps in select_splits(cfg).items()})
+    assert draws[0] == draws[1]
+
+
+def test_holdout_and_n_train_params(tmp_path):
+    f = _jsonl(tmp_path / "q.jsonl", [f"question {i}" for i in range(30)])
+    src = f"jsonl:{f}"
+    ok = _cfg(tmp_path, **_one(src, 5, 2), holdout=[[src, 0.25]])
+    assert ok.holdouts() == {src: 0.25}
+    assert _cfg(tmp_path, **_one(src, None, 2)).train_counts() == [(src, None)]
+    with pytest.raises(ParamsError, match=rf"holdout: the fraction of '{re.escape(src)}' must be >= 0 and < 1; got 1.0"):
+        _cfg(tmp_path, **_one(src, 5, 2), holdout={src: 1})
+    with pytest.raises(ParamsError, match=r"holdout: 'jsonl:other.jsonl' is in neither train_mix nor eval_sources"):
+        _cfg(tmp_path, **_one(src, 5, 2), holdout={"jsonl:other.jsonl": 0.1})
+    with pytest.raises(ParamsError, match=r"holdout: 'humaneval' is eval-only"):
+        _cfg(tmp_path, train_mix={src: 1}, eval_sources={"code": ["humaneval"]}, holdout={"humaneval": 0.1})
+    with pytest.raises(ParamsError, match=r"holdout: the fraction of .* must be a number, got 'x'"):
+        _cfg(tmp_path, **_one(src, 5, 2), holdout={src: "x"})
+    with pytest.raises(ParamsError, match=r"on_bad_record must be one of error, skip; got 'drop'"):
+        _cfg(tmp_path, **_one(src, 5, 2), on_bad_record="drop")
+    with pytest.raises(ValueError, match=rf"source '{re.escape(src)}' has too few usable prompts in its held-out 0.25 "
+                                         r"\(prepare.holdout\).*ran out while filling eval"):
+        select_splits(_cfg(tmp_path, **_one(src, 5, 20), holdout={src: 0.25}))
+    tools = _write_jsonl(tmp_path / "tools.jsonl", TOOL_RECORDS)
+    with pytest.raises(ValueError, match=r"source 'jsonl:.*tools.jsonl' gave no usable train prompt"):
+        select_splits(_cfg(tmp_path, train_mix={src: 1, f"jsonl:{tools}": 1}, eval_sources={"chat": [src]},
+                           n_train=None, n_eval_per_domain=2))
+
+
+# ----------------------------------------------------------------------------------------------
+# the leak check over every user turn
+# ----------------------------------------------------------------------------------------------
+LONG_Q = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
+
+
+def test_overlap_check_covers_later_user_turns():
+    evals = [_p("e:1", "Tell me a joke", None, LONG_Q), _p("e:2", "Hello there", None, "continue")]
+    cases = {
+        "same text": (_p("t:1", "Hi", None, "Tell me a joke"), "t:1' (t, turn 2) vs eval 'e:1' (t, turn 1)"),
+        "same normalised text": (_p("t:2", "Hi", None, LONG_Q.upper()), "'t:2' (t, turn 2) vs eval 'e:1' (t, turn 2)"),
+        "the train text is inside the eval text": (_p("t:3", "Hi", None, "Ok", LONG_Q[10:-12]), "turn 3"),
+        "the eval text is inside the train text": (_p("t:4", "Hi", None, "Now: " + LONG_Q + " Thanks"), "turn 2"),
+    }
+    for why, (t, where) in cases.items():
+        found = find_overlaps([t], evals)
+        assert len(found) == 1 and found[0].endswith(why) and where in found[0], (why, found)
+    # a short follow-up ("continue") is no leak between two later turns, only where it opens a conversation
+    assert find_overlaps([_p("t:5", "Hi", None, "Continue!")], evals) == []
+    assert find_overlaps([_p("t:6", "Continue!")], evals)[0].endswith("same normalised text")
+
+
+def test_a_train_conversation_overlapping_an_eval_one_is_skipped_and_counted(tmp_path):
+    ev = _write_jsonl(tmp_path / "ev.jsonl", [_sharegpt(("Opening question?", LONG_Q), ("a", "b"), None)])
+    recs = [_sharegpt(("Hi", "Then: " + LONG_Q), ("x",), None)] + [_sharegpt((f"other question {i}",), (), None)
+                                                                   for i in range(5)]
+    tr = _write_jsonl(tmp_path / "tr.jsonl", recs)
+    stats: dict = {}
+    splits = select_splits(_cfg(tmp_path, train_mix={f"jsonl:{tr}": 1}, eval_sources={"chat": [f"jsonl:{ev}"]},
+                                n_train=None, n_eval_per_domain=1), stats)
+    assert len(splits["train"]) == 5 and stats[f"jsonl:{tr}"]["skipped"] == {"eval_overlap": 1}
+    assert find_overlaps(splits["train"], splits["eval"]) == []
+
+
+def _reference_overlaps(t: Prompt, evals: list[Prompt]) -> set[str]:
+    """Every reason ``t`` overlaps an eval prompt, by the definition (all pairs of turns)."""
+    from dspark_core.data.overlap import MIN_CONTAINED_CHARS as M
+
+    why = set()
+    for e in evals:
+        if t.id == e.id:
+            why.add("same id")
+        if t.group is not None and t.group == e.group:
+            why.add("same problem")
+        for i, a in enumerate(t.turns):
+            for j, b in enumerate(e.turns):
+                na, nb = normalize_text(a), normalize_text(b)
+                if na == nb and (i == 0 or j == 0 or len(na) >= M):
+                    why.add("same text" if a == b else "same normalised text")
+                if na != nb and len(na) >= M and na in nb:
+                    why.add("the train text is inside the eval text")
+                if na != nb and len(nb) >= M and nb in na:
+                    why.add("the eval text is inside the train text")
+    return why
+
+
+def test_eval_index_agrees_with_the_all_pairs_definition():
+    """Random conversations over a small vocabulary (many containments, cut words at the edges, texts of one or
+    two long tokens, CJK without spaces): the index finds an overlap exactly where the definition does, and the
+    one it names is one of them."""
+    import random as _random
+
+    from dspark_core.data.overlap import EvalIndex
+
+    rng = _random.Random(0)
+    vocab = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
+    pool: list[str] = []
+
+    def text() -> str:
+        r = rng.random()
+        if r < 0.2 and pool:                                         # a piece of an earlier text, cut anywhere
+            src = rng.choice(pool)
+            a = rng.randrange(len(src))
+            return src[a:a + rng.randint(30, 90)] or src
+        if r < 0.25 and pool:                                        # an earlier text inside a longer one
+            return f"{rng.choice(vocab)}{rng.choice(' -')}{rng.choice(pool)} {rng.choice(vocab)}"
+        if r < 0.3:
+            return "".join(rng.choice("abcdefghij") for _ in range(rng.randint(35, 60)))   # one long token
+        if r < 0.35:
+            return "".join(rng.choice("数学问题答案计算") for _ in range(rng.randint(38, 50)))
+        words = rng.choices(vocab, k=rng.randint(1, 16))
+        return " ".join(words).capitalize() + rng.choice((".", "?", "", "!!"))
+
+    def prompt(pid: str) -> Prompt:
+        turns = tuple(t for t in (text() for _ in range(rng.randint(1, 3))) if t.strip()) or ("x",)
+        pool.extend(turns)
+        return Prompt(pid, "s", turns, "chat", rng.choice((None, None, None, "g1", "g2")))
+
+    evals = [prompt(f"e{i}") for i in range(40)]
+    train = [prompt(f"t{i}" if rng.random() < 0.97 else f"e{rng.randrange(40)}") for i in range(1500)]
+    index = EvalIndex(evals)
+    hits = 0
+    for t in train:
+        ref = _reference_overlaps(t, evals)
+        got = index.overlap(t)
+        assert (got is not None) == bool(ref), (t, ref, got)
+        if got is not None:
+            hits += 1
+            assert got.why.split(" '")[0] in ref, (t, ref, got)
+    assert 200 < hits < 1400          # both outcomes are exercised
+
+
+def test_ascii_normalisation_takes_the_fast_path_with_the_same_result():
+    import random as _random
+    import unicodedata
+
+    rng = _random.Random(1)
+    for _ in range(3000):
+        s = "".join(chr(rng.randrange(128)) for _ in range(rng.randint(0, 40)))
+        slow = " ".join(re.sub(r"[\W_]+", " ", unicodedata.normalize("NFKC", s).casefold()).split())
+        assert normalize_text(s) == slow, repr(s)
+    assert normalize_text("Ｃafé — NAÏVE_x") == "cafe naive x".replace("cafe", "café").replace("naive", "naïve")
+
+
+def test_a_registry_source_takes_a_holdout_too(tmp_path):
+    from dspark_core.data.sources import write_snapshot
+
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    (snap / "split.json").write_text(json.dumps({"read_options": {}}))
+    write_snapshot(snap / "codeio.jsonl", [Prompt(f"codeio:{i}", "codeio", (f"task {i}",), "code") for i in range(60)])
+    cfg = _cfg(tmp_path, snapshot_dir=str(snap), train_mix={"codeio": 1}, eval_sources={"code": ["codeio"]},
+               holdout={"codeio": 0.3}, n_train=None, n_eval_per_domain=5)
+    stats: dict = {}
+    splits = select_splits(cfg, stats)
+    held = {f"codeio:{i}" for i in range(60) if is_held_out(str(i), 0.3)}
+    assert {p.id for p in splits["train"]} == {f"codeio:{i}" for i in range(60)} - held
+    assert {p.id for p in splits["eval"]} <= held and len(splits["eval"]) == 5
+    assert stats["codeio"]["held_out"] == len(held) and stats["codeio"]["records"] == 60
