@@ -76,19 +76,21 @@ def _section_loaders() -> list[tuple[str, Callable[[Path], Any]]]:
 
 def _check_variants(report: ProfileCheck, params: Path) -> dict[str, Any]:
     """Every variant's merged draft / loss / train and warm_start, and the variant DAG; {variant: DraftConfig}."""
-    from dspark_core.draft.config import WarmStartConfig
+    from dspark_core.draft.config import DraftConfig, WarmStartConfig
     from dspark_core.draft.stage import variant_configs
     from dspark_core.variants import check_variant_dag, section_for_variant
 
     report.attempt("variant_dag", lambda: check_variant_dag(params))
     drafts = {}
     for v in (read_yaml(params).get("variants") or {"baseline": {}}):
-        got = report.attempt(f"variants.{v}", lambda v=v: variant_configs(params, v))
+        report.attempt(f"variants.{v}", lambda v=v: variant_configs(params, v))
         report.attempt(f"variants.{v}.warm_start", lambda v=v: WarmStartConfig.from_dict(
             section_for_variant(params, "warm_start", v, optional=True, cls=WarmStartConfig), src=str(params),
             prefix="warm_start."))
-        if got is not None:
-            drafts[v] = got[0]
+        draft = report.attempt(f"variants.{v}", lambda v=v: DraftConfig.from_dict(  # its own, whatever train says
+            section_for_variant(params, "draft", v, cls=DraftConfig), src=str(params), prefix="draft."))
+        if draft is not None:
+            drafts[v] = draft
     return drafts
 
 
@@ -207,4 +209,5 @@ def check_profile(name: str | None, params: Path = Path("params.yaml"), dvc_yaml
         report.lines += [f"download: {d}" for d in _downloads(sections)]
         train_hidden = str((read_yaml(merged).get("train") or {}).get("hidden_states", "cache"))
         _estimate(report, cfg, sections, samples, tokens_per_sample, tokens, train_hidden)
+    report.problems = list(dict.fromkeys(report.problems))  # a section every variant reads: named once
     return report

@@ -6,7 +6,8 @@
 
 A profile is a nested mapping with the same sections as params.yaml; its leaves replace params.yaml's.
 Every key must already exist in params.yaml (a typo is an error, not a silent new key). A parameter whose
-value is a mapping of names (:data:`WHOLE_VALUES`: ``prepare.train_mix``, keyed by source; ``variants``) is one leaf,
+value is a mapping of names (:data:`WHOLE_VALUES`: ``prepare.train_mix`` and ``prepare.holdout``, keyed by source;
+``regenerate.vllm``, vLLM's engine arguments; ``variants``) is one leaf,
 replaced whole: its keys are data (a source absent from the profile's mix is not kept from params.yaml's; a
 profile's ``variants`` are the only ones its DAG trains).
 """
@@ -24,7 +25,11 @@ from dspark_core.errors import UserError
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 # mappings of names, set whole: a profile's ``variants`` is its experiment's set of variants (names of its own,
 # params.yaml's not kept), with the ``variant_dag.warm`` that goes with it
-WHOLE_VALUES = frozenset({"prepare.train_mix", "prepare.eval_sources", "variants", "variant_dag.warm"})
+WHOLE_VALUES = frozenset({"prepare.train_mix", "prepare.eval_sources", "prepare.holdout", "regenerate.vllm", "variants",
+                          "variant_dag.warm"})
+# whole values keyed by source names (``jsonl:path.gz``, ``hf:org/name``), which Hydra cannot write as mapping keys:
+# they go to ``dvc exp run -S`` as the ``[[source, value], ...]`` lists that ``prepare`` also reads
+SOURCE_KEYED = frozenset({"prepare.train_mix", "prepare.holdout"})
 
 
 def available(profiles_dir: Path = PROFILES_DIR) -> list[str]:
@@ -81,11 +86,27 @@ def apply_profile(name: str, params_path: Path = Path("params.yaml"), profiles_d
         for p in parents:
             cur = cur[p]
         if cur[last] != value:
-            cur[last] = value
+            _replace(cur, last, value)
             changed.append(key)
     with atomic_path(params_path, ".yaml") as tmp, tmp.open("w") as fh:
         ry.dump(doc, fh)
     return changed
+
+
+def _replace(mapping: Any, key: str, value: Any) -> None:
+    """``mapping[key] = value`` in a ruamel document. A list or mapping replacing one is written into the old
+    object, which holds the line's end-of-line comment: a new object would drop it, and ruamel then joins the
+    next key onto that line (a corrupt params.yaml)."""
+    old = mapping[key]
+    if isinstance(old, list) and isinstance(value, list) and hasattr(old, "ca"):
+        del old[:]
+        old.extend(value)
+    elif isinstance(old, dict) and isinstance(value, dict) and hasattr(old, "ca"):
+        for k in list(old):
+            del old[k]
+        old.update(value)
+    else:
+        mapping[key] = value
 
 
 def exp_run_args(name: str, profiles_dir: Path = PROFILES_DIR) -> list[str]:
@@ -98,7 +119,7 @@ def exp_run_args(name: str, profiles_dir: Path = PROFILES_DIR) -> list[str]:
     out = []
     for key, value in leaves(load_profile(name, profiles_dir)):
         if key in WHOLE_VALUES:
-            if key == "prepare.train_mix" and isinstance(value, dict):
+            if key in SOURCE_KEYED and isinstance(value, dict):
                 value = [[source, weight] for source, weight in value.items()]
             out += ["-S", f"~{key}", "-S", f"+{key}={_hydra(value, key)}"]
             continue

@@ -11,7 +11,7 @@ import yaml
 from dspark_core.draft.stage import variant_configs
 from dspark_core.dmtd.config import DMTDConfig
 from dspark_core.data.prompts import PrepareConfig
-from dspark_core.profiles import WHOLE_VALUES, apply_profile, available, exp_run_args, leaves, load_profile
+from dspark_core.profiles import SOURCE_KEYED, WHOLE_VALUES, apply_profile, available, exp_run_args, leaves, load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,7 +52,7 @@ def test_exp_run_args_parse_back(name):
         if key in WHOLE_VALUES:  # deleted, then added whole (DVC would merge a mapping into params.yaml's)
             assert ("DEL", key) in parsed
             got = parsed[("ADD", key)]
-            assert (dict(got) if key == "prepare.train_mix" else got) == value, key
+            assert (dict(got) if key in SOURCE_KEYED else got) == value, key
             assert yaml.safe_load(yaml.safe_dump(got)) == got
         else:
             assert parsed[("CHANGE", key)] == value, key
@@ -100,3 +100,20 @@ def test_every_variant_of_every_profile_uses_the_frozen_engram_table(name, tmp_p
     for variant in [v for v in variants if isinstance(variants[v], dict)] or ["baseline"]:
         draft, _, _ = variant_configs(params, variant)
         assert draft.engram.source == "frozen", (name, variant)
+
+
+def test_profiles_applied_in_turn_keep_params_yaml_valid(tmp_path):
+    """A list a first profile set, emptied by a second (a mapping likewise): the line keeps its comment and the next
+    key its own line (ruamel dropped the comment token with a replaced list and joined the following key onto the
+    line: a params.yaml no stage could read)."""
+    (tmp_path / "a.yaml").write_text("bench_online:\n  peers: [hf_generate]\nvariant_dag:\n  warm: {x: baseline}\n")
+    (tmp_path / "b.yaml").write_text("bench_online:\n  peers: []\nvariant_dag:\n  warm: {}\n")
+    params = tmp_path / "params.yaml"
+    shutil.copy(ROOT / "params.yaml", params)
+    apply_profile("a", params, profiles_dir=tmp_path)
+    apply_profile("b", params, profiles_dir=tmp_path)
+    doc = yaml.safe_load(params.read_text())
+    assert doc["bench_online"]["peers"] == [] and doc["variant_dag"]["warm"] == {}
+    assert doc["bench_online"]["prompt_lookup_num_tokens"] == 10  # the key after it, on its own line
+    line = next(ln for ln in params.read_text().splitlines() if ln.strip().startswith("peers:"))
+    assert "# transformers' generate" in line

@@ -1,0 +1,198 @@
+"""A researcher's own target and data through DVC, offline, on CPU: a tiny random Qwen3 laid out as a hub repository
+in a hub cache (`target.source: hf_hub`), a ShareGPT file and an OpenAI-messages file of two-turn conversations
+(system messages too), through `dvc repro` of prepare -> regenerate (both turns answered) -> cache -> train ->
+eval_offline -> bench_online (two turns decoded); then the same project switched to `train.hidden_states: online`
+and `eval_offline.hidden_states: online` with `dvc exp run`, which trains the same draft bit for bit (CPU, float32)
+from a token-only store.
+
+What it checks: data/target holds no weights; every conversation's loss spans are its two answers and the cache's
+loss mask is exactly them; eval_offline and bench_online ran (greedy output identical to AR over both turns); the
+online run's store has no hidden states, and its draft weights and offline metrics equal the cache run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from dspark_core.profiles import apply_profile
+from dspark_core.testing import save_hub_repo, save_tiny_target
+
+pytestmark = pytest.mark.slow  # a whole DAG through DVC
+ROOT = Path(__file__).resolve().parent.parent
+DVC = [sys.executable, "-m", "dvc"]
+REPO_ID = "tiny-org/tiny-qwen3"
+
+TOPICS = ["rivers", "bread", "chess", "tides", "maps", "owls", "glass", "kites", "bees", "clocks", "ferns", "salt"]
+
+
+def _sharegpt(i: int, topic: str) -> dict:
+    conv = [{"from": "human", "value": f"Tell me one short fact about {topic}."},
+            {"from": "gpt", "value": f"Here is a fact about {topic}."},
+            {"from": "human", "value": f"Now say why {topic} matter, in a few words."},
+            {"from": "gpt", "value": "Because they do."}]
+    if i % 2:
+        conv.insert(0, {"from": "system", "value": "You answer briefly."})
+    return {"id": f"sg{i}", "conversations": conv}
+
+
+def _openai(i: int, topic: str) -> dict:
+    msgs = [{"role": "user", "content": f"Write a line of verse about {topic}."},
+            {"role": "assistant", "content": f"A line about {topic}."},
+            {"role": "user", "content": [{"type": "text", "text": f"And a second line about {topic}, please."}]}]
+    if i % 3 == 0:
+        msgs.insert(0, {"role": "system", "content": "You are a poet."})
+    return {"id": f"oa{i}", "messages": msgs}
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+OVERLAY = {
+    "target": {"source": "hf_hub", "model": REPO_ID, "revision": "main"},
+    "prepare": {"train_mix": {"jsonl:mydata/sharegpt.jsonl": 1, "jsonl:mydata/openai.jsonl": 1},
+                "eval_sources": {"math_word": [], "competition_math": [], "code": [],
+                                 "chat": ["jsonl:mydata/openai.jsonl"]},
+                "n_train": 8, "n_eval_per_domain": 2},
+    "regenerate": {"max_new_tokens": 12, "max_turns": 2, "batch_size": 4},
+    "cache": {"aux_layer_ids": [1, 3], "max_length": 256},
+    "draft": {"mask_token_id": 259, "num_anchors": 4},   # the tiny tokenizer's <|mask|>
+    "draft_vocab": {"report_sizes": [64, 128]},
+    "variants": {"baseline": {}},
+    "variant_dag": {"scratch": ["baseline"], "warm": {}},
+    "bench_online": {"datasets": ["chat"], "max_prompts": 1, "max_new_tokens": 8, "max_turns": 2, "peers": [],
+                     "max_len": 512},
+}
+
+
+def _env(hub: Path) -> dict:
+    return dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+                HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", DVC_NO_ANALYTICS="1",
+                GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t",
+                TQDM_DISABLE="1", PYTHONPATH=str(ROOT))
+
+
+def _run(cmd: list[str], cwd: Path, env: dict) -> str:
+    res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1500)
+    if res.returncode:
+        raise AssertionError(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}")
+    return res.stdout + res.stderr
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """A git + DVC project holding this repo's pipeline, the smoke profile, the overlay above and the two files; the
+    tiny target only in a hub cache outside it."""
+    tmp = tmp_path_factory.mktemp("yourdata")
+    hub = tmp / "hub"
+    save_hub_repo(hub, REPO_ID, save_tiny_target(tmp / "tiny_src", "qwen3"))
+    repo = tmp / "repo"
+    repo.mkdir()
+    for name in ("dvc.yaml", "params.yaml", "stages", "dspark_core", "profiles"):
+        src = ROOT / name
+        (shutil.copytree(src, repo / name, ignore=shutil.ignore_patterns("__pycache__")) if src.is_dir()
+         else shutil.copy(src, repo / name))
+    apply_profile("smoke", repo / "params.yaml")
+    overlay = tmp / "overlay"
+    overlay.mkdir()
+    (overlay / "yourdata.yaml").write_text(yaml.safe_dump(OVERLAY))
+    apply_profile("yourdata", repo / "params.yaml", overlay)
+    _write_jsonl(repo / "mydata/sharegpt.jsonl", [_sharegpt(i, t) for i, t in enumerate(TOPICS)])
+    _write_jsonl(repo / "mydata/openai.jsonl", [_openai(i, t) for i, t in enumerate(TOPICS)])
+    (repo / ".gitignore").write_text("/data/\n/dvc_plots/\n")
+    env = _env(hub)
+    _run(["git", "init", "-q"], repo, env)
+    _run(DVC + ["init", "-q"], repo, env)
+    shutil.copy(ROOT / ".dvcignore", repo / ".dvcignore")
+    _run(["git", "add", "-A"], repo, env)
+    _run(["git", "commit", "-qm", "your data"], repo, env)
+    out = _run(DVC + ["repro", "eval_offline@baseline", "bench_online@baseline"], repo, env)
+    yield repo, env, out
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _spans(row: dict) -> list[tuple[int, int]]:
+    return list(zip(row["span_starts"], row["span_ends"]))
+
+
+def test_hub_target_keeps_its_weights_out_of_the_project(project):
+    repo, _, out = project
+    assert {"target", "prepare", "regenerate", "cache", "train@baseline", "eval_offline@baseline",
+            "bench_online@baseline"} <= set(_ran(out))
+    assert not list((repo / "data/target").glob("*.safetensors"))
+    info = json.loads((repo / "data/target/target_info.json").read_text())
+    assert info["source"] == "hf_hub" and info["model"] == REPO_ID and len(info["commit"]) == 40
+    assert json.loads((repo / "data/target/fingerprint.json").read_text())["commit"] == info["commit"]
+
+
+def test_two_turn_conversations_train_on_both_answers(project):
+    import pyarrow.parquet as pq
+    import zarr
+
+    repo, _, _ = project
+    prompts = pq.read_table(repo / "data/prompts/train.parquet").to_pylist()
+    assert len(prompts) == 8 and {p["source"] for p in prompts} == {"jsonl:mydata/sharegpt.jsonl",
+                                                                     "jsonl:mydata/openai.jsonl"}
+    assert all(len(p["turns"]) == 2 and len(p["replies"]) >= 1 for p in prompts)
+    assert any(p["system"] for p in prompts) and any(p["system"] is None for p in prompts)
+    rows = pq.read_table(repo / "data/regen/train.parquet").to_pylist()
+    assert [r["num_turns"] for r in rows] == [2] * 8
+    for r in rows:
+        spans = _spans(r)
+        n = len(r["prompt_ids"]) + len(r["response_ids"])
+        assert len(spans) == 2 and spans[0][0] == len(r["prompt_ids"]) and spans[0][1] < spans[1][0] <= n
+        assert spans[1][1] == n  # the last answer ends the sample, its EOS included
+    store = zarr.open_group(str(repo / "data/cache/train.zarr"), mode="r")
+    offsets, order = np.asarray(store["offsets"][:]), np.asarray(store["source_index"][:])
+    mask = np.asarray(store["loss_mask"][:])
+    for n, row in enumerate(order):
+        want = np.zeros(offsets[n + 1] - offsets[n], dtype=np.uint8)
+        for a, b in _spans(rows[row]):
+            want[a:min(b, want.size)] = 1
+        np.testing.assert_array_equal(mask[offsets[n]:offsets[n + 1]], want)
+    assert "aux_hidden" in store.array_keys()
+
+
+def test_eval_and_two_turn_decoding_ran(project):
+    repo, _, _ = project
+    off = json.loads((repo / "reports/eval_offline/baseline.json").read_text())
+    assert 1.0 <= off["tau_prob"] <= 7.0
+    on = json.loads((repo / "reports/bench_online/baseline.json").read_text())["overall"]
+    assert on["num_generations"] == 2 and on["identical"] is True  # one conversation, both turns, greedy = AR
+
+
+def test_online_hidden_states_train_the_same_draft(project):
+    """The switch to online: the cache stage writes a token-only store, train and eval_offline run the target
+    themselves; the weights and the offline metrics equal the cache run's (the run starts afresh: its outputs are
+    removed first, so nothing is resumed)."""
+    repo, env, _ = project
+    weights = repo / "data/train/baseline/final/model.safetensors"
+    before = weights.read_bytes()
+    metrics_before = json.loads((repo / "reports/eval_offline/baseline.json").read_text())
+    shutil.rmtree(repo / "data/train/baseline")
+    out = _run(DVC + ["exp", "run", "-n", "online", "-S", "train.hidden_states=online", "-S",
+                      "eval_offline.hidden_states=online", "eval_offline@baseline"], repo, env)
+    assert {"cache", "train@baseline", "eval_offline@baseline"} <= set(_ran(out))
+    import zarr
+
+    store = zarr.open_group(str(repo / "data/cache/train.zarr"), mode="r")
+    assert "aux_hidden" not in store.array_keys() and "last_hidden" not in store.array_keys()
+    assert weights.read_bytes() == before
+    after = json.loads((repo / "reports/eval_offline/baseline.json").read_text())
+    for key in ("tau_prob", "accept_rate@0", "ce"):
+        assert after[key] == metrics_before[key], key
+
+
+def _ran(out: str) -> list[str]:
+    import re
+
+    return re.findall(r"Running stage '([^']+)'", out)
