@@ -94,7 +94,9 @@ from dspark_core.draft.packing import collate_packed, sample_places  # noqa: E40
 from dspark_core.draft.synthetic import random_item  # noqa: E402
 from dspark_core.draft.task import DSparkTrainModel, draft_denominators  # noqa: E402
 from dspark_core.errors import UserError  # noqa: E402
-from dspark_core.testing import QWEN3_4B_SHAPES  # noqa: E402
+from dspark_core.testing import QWEN3_4B_SHAPES, QWEN3_8B_SHAPES  # noqa: E402
+
+SHAPES = {"qwen3-4b": QWEN3_4B_SHAPES, "qwen3-8b": QWEN3_8B_SHAPES}  # --shape: the target's (and the draft's) widths
 from dspark_core.train.optim import MasterAdamW, TritonAdamW, optimizer_kernel  # noqa: E402
 from dspark_core.train.trainer import clip_and_step  # noqa: E402
 
@@ -103,17 +105,17 @@ AUX_LAYERS = (1, 9, 17, 25, 33)
 PRECISIONS = ("amp", "bf16_master", "bf16")  # the trainer's default, master weights, pure bf16 (benchmark only)
 
 
-def target_config(tiny: bool) -> Qwen3Config:
+def target_config(tiny: bool, shape: str = "qwen3-4b") -> Qwen3Config:
     if tiny:
         return Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=36,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
                            rope_theta=1e6, max_position_embeddings=8192)
-    return Qwen3Config(**QWEN3_4B_SHAPES)
+    return Qwen3Config(**SHAPES[shape])
 
 
 def build(args, precision: str,
           device: torch.device) -> tuple[DSparkTrainModel, torch.optim.Optimizer, list[torch.nn.Parameter]]:
-    tc = target_config(args.tiny)
+    tc = target_config(args.tiny, args.shape)
     cfg = draft_config(args, tc)
     frozen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     lm = torch.randn(tc.vocab_size, tc.hidden_size, device=device, dtype=frozen_dtype) * 0.02  # tied embed/LM head
@@ -148,7 +150,7 @@ def build_target(args, device: torch.device):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(1)
     with torch.device(device):  # the weights made where they run, in their dtype
-        model = AutoModelForCausalLM.from_config(target_config(args.tiny), dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(target_config(args.tiny, args.shape), dtype=dtype, attn_implementation="sdpa")
     return OnlineTarget(model, AUX_LAYERS, "bf16", dtype)
 
 
@@ -171,14 +173,14 @@ def optimizer_name(args, precision: str, device: torch.device) -> str:
 
 def make_item(args, length: int, device: torch.device, g: torch.Generator) -> dict[str, torch.Tensor]:
     """One random sample of ``length`` tokens (on the CPU; token ids from the draft vocabulary when reduced)."""
-    tc = target_config(args.tiny)
+    tc = target_config(args.tiny, args.shape)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return random_item(length, args.vocab_size or tc.vocab_size, len(AUX_LAYERS), tc.hidden_size,
                        prompt_len=max(1, length // 16), generator=g, dtype=dtype)
 
 
 def make_batch(args, length: int, device: torch.device, seed: int, online: bool = False) -> dict[str, torch.Tensor]:
-    tc = target_config(args.tiny)
+    tc = target_config(args.tiny, args.shape)
     g = torch.Generator().manual_seed(seed)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     vocab = args.vocab_size or tc.vocab_size  # token ids drawn from the draft vocabulary when it is reduced
@@ -235,7 +237,7 @@ def run_trainer(args, precision: str, length: int, device: torch.device, target=
     from dspark_core.draft.task import DSparkTask
     from dspark_core.train.trainer import TrainConfig, train
 
-    tc = target_config(args.tiny)
+    tc = target_config(args.tiny, args.shape)
     g = torch.Generator().manual_seed(0)
     lm = torch.randn(tc.vocab_size, tc.hidden_size, generator=g).mul_(0.02)  # tied embedding / LM head
     items = [make_item(args, length, device, g) for _ in range(3)]
@@ -244,7 +246,7 @@ def run_trainer(args, precision: str, length: int, device: torch.device, target=
         items = [{"input_ids": it["input_ids"], "loss_mask": it["loss_mask"], "forward_width": length,
                   "forward_padded": False} for it in items]
         online = {"online_target": lambda dev: target}
-    task = DSparkTask(draft_config(args, target_config(args.tiny)), loss_config(args, args.chunk[0]), target_config=tc,
+    task = DSparkTask(draft_config(args, target_config(args.tiny, args.shape)), loss_config(args, args.chunk[0]), target_config=tc,
                       embed_weight=lm, lm_head_weight=lm, aux_layer_ids=AUX_LAYERS, train_data=items, **online)
     stamps: list[float] = []
     total = args.warmup + args.steps
@@ -331,7 +333,7 @@ def run_length(args, precision: str, model, opt, params, length: int, device: to
         sync(device)
         forward_s = slowest((time.perf_counter() - t0) / args.steps, d)
         online = {"hidden_states": "online", "target_forward_s": forward_s, "target_share": forward_s / step_s,
-                  "target_tflop": target_tflop(target_config(args.tiny),
+                  "target_tflop": target_tflop(target_config(args.tiny, args.shape),
                                                mixed_lengths(args, length) if args.mixed else [length])}
     tokens = int(batches[0]["lengths"].sum()) if args.mixed else length  # a step's real tokens (first batch)
     row = {"precision": precision, "chunk": model.loss_cfg.vocab_chunk_slots, "L": length,
@@ -342,7 +344,7 @@ def run_length(args, precision: str, model, opt, params, length: int, device: to
            "packed_length": (args.packed_length or length) if args.packed else None, "rows": int(batches[0]["input_ids"].shape[0]),
            "warmup_s": warm_s, "valid_slots": int(batches[0]["slot_valid"].sum()),
            "anchor_width": int(batches[0]["anchors"].shape[1]), "world_size": d.world_size, **online}
-    row["model_tflop"] = step_tflop(target_config(args.tiny), model.draft, length, args.anchors, args.teacher_vocab)
+    row["model_tflop"] = step_tflop(target_config(args.tiny, args.shape), model.draft, length, args.anchors, args.teacher_vocab)
     if device.type == "cuda" and args.peak_tflops:
         row["mfu"] = (row["model_tflop"] + row.get("target_tflop", 0.0)) / step_s / args.peak_tflops
     if not args.tiny and target is None:  # the peers' reference steps are draft steps: beside the cache rows only
@@ -537,6 +539,8 @@ def device_time_shares(events, listed_us: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (smoke test)")
+    ap.add_argument("--shape", choices=tuple(SHAPES), default="qwen3-4b",
+                    help="the target's shapes (the draft takes its widths; 5 layers, aux layers [1, 9, 17, 25, 33])")
     ap.add_argument("--lengths", type=int, nargs="+", default=None, help="sequence lengths (default 2048 4096)")
     ap.add_argument("--anchors", type=int, default=None, help="anchors per sample (default 512; tiny 16)")
     ap.add_argument("--chunk", type=int, nargs="+", default=[512], help="loss.vocab_chunk_slots (one run each)")
@@ -617,6 +621,8 @@ def main() -> None:
     if args.baseline is not None and not args.baseline.is_file():
         raise SystemExit(f"--baseline {args.baseline}: file not found")
     args.lengths = args.lengths or ([64, 128] if args.tiny else [2048, 4096])
+    if args.shape != "qwen3-4b":
+        args.reference = []  # the peers' reference runs are at Qwen3-4B's shapes
     args.anchors = args.anchors or (16 if args.tiny else 512)
     args.slots = args.anchor_slots[0]  # the pass's draft.anchor_slots (the loops below set it)
     args.steps = args.steps or (2 if args.tiny else 10)
@@ -685,7 +691,7 @@ def bench_peers(args, device, rows: list[dict]) -> None:
     samples (rows appended, then each dspark row's ratios to the speculators row of its length and vocabulary)."""
     from dspark_core.bench.train_peers import SpeculatorsStep
 
-    tc = target_config(args.tiny)
+    tc = target_config(args.tiny, args.shape)
     torch.manual_seed(0)
     peer = SpeculatorsStep(tc, AUX_LAYERS, num_layers=5, block_size=7, anchors=args.anchors,
                            markov_rank=draft_config(args, tc).markov_rank, draft_vocab_size=args.vocab_size,
@@ -726,7 +732,7 @@ def run_peer(args, peer, length: int, device: torch.device) -> dict:
            "teacher_vocab": "draft" if args.vocab_size else "full", "step_s": step_s, "host_s": host_s,
            "tokens_per_s": length / step_s, "peak_gib": peak, "loss": float(loss), "warmup_s": warm_s,
            "trainable_params": peer.trainable_params, "world_size": 1, "chunk": None, "anchor_slots": "fixed",
-           "model_tflop": step_tflop(target_config(args.tiny), shape_draft(args), length, args.anchors,
+           "model_tflop": step_tflop(target_config(args.tiny, args.shape), shape_draft(args), length, args.anchors,
                                      "draft" if args.vocab_size else "full")}
     if device.type == "cuda" and args.peak_tflops:
         row["mfu"] = row["model_tflop"] / step_s / args.peak_tflops
@@ -735,7 +741,7 @@ def run_peer(args, peer, length: int, device: torch.device) -> dict:
 
 def shape_draft(args) -> DSparkDraft:
     """dspark's draft of this run's shapes on the meta device (no memory): what :func:`step_tflop` reads."""
-    tc = target_config(args.tiny)
+    tc = target_config(args.tiny, args.shape)
     with torch.device("meta"):
         lm = torch.empty(tc.vocab_size, tc.hidden_size)
         return DSparkDraft(draft_config(args, tc), tc, lm, lm, aux_layer_ids=AUX_LAYERS)

@@ -20,6 +20,8 @@ FAMILIES = ("qwen3", "qwen2", "llama")
 QWEN3_4B_SHAPES = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
                        rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6)
+# Qwen3-8B's: wider (4096 / 12288), the same 36 layers and heads, an untied LM head.
+QWEN3_8B_SHAPES = {**QWEN3_4B_SHAPES, "hidden_size": 4096, "intermediate_size": 12288, "tie_word_embeddings": False}
 
 # Specials appended after the 256 byte tokens.
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>", "<|pad|>")

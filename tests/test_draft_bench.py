@@ -216,3 +216,12 @@ def _bench_module():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def test_bench_train_step_shapes():
+    """``--shape``: the target (and so the draft's widths) at Qwen3-4B's or Qwen3-8B's shapes."""
+    bench = _bench_module()
+    four, eight = bench.target_config(False, "qwen3-4b"), bench.target_config(False, "qwen3-8b")
+    assert (four.hidden_size, four.intermediate_size, four.tie_word_embeddings) == (2560, 9728, True)
+    assert (eight.hidden_size, eight.intermediate_size, eight.tie_word_embeddings) == (4096, 12288, False)
+    assert eight.num_hidden_layers == four.num_hidden_layers == 36
