@@ -123,6 +123,25 @@ def test_a_sample_alone_at_its_batch_width_gets_the_batch_bits(model, one_thread
     assert any(own_width_differs)  # why online forwards pad to the cache batch's width
 
 
+def test_an_unpadded_forward_skips_the_packed_sequence_check(model, tmp_path, monkeypatch):
+    """transformers' packed-sequence check reads the device (``.all()``) in every forward given no mask; a Qwen3
+    target gets its mask mapping precomputed and never runs it; a Llama target, whose forward takes no mapping, does
+    (the same bits either way: the test above)."""
+    import transformers.masking_utils as masking
+
+    calls = []
+    real = masking.find_packed_sequence_indices
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda pos: calls.append(1) or real(pos))
+    seq = torch.arange(8, 40)
+    _alone(model, seq, 32, padded=False)
+    assert calls == []
+    llama = load_target(save_tiny_target(tmp_path / "llama", "llama"), dtype="float32")[0]
+    ids, valid = seq[None], torch.ones(1, 32, dtype=torch.bool)
+    with torch.no_grad():
+        capture_padded(llama, ids, valid, LAYERS, False)
+    assert calls == [1]
+
+
 def test_plan_widths_are_the_plan_batches_longest_and_padding():
     lengths = [96, 96, 96, 90, 61, 61, 40, 18]
     widths, padded = plan_widths(lengths, 200)

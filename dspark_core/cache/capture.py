@@ -116,6 +116,18 @@ def capture_batch(model: nn.Module, seqs: Sequence[torch.Tensor], layer_ids: Seq
     return capture_padded(model, ids.to(device), mask.to(device).bool(), layer_ids, padded)
 
 
+def unpadded_mask(model: nn.Module) -> dict[str, None] | None:
+    """The ``attention_mask`` of an SDPA forward whose rows hold no padding: no mask, so SDPA runs its causal kernel.
+
+    Given ``None``, transformers checks the position ids for packed sequences, a host read in every forward. A
+    model whose forward takes its masks precomputed by layer type (``config.layer_types``: Qwen3 and its kind) is
+    given ``{"full_attention": None}``, the mask transformers would have built, and skips that check; other models
+    (Llama) get ``None`` and pay the read.
+    """
+    types = getattr(model.config, "layer_types", None)
+    return {"full_attention": None} if types and set(types) == {"full_attention"} else None
+
+
 def capture_padded(model: nn.Module, ids: torch.Tensor, valid: torch.Tensor, layer_ids: Sequence[int],
                    padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward of ``ids [B, W]`` (on the model's device; ``valid [B, W]`` bool: False on right padding) ->
@@ -138,7 +150,7 @@ def capture_padded(model: nn.Module, ids: torch.Tensor, valid: torch.Tensor, lay
         causal = (pos.unsqueeze(1) >= pos.unsqueeze(0))[None, None]  # [1, 1, W, W]
         mask = causal & valid[:, None, None, :]  # [B, 1, W, W]
     else:
-        mask = None  # no row padded: the causal kernel, as transformers picks it for an all-ones mask
+        mask = unpadded_mask(model)  # no row padded: the causal kernel, as transformers picks it for all-ones
     with HiddenCapture(model, layer_ids) as cap:
         base(input_ids=ids, attention_mask=mask, use_cache=False)
     aux = torch.stack([cap.outputs[lid] for lid in layer_ids], dim=2)  # [B, W, K, H]
