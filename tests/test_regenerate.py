@@ -22,6 +22,7 @@ from dspark_core.data.regenerate import (RegenerateConfig, chat_prompt, mark_ans
                                          run_regenerate)
 from dspark_core.target import load_target
 from dspark_core.testing import save_tiny_target
+from _regen_utils import Recorder, greedy
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTIONS = ["What is 2 + 3?", "Name a color.", "Write a haiku about rain.", "hi",
@@ -46,7 +47,7 @@ def tiny(tmp_path_factory):
     target = save_tiny_target(root / "target", "qwen3")
     model, tok = load_target(target)
     _, ids = chat_prompt(tok, QUESTIONS[0])
-    first = _greedy_reference(model, ids, MAX_NEW, eos=-1)[2]
+    first = greedy(model, ids, MAX_NEW, eos=-1)[2]
     with torch.no_grad():
         head = model.lm_head.weight  # [V, H]
         head[tok.eos_token_id] = 2.0 * head[first]
@@ -59,20 +60,6 @@ def _cfg(target: Path, prompts: Path, out: Path, **kw) -> RegenerateConfig:
                 target_dir=str(target), prompts_dir=str(prompts), out_dir=str(out),
                 stats_path=str(out.parent / f"{out.name}_stats.json"))
     return RegenerateConfig.from_dict({**base, **kw})
-
-
-@torch.no_grad()
-def _greedy_reference(model, prompt_ids, max_new: int, eos: int) -> list[int]:
-    """Plain greedy decoding: full forward each step, no cache, no padding."""
-    ids = list(prompt_ids)
-    out: list[int] = []
-    for _ in range(max_new):
-        t = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-        out.append(t)
-        ids.append(t)
-        if t == eos:
-            break
-    return out
 
 
 def test_finalize_response():
@@ -94,7 +81,7 @@ def test_hf_greedy_equals_reference_loop(tiny, tmp_path):
     for r, q in zip(rows, QUESTIONS):
         text, ids = chat_prompt(tok, q)
         assert r["prompt_ids"] == ids and r["prompt_text"] == text and r["backend"] == "hf"
-        assert r["response_ids"] == _greedy_reference(model, ids, MAX_NEW, eos)
+        assert r["response_ids"] == greedy(model, ids, MAX_NEW, eos)
         assert r["response_text"] == tok.decode(r["response_ids"], skip_special_tokens=True)
         if r["finish_reason"] == "stop":
             assert r["response_ids"][-1] == eos and eos not in r["response_ids"][:-1]
@@ -117,27 +104,11 @@ def test_batching_and_system_prompt(tiny, tmp_path):
     assert s[0]["prompt_text"].startswith("<|im_start|>system\nBe brief.<|im_end|>")
 
 
-class _Recorder:
-    """Wraps a backend: records the ids of every batch, raises after ``fail_after`` batches."""
-
-    def __init__(self, inner, fail_after: int | None = None):
-        self.inner, self.name, self.fail_after, self.batches = inner, inner.name, fail_after, []
-
-    def generate(self, requests):
-        if self.fail_after is not None and len(self.batches) >= self.fail_after:
-            raise KeyboardInterrupt("killed")
-        self.batches.append([r.id for r in requests])
-        return self.inner.generate(requests)
-
-    def close(self):
-        self.inner.close()
-
-
-def _patch_backend(monkeypatch, fail_after=None) -> list[_Recorder]:
-    made: list[_Recorder] = []
+def _patch_backend(monkeypatch, fail_after=None) -> list[Recorder]:
+    made: list[Recorder] = []
 
     def make(*args, **kw):
-        made.append(_Recorder(_REAL_MAKE_BACKEND(*args, **kw), fail_after))
+        made.append(Recorder(_REAL_MAKE_BACKEND(*args, **kw), fail_after))
         return made[-1]
 
     monkeypatch.setattr(regen, "make_backend", make)

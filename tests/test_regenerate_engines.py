@@ -5,23 +5,25 @@ that fails its probe."""
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 import _fake_vllm
+from _regen_utils import CompletionServer
 from dspark_core.config import ParamsError
 from dspark_core.data.backends import openai_backend
 from dspark_core.data.prompts import Prompt, write_prompts
 from dspark_core.data.regenerate import RegenerateConfig, read_regen, run_regenerate
 from dspark_core.errors import UserError
 from dspark_core.testing import save_tiny_target
+
+def _answer(body: dict) -> str:
+    """A function of the request alone: the same answer from any server."""
+    return f"answer {len(body['prompt'])} {body['seed'] % 97}"
+
 
 QUESTIONS = [f"Question {i}: name {'many ' * i}colours." for i in range(10)]
 
@@ -92,60 +94,12 @@ def test_an_unknown_engine_argument_is_named():
 # ----------------------------------------------------------------------------------------------
 # OpenAI: several servers
 # ----------------------------------------------------------------------------------------------
-class _Server:
-    """A local OpenAI-style completions server whose answer is a function of the request alone (prompt, seed); it
-    records what it answered and the most requests it had in flight at once."""
-
-    def __init__(self, delay_s: float = 0.1) -> None:
-        record = self
-        self.bodies: list[dict] = []
-        self.in_flight = self.peak = 0
-        self.lock = threading.Lock()
-
-        class Handler(BaseHTTPRequestHandler):
-            def _send(self, obj: dict) -> None:
-                data = json.dumps(obj).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):  # noqa: N802
-                self._send({"object": "list", "data": [{"id": "stub-model"}]})
-
-            def do_POST(self):  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with record.lock:
-                    record.in_flight += 1
-                    record.peak = max(record.peak, record.in_flight)
-                time.sleep(delay_s)
-                with record.lock:
-                    record.in_flight -= 1
-                    record.bodies.append(body)
-                text = f"answer {len(body['prompt'])} {body['seed'] % 97}"
-                self._send({"choices": [{"index": 0, "text": text, "finish_reason": "stop"}]})
-
-            def log_message(self, *args):
-                return None
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=10)
-
-
 @pytest.fixture
 def servers():
-    made: list[_Server] = []
+    made: list[CompletionServer] = []
 
-    def make(n: int) -> list[_Server]:
-        made.extend(_Server() for _ in range(n))
+    def make(n: int) -> list[CompletionServer]:
+        made.extend(CompletionServer(_answer, delay_s=0.1) for _ in range(n))
         return made[-n:]
     yield make
     for s in made:

@@ -24,6 +24,7 @@ from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.errors import UserError
 from dspark_core.target import load_target, read_fingerprint
 from dspark_core.testing import save_tiny_target, tiny_tokenizer
+from _regen_utils import CompletionServer, Recorder, greedy
 
 MAX_NEW = 10
 CONVERSATIONS = [("What is 2 + 3?", "And times 4?"), ("Name a colour.", "Another one?", "A third?"),
@@ -39,19 +40,6 @@ def _ids(tok, text: str) -> list[int]:
 def _turn(role: str, content: str) -> str:
     """The simple template's message, by hand."""
     return f"{S}{role}\n{content}{E}\n"
-
-
-@torch.no_grad()
-def _greedy(model, prompt_ids, max_new: int, eos: int) -> list[int]:
-    """Plain greedy decoding: a full forward a step, no cache, no padding."""
-    ids, out = list(prompt_ids), []
-    for _ in range(max_new):
-        t = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-        out.append(t)
-        ids.append(t)
-        if t == eos:
-            break
-    return out
 
 
 def _write(prompts_dir: Path, prompts: list[Prompt]) -> Path:
@@ -77,34 +65,18 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("turns")
     target = save_tiny_target(root / "target", "qwen3")
     model, tok = load_target(target)
-    first = _greedy(model, _ids(tok, _turn("user", CONVERSATIONS[0][0]) + f"{S}assistant\n"), MAX_NEW, -1)[1]
+    first = greedy(model, _ids(tok, _turn("user", CONVERSATIONS[0][0]) + f"{S}assistant\n"), MAX_NEW, -1)[1]
     with torch.no_grad():
         model.lm_head.weight[tok.eos_token_id] = 2.0 * model.lm_head.weight[first]
     model.save_pretrained(target)
     return target, _prompts(root)
 
 
-class _Recorder:
-    """Wraps a backend: records every call's requests, raises after ``fail_after`` calls."""
-
-    def __init__(self, inner, fail_after: int | None = None):
-        self.inner, self.name, self.fail_after, self.calls = inner, inner.name, fail_after, []
-
-    def generate(self, requests):
-        if self.fail_after is not None and len(self.calls) >= self.fail_after:
-            raise KeyboardInterrupt("killed")
-        self.calls.append(list(requests))
-        return self.inner.generate(requests)
-
-    def close(self):
-        self.inner.close()
-
-
-def _patch_backend(monkeypatch, fail_after=None, make=None) -> list[_Recorder]:
-    made: list[_Recorder] = []
+def _patch_backend(monkeypatch, fail_after=None, make=None) -> list[Recorder]:
+    made: list[Recorder] = []
 
     def build(*args, **kw):
-        made.append(_Recorder((make or _REAL_MAKE_BACKEND)(*args, **kw), fail_after))
+        made.append(Recorder((make or _REAL_MAKE_BACKEND)(*args, **kw), fail_after))
         return made[-1]
 
     monkeypatch.setattr(regen, "make_backend", build)
@@ -117,8 +89,8 @@ def answered(tiny, tmp_path_factory):
     calls."""
     target, prompts = tiny
     out = tmp_path_factory.mktemp("answered") / "out"
-    made: list[_Recorder] = []
-    regen.make_backend = lambda *a, **kw: made.append(_Recorder(_REAL_MAKE_BACKEND(*a, **kw))) or made[-1]
+    made: list[Recorder] = []
+    regen.make_backend = lambda *a, **kw: made.append(Recorder(_REAL_MAKE_BACKEND(*a, **kw))) or made[-1]
     try:
         stats = run_regenerate(_cfg(target, prompts, out))
     finally:
@@ -210,7 +182,7 @@ def test_every_turn_answered_after_the_targets_own_answers(tiny, answered):
             text += _turn("user", user)
             ctx = _ids(tok, text + f"{S}assistant\n")
             assert asked[(f"c:{i}", k)] == ctx, (i, k)
-            answer = _greedy(model, ctx, MAX_NEW, eos)
+            answer = greedy(model, ctx, MAX_NEW, eos)
             reasons.append("stop" if answer[-1] == eos else "length")
         seq = row["prompt_ids"] + row["response_ids"]
         assert seq == ctx + answer
@@ -239,7 +211,7 @@ def test_max_turns_one_and_own_system_messages(tiny, answered, tmp_path):
     assert one[2] == three["c:2"]                                          # "hi": one turn either way
     for r, turns in zip(one, CONVERSATIONS):
         assert r["prompt_ids"] == _ids(tok, _turn("user", turns[0]) + f"{S}assistant\n")
-        assert r["response_ids"] == _greedy(model, r["prompt_ids"], MAX_NEW, tok.eos_token_id)
+        assert r["response_ids"] == greedy(model, r["prompt_ids"], MAX_NEW, tok.eos_token_id)
         assert _spans(r) == [(len(r["prompt_ids"]), len(r["prompt_ids"]) + len(r["response_ids"]))]
     settings = regen._settings(_cfg(target, prompts, tmp_path, max_turns=1), "fp")
     assert "max_turns" not in settings and "enable_thinking" not in settings
@@ -349,45 +321,17 @@ def test_qwen3_style_template_drops_earlier_thinking_and_keeps_the_last(tmp_path
 def test_openai_backend_answers_every_turn(tiny, tmp_path):
     """An OpenAI-compatible server (a local stub) gets each turn's context, as chat-templated text here
     (``openai_send_token_ids: false``), the earlier answers of the server in it."""
-    import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    bodies = []
-
-    class Stub(BaseHTTPRequestHandler):
-        def _send(self, obj):
-            data = json.dumps(obj).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):  # noqa: N802
-            self._send({"data": [{"id": "stub"}]})
-
-        def do_POST(self):  # noqa: N802
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            bodies.append(body)
-            self._send({"choices": [{"text": f"ans {body['prompt'].count(S + 'user')}", "finish_reason": "stop"}]})
-
-        def log_message(self, *args):
-            return None
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = CompletionServer(lambda body: f"ans {body['prompt'].count(S + 'user')}")
     target, _ = tiny
     tok = tiny_tokenizer()
     prompts = _write(tmp_path / "prompts", [Prompt("c", "test", ("u1", "u2"))])
     try:
         run_regenerate(_cfg(target, prompts, tmp_path / "out", backend="openai", openai_send_token_ids=False,
-                            openai_base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", openai_timeout_s=20))
+                            openai_base_url=server.url, openai_timeout_s=20))
     finally:
-        server.shutdown()
-        server.server_close()
+        server.stop()
     ctx2 = _turn("user", "u1") + f"{S}assistant\n" + f"ans 1{E}\n" + _turn("user", "u2") + f"{S}assistant\n"
-    assert [b["prompt"] for b in bodies] == [_turn("user", "u1") + f"{S}assistant\n", ctx2]
+    assert [b["prompt"] for b in server.bodies] == [_turn("user", "u1") + f"{S}assistant\n", ctx2]
     (row,) = read_regen(tmp_path / "out" / "eval.parquet")
     assert row["prompt_ids"] + row["response_ids"] == _ids(tok, ctx2 + f"ans 2{E}")
     assert [tok.decode((row["prompt_ids"] + row["response_ids"])[a:b]) for a, b in _spans(row)] == [f"ans 1{E}",
