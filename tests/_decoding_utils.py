@@ -51,6 +51,28 @@ def chisquare_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
 
 
 @torch.no_grad()
+def exact_marginals(model: torch.nn.Module, prompt, params, new: int, chunk: int = 4096) -> list[torch.Tensor]:
+    """The target's processed distribution of each of its first ``new`` sampled tokens after ``prompt``,
+    marginalised over the tokens before it: [new] x [V] float64, by enumerating every prefix of nonzero probability
+    (plain HF forwards in float32, no KV cache: tiny models)."""
+    from dspark_core.decoding.sampling import logits_to_probs
+
+    dev = next(model.parameters()).device
+    prefixes = torch.tensor([list(prompt)], device=dev)  # [R, L]
+    mass = torch.ones(1, dtype=torch.float64, device=dev)  # [R]
+    out = []
+    for _ in range(new):
+        nxt = torch.cat([logits_to_probs(model(prefixes[i:i + chunk]).logits[:, -1], params).double()
+                         for i in range(0, len(prefixes), chunk)])  # [R, V]
+        joint = mass[:, None] * nxt  # [R, V]
+        out.append(joint.sum(0).cpu())
+        row, tok = joint.nonzero(as_tuple=True)
+        prefixes = torch.cat([prefixes[row], tok[:, None]], dim=1)
+        mass = joint[row, tok]
+    return out
+
+
+@torch.no_grad()
 def greedy_continuations(model: torch.nn.Module, prompts, max_new_tokens: int) -> list[list[int]]:
     """The target's own greedy continuation of each prompt (plain HF forwards, no KV cache: tiny models)."""
     device = next(model.parameters()).device

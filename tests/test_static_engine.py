@@ -7,13 +7,15 @@ target kernels under Triton's interpreter. The CUDA-graph case runs on a GPU onl
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 
 import pytest
 import torch
 
-from _decoding_utils import assert_partial_acceptance, chisquare_pvalue, fit_draft_to_target, greedy_continuations
+from _decoding_utils import (assert_partial_acceptance, chisquare_pvalue, exact_marginals, fit_draft_to_target,
+                             greedy_continuations)
 from _decoding_utils import one_thread, untuned_kernels  # noqa: F401 (fixtures)
 from dspark_core.draft import DraftConfig, DSparkDraft
 from dspark_core.decoding.ar import ARDecoder
@@ -169,33 +171,11 @@ def test_static_sampling_matches_the_targets_distribution(cut):
         assert min(r for run in runs for r in run.proposal_lengths) < BLOCK
 
 
-@torch.no_grad()
-def _exact_marginals(model, params: SamplingParams, new: int, chunk: int = 4096) -> list[torch.Tensor]:
-    """The target's processed distribution of each of its first ``new`` sampled tokens after PROMPT, marginalised
-    over the tokens before it: [new] x [V] float64, by enumerating every prefix of nonzero probability (plain
-    HF forwards in float32, no KV cache: tiny models)."""
-    from dspark_core.decoding.sampling import logits_to_probs
-
-    dev = next(model.parameters()).device
-    prefixes = torch.tensor([PROMPT], device=dev)  # [R, L]
-    mass = torch.ones(1, dtype=torch.float64, device=dev)  # [R]
-    out = []
-    for _ in range(new):
-        nxt = torch.cat([logits_to_probs(model(prefixes[i:i + chunk]).logits[:, -1], params).double()
-                         for i in range(0, len(prefixes), chunk)])  # [R, V]
-        joint = mass[:, None] * nxt  # [R, V]
-        out.append(joint.sum(0).cpu())
-        row, tok = joint.nonzero(as_tuple=True)
-        prefixes = torch.cat([prefixes[row], tok[:, None]], dim=1)
-        mass = joint[row, tok]
-    return out
-
-
 def _check_sampled_distribution(runner, draft, exact=None, new: int = 4, params=None, **kw):
     """Output tokens 1..new-1 of the static engine (sampling) against the target's distribution.
 
     ``exact`` (the target, float32): a one-sample chi-square of 400 engine outputs against its exact marginals
-    (:func:`_exact_marginals`) -- the power of a two-sample test of 800 engine vs 800 AR outputs (noncentrality
+    (:func:`exact_marginals`) -- the power of a two-sample test of 800 engine vs 800 AR outputs (noncentrality
     n1 n2 / (n1 + n2) = 400 times the same divergence) at a quarter of the generations. Else (bf16, where only the
     runner's own rounding is the reference): a two-sample chi-square of 800 engine outputs vs 800 AR outputs
     sampled on ``runner``."""
@@ -208,7 +188,7 @@ def _check_sampled_distribution(runner, draft, exact=None, new: int = 4, params=
     assert 0 < sum(accepted) and min(accepted) == 0  # acceptances and rejections
     spec = torch.tensor([r.tokens[:new] for r in spec_runs])  # [n, new]
     if exact is not None:
-        marginals = _exact_marginals(exact, params, new)
+        marginals = exact_marginals(exact, PROMPT, params, new)
         for j in range(1, new):
             assert chisquare_pvalue(spec[:, j].numpy(), marginals[j].numpy()) > 1e-3, j
         return spec_runs
@@ -584,8 +564,14 @@ def test_static_refuses_what_it_cannot_do():
 
     variant = Variant(draft.cfg, model.config, model.get_input_embeddings().weight,
                       model.get_output_embeddings().weight, aux_layer_ids=(0, 2, 4))
-    with pytest.raises(ValueError, match="score_candidates"):
-        StaticSpeculativeDecoder(runner, variant)
+    with pytest.raises(ValueError, match="draft trees run on one row with a baseline draft.*score_candidates"):
+        StaticSpeculativeDecoder(runner, variant, tree_branches=((1, 1),))
+    assert not StaticSpeculativeDecoder(runner, variant).single  # a variant's hooks run on the rows path
+    with pytest.raises(ValueError, match="confidence head"):
+        StaticSpeculativeDecoder(runner, DSparkDraft(dataclasses.replace(draft.cfg, confidence_head=False),
+                                                     model.config, model.get_input_embeddings().weight,
+                                                     model.get_output_embeddings().weight, aux_layer_ids=(0, 2, 4)),
+                                 proposal="confidence")
     with pytest.raises(ValueError, match="max_len=96"):
         StaticSpeculativeDecoder(runner, draft).generate(list(range(10)) * 6, 40)
 

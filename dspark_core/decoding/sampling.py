@@ -161,20 +161,32 @@ def rejection_step(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_
     """``verify_rejection`` on the device, for the static engine's cycle: ``target_probs [S+1, V]`` (p),
     ``draft_probs [S, V]`` (q), ``draft_tokens [S]`` drawn from q, of which the first ``num_proposed`` ([] long,
     the confidence cut) count; ``u [S]`` and ``race [V]`` U[0, 1) draws. Returns the accepted prefix ``a`` []
-    and the next token []: from ``normalize(max(p_a - q_a, 0))`` after a rejection, from ``p_a`` when every
-    counted slot was accepted (rows past the cut have no q). No host reads, static shapes."""
-    s = draft_tokens.shape[0]
-    live = torch.arange(s, device=draft_tokens.device) < num_proposed  # [S]
+    and the next token [] (:func:`rejection_rows` of one row)."""
+    a, token = rejection_rows(target_probs[None], draft_probs[None], draft_tokens[None], num_proposed.view(1),
+                              u[None], race[None])
+    return a[0], token[0]
+
+
+def rejection_rows(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
+                   num_proposed: torch.Tensor, u: torch.Tensor, race: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact rejection sampling of R independent rows on the device: ``target_probs [R, S+1, V]`` (p),
+    ``draft_probs [R, S, V]`` (q), ``draft_tokens [R, S]`` drawn from q, of which the first ``num_proposed [R]``
+    count; ``u [R, S]`` and ``race [R, V]`` U[0, 1) draws. Returns the accepted prefixes ``a [R]`` and the next
+    tokens [R]: from ``normalize(max(p_a - q_a, 0))`` after a rejection, from ``p_a`` when every counted slot was
+    accepted (rows past the cut have no q). No host reads, static shapes."""
+    rows, s, vocab = draft_probs.shape
+    live = torch.arange(s, device=draft_tokens.device) < num_proposed.view(rows, 1)  # [R, S]
     p = target_probs.float()
-    q = draft_probs.float() * live[:, None]  # [S, V]
-    idx = draft_tokens.view(s, 1)
-    p_tok, q_tok = p[:s].gather(1, idx)[:, 0], q.gather(1, idx)[:, 0]  # [S]
-    accepted = ((u * q_tok < p_tok) & live).long().cumprod(dim=0).sum()  # []
-    row = accepted.view(1)
-    p_row = p.index_select(0, row)[0]  # [V]
-    q_row = torch.cat([q, torch.zeros_like(p[:1])]).index_select(0, row)[0]  # [V]; row S: no q
+    q = draft_probs.float() * live[..., None]  # [R, S, V]
+    idx = draft_tokens.view(rows, s, 1)
+    p_tok, q_tok = p[:, :s].gather(2, idx)[..., 0], q.gather(2, idx)[..., 0]  # [R, S]
+    accepted = ((u * q_tok < p_tok) & live).long().cumprod(dim=1).sum(dim=1)  # [R]
+    at = accepted.view(rows, 1, 1).expand(rows, 1, vocab)
+    p_row = p.gather(1, at)[:, 0]  # [R, V]
+    q_row = torch.cat([q, torch.zeros_like(p[:, :1])], dim=1).gather(1, at)[:, 0]  # [R, V]; row S: no q
     residual = (p_row - q_row).clamp_min(0.0)
-    mass = residual.sum()
+    mass = residual.sum(dim=-1, keepdim=True)  # [R, 1]
     dist = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_row)  # p == q: a rejection has prob. 0
     return accepted, race_sample(dist, race)
 

@@ -79,10 +79,15 @@ def draft_kernels_problem(draft: DSparkDraft) -> str | None:
 class StaticDraft:
     """Static context cache + greedy propose of a baseline ``DSparkDraft`` (see the module docstring)."""
 
-    def __init__(self, draft: DSparkDraft, max_len: int, *, kernels: bool = False) -> None:
+    def __init__(self, draft: DSparkDraft, max_len: int, *, kernels: bool = False, rows: int = 1,
+                 hooks: bool = False) -> None:
         problem = static_draft_problem(draft)
-        if problem:
+        if problem and not hooks:
             raise ValueError(f"the static draft path does not apply: {problem} (use the reference engine)")
+        if problem and kernels:
+            raise ValueError(f"StaticDraft(kernels=True) does not apply: {problem}")
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1; got {rows}")
         if kernels:
             problem = draft_kernels_problem(draft)
             if problem:
@@ -94,9 +99,10 @@ class StaticDraft:
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.eps = float(draft.hf_config.rms_norm_eps)
         self.alloc = -(-int(max_len) // 16) * 16
-        shape = (len(draft.layers), 1, self.num_kv_heads, self.alloc, self.head_dim)
-        self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)  # [nl, 1, nkv, M, d]
-        self.v = torch.zeros(shape, device=self.device, dtype=self.dtype)  # [nl, 1, nkv, M, d]
+        self.rows = int(rows)
+        shape = (len(draft.layers), self.rows, self.num_kv_heads, self.alloc, self.head_dim)
+        self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)  # [nl, R, nkv, M, d]
+        self.v = torch.zeros(shape, device=self.device, dtype=self.dtype)  # [nl, R, nkv, M, d]
         self.key_pos = torch.arange(self.alloc, device=self.device)  # [M]
         self.slots = torch.arange(s, device=self.device)  # [S]
         self.block_visible = torch.ones(s, dtype=torch.bool, device=self.device)  # [S]
@@ -118,6 +124,42 @@ class StaticDraft:
             self.q_stats = torch.zeros(s, 2, device=self.device, dtype=torch.float32)  # [S, 2] (max, mass) of q
             self.q_draft = None if self.vocab is None else \
                 torch.zeros(s, self.vocab.size, device=self.device, dtype=torch.float32)  # [S, Vd] scaled logits
+
+    # -- request rows (the batched engine: any number of rows, variant hooks, eager or captured) ------------
+    @torch.no_grad()
+    def extend_rows(self, aux_hidden: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> None:
+        """Write the context K/V of aux_hidden [T, K, Ht] of tokens at (``rows [T]``, ``pos [T]``) (device; a
+        (row, position) may repeat with the same hidden: padding)."""
+        draft, t = self.draft, aux_hidden.shape[0]
+        c = draft.context_features(aux_hidden.to(self.device).unsqueeze(0))  # [1, T, H]
+        rope = draft.rope(c, pos.view(1, t))
+        for i, layer in enumerate(draft.layers):
+            k, v = layer.self_attn.project_kv(c, rope)  # [1, nkv, T, d]
+            self.k[i][rows, :, pos] = k[0].transpose(0, 1).to(self.dtype)  # [T, nkv, d]
+            self.v[i][rows, :, pos] = v[0].transpose(0, 1).to(self.dtype)
+
+    @torch.no_grad()
+    def block_rows(self, anchor: torch.Tensor, p: torch.Tensor, extras=None) -> torch.Tensor:
+        """One block per row: anchor [R] at position p [R], over the row's cached context (keys < p), the
+        variant's extra K/V (hook 3; entries with owner < 0 hidden) and the block itself (bidirectional) ->
+        final draft states h [R, S, H]. ``extras``: what the variant hooks read (``DSparkDraft.rows_extras``)."""
+        draft, s, r = self.draft, self.block_size, anchor.shape[0]
+        x = draft._block_states(anchor.view(r, 1), extras)  # [R, S, H] (hook 1)
+        rope = draft.rope(x, p.view(r, 1) + self.slots)  # RoPE at p .. p+S-1
+        visible = [self.key_pos.unsqueeze(0) < p.view(r, 1)]  # [R, M] the row's context
+        extra = draft.extra_kv(extras, p.view(r, 1), torch.ones(r, 1, dtype=torch.bool, device=p.device))
+        extra_rope = None
+        if extra is not None:
+            extra_rope = draft.rope(extra.states, extra.positions)
+            visible.append(extra.owner >= 0)  # [R, E]
+        visible.append(self.block_visible.expand(r, s))  # [R, S]
+        mask = AttentionMask(dense=torch.cat(visible, dim=1)[:, None, None, :].expand(r, 1, s, -1))
+        for i, layer in enumerate(draft.layers):
+            prefix = [(self.k[i][:r], self.v[i][:r])]  # [R, nkv, M, d]
+            if extra is not None:
+                prefix.append(layer.self_attn.project_kv(extra.states, extra_rope))
+            x = layer(x, prefix, rope, mask)
+        return draft.norm(x)  # [R, S, H]
 
     # -- context --------------------------------------------------------------------------------
     @torch.no_grad()

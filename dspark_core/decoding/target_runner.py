@@ -280,10 +280,14 @@ class _Graph:
 
 @dataclass(frozen=True)
 class _Path:
-    """How a forward is computed: the layer and head functions, eager or compiled."""
+    """How a forward is computed: the layer and head functions, eager or compiled, and the layer's two halves
+    around the attention (``pre`` / ``post``: what a step of several request rows composes with its own
+    attention, :meth:`TargetRunner.step_rows`)."""
 
     layer_fn: Callable[..., torch.Tensor]
     head_fn: Callable[..., torch.Tensor]
+    pre_fn: Callable[..., Any] = attention_inputs
+    post_fn: Callable[..., torch.Tensor] = attention_output_and_mlp
 
 
 class FusedWeights(NamedTuple):
@@ -386,8 +390,8 @@ class TargetRunner:
         self._eager = _Path(decoder_layer, lm_head)  # the prompt (any length)
         self._fast = self._eager  # decode / verify chunks (graph-captured on CUDA)
         if compile:
-            layer = make_layer_fn(_compiled(attention_inputs), _compiled(attention_output_and_mlp))
-            self._fast = _Path(layer, _compiled(lm_head))
+            pre, post = _compiled(attention_inputs), _compiled(attention_output_and_mlp)
+            self._fast = _Path(make_layer_fn(pre, post), _compiled(lm_head), pre, post)
         self.cuda_graph = cuda_graph
         self.graph_max_tokens = int(graph_max_tokens)
         self._graphs: dict[int, _Graph] = {}
@@ -494,6 +498,87 @@ class TargetRunner:
         return torch.cat(logits_parts, dim=1), torch.cat(aux_parts, dim=1)
 
     @torch.no_grad()
+    def prefill_row(self, row: int, ids: torch.Tensor, *, chunk_tokens: int = 2048
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Process the prompt ``ids [1, n]`` into request row ``row`` of the cache (positions 0 .. n-1; the other
+        rows untouched, the host length too) -> the last logits ``[1, 1, V]`` and ``aux [1, n, K, H]``.
+        Eager, in chunks of ``chunk_tokens``: what a batched engine runs when a request takes a free row."""
+        if not 0 <= row < self.batch_size:
+            raise ValueError(f"row must be in [0, {self.batch_size}); got {row}")
+        if ids.dim() != 2 or ids.shape[0] != 1 or not 1 <= ids.shape[1] <= self.max_len:
+            raise ValueError(f"ids must have shape [1, n] with 1 <= n <= max_len={self.max_len}; got {tuple(ids.shape)}")
+        ids = ids.to(self.device, torch.long)
+        caches = (self.k_cache[:, row : row + 1], self.v_cache[:, row : row + 1])  # [L, 1, Hkv, M, D] views
+        n, logits, aux_parts = ids.shape[1], None, []
+        for start in range(0, n, chunk_tokens):
+            final = start + chunk_tokens >= n
+            pos = self._key_pos[start : min(start + chunk_tokens, n)]  # [n_chunk]
+            logits, aux = self._step(ids[:, start : start + chunk_tokens], pos, head="last" if final else "none",
+                                     path=self._eager, kernels=False, caches=caches)
+            aux_parts.append(aux)
+        return logits, torch.cat(aux_parts, dim=1)
+
+    def step_rows(self, ids: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor, width: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward T tokens of several request rows in one step, with no host sync and static shapes (what a
+        batched engine captures in a CUDA graph): token t is the ``cols[t]``-th of row ``rows[t]``'s tokens in
+        this step (< ``width``, the most any row has), at position ``pos[t]``, attending to that row's cache at
+        positions <= ``pos[t]`` (its own K/V written first). ``ids``, ``rows``, ``pos``, ``cols`` are [T] device
+        tensors; a token may repeat another's (row, position) with the same id (padding: the same K/V written
+        twice). -> ``logits [T, V]``, ``aux [T, K, H]``. One row (``batch_size`` 1) with the Triton kernels runs
+        their step; otherwise the torch step (``_rows_torch``)."""
+        if self.kernels and self.batch_size == 1 and ids.shape[0] <= self._kernel_max_tokens():
+            logits, aux = self._kernel_step(ids.view(1, -1), pos)  # [1, T, V], [1, T, K, H]
+            return logits[0], aux[0]
+        return self._rows_torch(ids, rows, pos, cols, width)
+
+    def _rows_torch(self, ids: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor, width: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``step_rows`` in torch: the products over the flat [T] tokens, the attention in a padded
+        [B, width] layout per row (``_rows_attention``)."""
+        path, spec = self._fast, self._spec
+        x = F.embedding(ids, self._embed_w).unsqueeze(0)  # [1, T, H]
+        cos, sin = self._cos.index_select(0, pos), self._sin.index_select(0, pos)  # [T, D]
+        slot = rows * width + cols  # [T] place in the padded layout
+        bias = self._rows_bias(slot, pos, width, x.dtype)  # [B, 1, G*W, M]
+        collected: dict[int, torch.Tensor] = {-1: x} if -1 in self.aux_layer_ids else {}
+        for layer, w in enumerate(self._layers):
+            q, k, v = path.pre_fn(x, w, cos, sin, spec)  # [1, Hq, T, D], [1, Hkv, T, D] x 2
+            attn = self._rows_attention(q[0], k[0], v[0], layer, rows, pos, slot, width, bias)  # [1, Hq, T, D]
+            x = path.post_fn(x, attn, w, spec)
+            if layer in self.aux_layer_ids:
+                collected[layer] = x
+        aux = self._stack_aux(collected, x)[0]  # [T, K, H]
+        return path.head_fn(x, self._norm_w, self._head_w, self._head_b, spec)[0], aux
+
+    def _rows_bias(self, slot: torch.Tensor, pos: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask ``[B, 1, G*W, M]`` of the padded layout: a token's place sees keys <= its position; an
+        empty place sees key 0 only (its output is never read; no row may be fully masked)."""
+        m, b = self._alloc_len, self.batch_size
+        visible = self._key_pos.unsqueeze(0) <= pos.unsqueeze(1)  # [T, M]
+        tok = torch.zeros(visible.shape, dtype=dtype, device=self.device).masked_fill(~visible, float("-inf"))
+        bias = torch.full((b * width, m), float("-inf"), dtype=dtype, device=self.device)
+        bias[:, 0] = 0.0
+        bias.index_copy_(0, slot, tok)  # [B*W, M]
+        group = self.num_heads // self.num_kv_heads
+        return bias.view(b, width, m).repeat(1, group, 1).unsqueeze(1)  # [B, 1, G*W, M], rows in (g, w) order
+
+    def _rows_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, rows: torch.Tensor,
+                        pos: torch.Tensor, slot: torch.Tensor, width: int, bias: torch.Tensor) -> torch.Tensor:
+        """q [Hq, T, D], k / v [Hkv, T, D] of the step's tokens: K/V written at (row, position) of the layer's
+        cache, then each row's queries in a padded [B, width] layout over its own cache -> [1, Hq, T, D]."""
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]  # [B, Hkv, M, D]
+        k_cache[rows, :, pos] = k.transpose(0, 1)  # [T, Hkv, D]
+        v_cache[rows, :, pos] = v.transpose(0, 1)
+        hq, t, d = q.shape
+        b = self.batch_size
+        padded = q.new_zeros(b * width, hq, d).index_copy_(0, slot, q.transpose(0, 1))  # [B*W, Hq, D]
+        padded = padded.view(b, width, hq, d).transpose(1, 2)  # [B, Hq, W, D]
+        out = _attend(padded, k_cache, v_cache, bias, self._spec.scaling)  # [B, Hq, W, D]
+        out = out.transpose(1, 2).reshape(b * width, hq, d).index_select(0, slot)  # [T, Hq, D]
+        return out.transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
+
+    @torch.no_grad()
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``ids [B, n]`` at the current length -> ``logits [B, n, V]``, ``aux [B, n, K, H]``."""
         ids = self._check_ids(ids)
@@ -529,13 +614,14 @@ class TargetRunner:
         return logits, aux
 
     def _step(self, ids: torch.Tensor, pos: torch.Tensor, *, head: str = "all", path: _Path | None = None,
-              kernels: bool | None = None, tree: tuple[torch.Tensor, torch.Tensor] | None = None
-              ) -> tuple[torch.Tensor | None, torch.Tensor]:
+              kernels: bool | None = None, tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+              caches: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The sync-free forward of ``ids [B, n]`` at positions ``pos [n]`` (a device tensor).
 
         ``head``: "all" (logits for every position), "last" (only the last) or "none". ``tree = (offset [n],
         back [n])``: the rows are a draft tree's (``dspark_core.decoding.tree``): row t at logical position pos[t],
-        written to slot pos[t] + offset[t], attending to its ancestors only (batch 1)."""
+        written to slot pos[t] + offset[t], attending to its ancestors only (batch 1). ``caches`` (the torch path):
+        K / V caches ``[L, B, Hkv, M, D]`` other than the runner's own (a view of one request row's, prefill_row)."""
         kernels = self.kernels if kernels is None else kernels  # graph capture: the runner's choice
         if kernels and ids.shape[1] <= self._kernel_max_tokens():
             return self._kernel_step(ids, pos, head=head, tree=tree)
@@ -548,9 +634,10 @@ class TargetRunner:
         bias = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill(~visible, float("-inf"))
         bias = bias.repeat(group, 1)  # [G*n, M], rows in the folded (group, position) order
         cos, sin = self._cos.index_select(0, pos), self._sin.index_select(0, pos)  # [n, D]
+        k_cache, v_cache = caches if caches is not None else self.caches  # [L, B, Hkv, M, D]
         collected: dict[int, torch.Tensor] = {-1: x} if -1 in self.aux_layer_ids else {}
         for layer, w in enumerate(self._layers):
-            x = path.layer_fn(x, w, self.k_cache[layer], self.v_cache[layer], cos, sin, pos, bias, self._spec)
+            x = path.layer_fn(x, w, k_cache[layer], v_cache[layer], cos, sin, pos, bias, self._spec)
             if layer in self.aux_layer_ids:
                 collected[layer] = x
         aux = self._stack_aux(collected, x)  # [B, n, K, H]

@@ -127,18 +127,28 @@ def _confident_prefix(confidence: torch.Tensor, threshold: float) -> int:
 @torch.no_grad()
 def propose(draft: BlockDraft, cache: ContextCache, anchor_token: torch.Tensor, sample_fn: SampleFn,
             confidence_threshold: float = 0.0, extras: Mapping[str, Any] | None = None) -> DraftProposal:
-    """One block at anchor position ``cache.length``; tokens chosen slot by slot by ``sample_fn``.
-
-    Slot i: ``logits = lm_head(h_i) + W2 u_i`` (u_i from ``markov_step`` on ``m_i = W1[t_{i-1}]``; ``t_0`` = anchor,
-    later the chosen tokens), then the
-    candidate-scoring hook, then ``sample_fn(logits [B, V]) -> (token [B], probs [B, V])``. The proposal is
-    cut before the first slot whose confidence is below ``confidence_threshold`` (0 keeps all S slots;
-    with B > 1 the earliest cut over the batch).
+    """One block at anchor position ``cache.length``; tokens chosen slot by slot by ``sample_fn``
+    (:func:`choose_tokens`). The proposal is cut before the first slot whose confidence is below
+    ``confidence_threshold`` (0 keeps all S slots; with B > 1 the earliest cut over the batch).
     """
     if not 0.0 <= confidence_threshold <= 1.0:
         raise ValueError(f"confidence_threshold must be in [0, 1]; got {confidence_threshold!r}")
     anchor_token = anchor_token.reshape(-1).to(cache.k.device)  # [B]
     hidden = draft.forward_block(cache, anchor_token, extras)  # [B, S, H]
+    tokens, probs, confidence = choose_tokens(draft, hidden, anchor_token, sample_fn, extras)
+    n = _confident_prefix(confidence, confidence_threshold)
+    return DraftProposal(tokens=tokens[:, :n], probs=probs[:, :n], confidence=confidence, num_tokens=n,
+                         hidden=hidden)
+
+
+def choose_tokens(draft: BlockDraft, hidden: torch.Tensor, anchor_token: torch.Tensor, sample_fn: SampleFn,
+                  extras: Mapping[str, Any] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The block's tokens from its final states ``hidden [B, S, H]`` after ``anchor_token [B]``, slot by slot:
+    ``logits = lm_head(h_i) + W2 u_i`` (u_i from ``markov_step`` on ``m_i = markov_features(t_{i-1})``; ``t_0`` =
+    the anchor, later the chosen tokens), then the candidate-scoring hook, then ``sample_fn(logits [B, V]) ->
+    (token [B], probs [B, V] | None)``. -> tokens [B, S], probs [B, S, V] (None when sample_fn gives none: a
+    greedy pick), confidence [B, S] (sigmoid of the confidence head; ones without one)."""
     base = draft.slot_logits(hidden)  # [B, S, V] float32
     prev, prefix = anchor_token, anchor_token.unsqueeze(1)  # [B], [B, 1]
     tokens, probs, conf, state = [], [], [], None
@@ -158,7 +168,5 @@ def propose(draft: BlockDraft, cache: ContextCache, anchor_token: torch.Tensor, 
         probs.append(prob)
         conf.append(torch.sigmoid(c) if c is not None else torch.ones_like(logits[:, 0]))
         prev, prefix = tok, torch.cat([prefix, tok.unsqueeze(1)], dim=1)
-    confidence = torch.stack(conf, dim=1)  # [B, S]
-    n = _confident_prefix(confidence, confidence_threshold)
-    return DraftProposal(tokens=torch.stack(tokens, dim=1)[:, :n], probs=torch.stack(probs, dim=1)[:, :n],
-                         confidence=confidence, num_tokens=n, hidden=hidden)
+    stacked = None if probs[0] is None else torch.stack(probs, dim=1)  # [B, S, V]
+    return torch.stack(tokens, dim=1), stacked, torch.stack(conf, dim=1)

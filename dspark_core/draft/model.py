@@ -459,6 +459,33 @@ class DSparkDraft(nn.Module):
                 confidence_threshold: float = 0.0, extras: Mapping[str, Any] | None = None) -> inference.DraftProposal:
         return inference.propose(self, cache, anchor_token, sample_fn, confidence_threshold, extras)
 
+    # -- batched online decoding (the fast engine's request rows, dspark_core/decoding/static_engine.py) ----------
+    def rows_state(self, rows: int, device: Any) -> dict[str, torch.Tensor]:
+        """A variant's online state for ``rows`` request rows, kept by the engine across cycles (the baseline has
+        none)."""
+        return {}
+
+    def rows_extras(self, state: dict[str, torch.Tensor], seq: torch.Tensor | None, p: torch.Tensor
+                    ) -> dict[str, torch.Tensor] | None:
+        """What the hooks read for one block per row at anchor positions ``p [R]``: with ``token_history`` n > 0,
+        each row's last n committed tokens through its anchor from ``seq [R, W]`` (every row's tokens by position)
+        as ``input_ids [R, n]`` and the anchor's index in them, ``anchors [R, 1]`` (what the one-request engine
+        passes). The engine admits no prompt shorter than n - 1 tokens."""
+        n = int(self.token_history)
+        if n <= 0:
+            return None
+        start = (p - (n - 1)).clamp_min(0)  # [R]
+        ids = seq.gather(1, start.view(-1, 1) + torch.arange(n, device=seq.device))  # [R, n]
+        return {"input_ids": ids, "anchors": (p - start).view(-1, 1)}
+
+    def rows_record(self, state: dict[str, torch.Tensor], p: torch.Tensor, hidden: torch.Tensor,
+                    extras: Mapping[str, Any] | None, block: Any) -> None:
+        """After each row's block at anchors ``p [R]`` gave ``hidden [R, S, H]`` (``block(extras)`` recomputes it
+        with other extras): what a variant carries to the next cycle (the baseline: nothing)."""
+
+    def rows_reset(self, state: dict[str, torch.Tensor], row: int) -> None:
+        """Row ``row`` starts a new request: forget what it carried."""
+
     @torch.no_grad()
     def forward_block(self, cache: inference.ContextCache, anchor_token: torch.Tensor,
                       extras: Mapping[str, Any] | None = None) -> torch.Tensor:

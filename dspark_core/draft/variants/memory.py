@@ -213,6 +213,37 @@ class DraftMemory(DSparkDraft, kind="draft_memory"):
             raise ValueError(f"memory online mode must be one of {', '.join(MEMORY_ONLINE)}; got {mode!r}")
         self.online_mode = mode
 
+    def rows_state(self, rows: int, device: Any) -> dict[str, torch.Tensor]:
+        """Per request row: the last block's states and its anchor position (-1: none yet)."""
+        return {"hidden": torch.zeros(rows, self.block_size, self.hidden_size, device=device,
+                                      dtype=self.compute_dtype),  # [R, S, H]
+                "anchor": torch.full((rows,), -1, dtype=torch.long, device=device)}  # [R]
+
+    def rows_extras(self, state: dict[str, torch.Tensor], seq: torch.Tensor | None, p: torch.Tensor
+                    ) -> dict[str, torch.Tensor]:
+        """Each row's memory as in ``MemoryCache.carried``, in static shapes: all S stored states at positions
+        ``anchor + j + 1``, valid where they predicted a position beyond the new anchor ``p`` (j >= p - anchor)."""
+        extras = dict(super().rows_extras(state, seq, p) or {})
+        old = state["anchor"]  # [R]
+        drop = (p - old).view(-1, 1)  # [R, 1] accepted + the first rejected (or the bonus position)
+        slots = torch.arange(self.block_size, device=p.device)  # [S]
+        valid = (slots >= drop) & (drop >= 1) & (drop < self.block_size) & (old >= 0).view(-1, 1)  # [R, S]
+        extras.update(memory_hidden=state["hidden"].unsqueeze(1), memory_valid=valid.unsqueeze(1),
+                      memory_positions=(old.view(-1, 1) + slots + 1).unsqueeze(1))  # [R, 1, S, ...]
+        return extras
+
+    def rows_record(self, state: dict[str, torch.Tensor], p: torch.Tensor, hidden: torch.Tensor,
+                    extras: Mapping[str, Any] | None, block: Any) -> None:
+        """Keep this block's states (``first_stage``: recomputed without memory, as in training) and its anchor."""
+        if self.online_mode == "first_stage":
+            plain = {k: v for k, v in (extras or {}).items() if not k.startswith("memory_")}
+            hidden = block(plain or None)
+        state["hidden"].copy_(hidden)
+        state["anchor"].copy_(p)
+
+    def rows_reset(self, state: dict[str, torch.Tensor], row: int) -> None:
+        state["anchor"][row] = -1
+
     def new_context_cache(self, batch: int = 1, max_len: int = 4096, device: Any = None,
                           dtype: torch.dtype | None = None) -> MemoryCache:
         c = inference.new_context_cache(self, batch, max_len, device, dtype)
