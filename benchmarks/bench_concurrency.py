@@ -148,18 +148,24 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--draft-layers", type=int, default=5, help="the seed recipe's draft depth")
     ap.add_argument("--markov-rank", type=int, default=256)
     ap.add_argument("--no-kernels", action="store_true", help="concurrency 1 on torch ops, not the Triton kernels")
+    ap.add_argument("--tune", action="store_true", help="time the Triton tiles per shape (minutes at these shapes); "
+                    "default: each kernel's first candidate")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     levels = [int(c) for c in args.concurrency.split(",")]
+    if cuda:
+        from dspark_core.kernels import tuning
+
+        tuning.set_tuning(args.tune)
     shapes = TINY if args.tiny else {name: SHAPES[name] for name in args.shapes.split(",")}
     if args.tiny:
         args.prompt_len, args.new_tokens = min(args.prompt_len, 24), min(args.new_tokens, 12)
     out = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "dtype": str(dtype).replace("torch.", ""),
            "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "block_size": args.block,
-           "draft_layers": args.draft_layers, "command": "python benchmarks/bench_concurrency.py " + " ".join(
+           "draft_layers": args.draft_layers, "tuned_kernels": args.tune, "command": "python benchmarks/bench_concurrency.py " + " ".join(
                sys.argv[1:] if argv is None else argv), "shapes": {}}
     for name, (family, overrides) in shapes.items():
         model = build_model(family, overrides, device, dtype, args.tiny)

@@ -120,6 +120,23 @@ def test_rows_refill_finish_apart_and_stop_at_the_cache_end():
         engine.serve(prompts, 30, strict=True)
 
 
+@pytest.mark.parametrize("proposal", ["fixed", "confidence"])
+def test_one_cycle_ahead_with_refills(monkeypatch, proposal):
+    """Depth 2 (a cycle in flight while the host reads the last, what CUDA graphs run) on the CPU: requests that
+    end while the next cycle is already queued hand their row on, and the queued cycle's tokens for the old request
+    are dropped: the same outputs and cycle records as depth 1."""
+    model, draft = _setup()
+    full = _alone(model, PROMPTS, 30)
+    stops = (full[0].tokens[5], full[2].tokens[9])
+    runner = TargetRunner(model, max_len=96, aux_layer_ids=AUX, batch_size=2)
+    one = StaticSpeculativeDecoder(runner, draft, proposal=proposal).serve(PROMPTS, 30, stops)
+    monkeypatch.setattr(StaticSpeculativeDecoder, "_depth", lambda self: 2)
+    two = StaticSpeculativeDecoder(runner, draft, proposal=proposal).serve(PROMPTS, 30, stops)
+    assert [r.tokens for r in two.results] == [r.tokens for r in one.results]
+    assert [r.accepted_per_cycle for r in two.results] == [r.accepted_per_cycle for r in one.results]
+    assert two.cycles >= one.cycles  # cycles launched for requests that had ended are read and dropped
+
+
 @pytest.mark.parametrize("kind,over", [
     ("engram_markov", {"engram": EngramConfig(orders=(1, 2, 3), heads_per_order=2, table_rows=31,
                                               source="trainable")}),

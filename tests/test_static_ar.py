@@ -70,7 +70,7 @@ def test_one_cycle_ahead_matches_ar(monkeypatch, time_every):
     cases = [(PROMPT, 40, ()), (PROMPT, 40, (full[21],)), ([7, 7, 2], 13, ()), (PROMPT, 2, ()), (PROMPT, 40, ())]
     depth1 = StaticSpeculativeDecoder(runner, draft, time_every=time_every)
     expected = [(ARDecoder(runner).generate(*c).tokens, depth1.generate(*c)) for c in cases]
-    monkeypatch.setattr(StaticSpeculativeDecoder, "_ring_depth_ok", lambda self: True)
+    monkeypatch.setattr(StaticSpeculativeDecoder, "_depth", lambda self: 2)
     depth2 = StaticSpeculativeDecoder(runner, draft, time_every=time_every)
     for case, (ar_tokens, one) in zip(cases, expected):
         res = depth2.generate(*case)
