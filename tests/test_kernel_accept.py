@@ -215,3 +215,58 @@ def test_sampled_accept_matches_rejection_step(s, v, block, dtype):
         acc(logits, q, out, p, anchor, u, race, 0.0)
     with pytest.raises(ValueError, match=r"q must be contiguous float32 \[3, 300\]|q must be contiguous float32"):
         acc(logits, q[:, :5], out, p, anchor, u, race, temperature)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batched_accept_matches_each_request_alone(dtype):
+    """``batch=B``: logits [B*(S+1), V] row-major by request, out [B, S+3], p / anchor [B], one launch: every
+    request's a, bonus, position and anchor are bit for bit the reference's for that request alone (different
+    accept lengths and caps per request, ties, back-to-back launches); the per-request counters end at 0."""
+    from dspark_core.kernels.accept import GreedyAccept, greedy_accept_reference
+
+    s, v, batch = 7, 1000, 5
+    g = torch.Generator().manual_seed(58)
+    acc = GreedyAccept(s + 1, v, DEVICE, batch=batch, block_v=128)
+    assert acc.tiles == 8
+    seen = set()
+    for launch in range(3):
+        logits = torch.cat([_logits(s, v, dtype, g) for _ in range(batch)])  # [B*(S+1), V]
+        if launch == 1:  # coarse logits: ties everywhere
+            logits = torch.randint(0, 4, (batch * (s + 1), v), generator=g).to(DEVICE, dtype)
+        states = [_state(logits[b * (s + 1) : (b + 1) * (s + 1)], (b + launch) % (s + 1), s if b % 2 else b + 1, g,
+                         p0=10 * b) for b in range(batch)]
+        out = torch.stack([st[0] for st in states])  # [B, S+3]
+        p, anchor = torch.cat([st[1] for st in states]), torch.cat([st[2] for st in states])  # [B]
+        ref = [out.clone(), p.clone(), anchor.clone()]
+        for b in range(batch):
+            greedy_accept_reference(logits[b * (s + 1) : (b + 1) * (s + 1)], ref[0][b], ref[1][b : b + 1],
+                                    ref[2][b : b + 1])
+        acc(logits, out, p, anchor)
+        for name, x, y in zip(("out", "p", "anchor"), (out, p, anchor), ref):
+            assert torch.equal(x, y), f"launch {launch} {name}: kernel {x.tolist()} vs reference {y.tolist()}"
+        assert acc.lock.tolist() == [0] * batch
+        seen.update(out[:, 0].tolist())
+    assert len(seen) >= 4  # several accept lengths across the requests
+
+
+def test_batched_accept_argument_errors():
+    from dspark_core.kernels.accept import GreedyAccept
+
+    s, v, batch = 3, 200, 3
+    acc = GreedyAccept(s + 1, v, DEVICE, batch=batch, block_v=64)
+    logits = torch.zeros(batch * (s + 1), v, device=DEVICE)
+    out = torch.zeros(batch, s + 3, dtype=torch.long, device=DEVICE)
+    p = torch.zeros(batch, dtype=torch.long, device=DEVICE)
+    bad = [((logits[: s + 1], out, p, p.clone()), r"logits must have shape \[12, 200\]"),
+           ((logits, out[0], p, p.clone()), r"out must be int64 of shape \[3, 6\]"),
+           ((logits, out, p[:1], p.clone()), r"p must be int64 of shape \[3\]")]
+    for args, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            acc(*args)
+    with pytest.raises(ValueError, match="batch must be >= 1; got 0"):
+        GreedyAccept(s + 1, v, DEVICE, batch=0)
+    with pytest.raises(ValueError, match="tree mode takes batch 1; got batch=2"):
+        GreedyAccept(s + 1, v, DEVICE, batch=2, tree=object())
+    one = GreedyAccept(s + 1, v, DEVICE, block_v=64)  # batch 1 takes out [S+3] or [1, S+3]
+    one(logits[: s + 1], out[:1], p[:1], p[1:2])
+    assert one.lock.tolist() == [0]

@@ -641,3 +641,157 @@ def test_tile_pins_keep_the_least_summed_time(tmp_path):
     path = tmp_path / "pins.json"
     path.write_text(json.dumps(table))
     assert set(tuning.load_kernel_configs(path, DEVICE).values()) == {tuple(even)}
+
+
+def _exact(shape, g, scale: float, dtype):
+    """Random values on CUDA; on the interpreter small multiples of a power of two, so that every product and
+    partial sum of the kernels is exact in float32 and any summation order gives the same bits: numpy's matmul
+    (the interpreter's ``tl.dot``) is not row-invariant (rows 6-11 of a full 16-row tile differ in the last bit
+    from the same token alone), unlike a GPU MMA. The interpreter then checks where each token's data goes
+    (token tiles, workspaces, counters); the GPU also checks the order of the sums."""
+    if DEVICE == "cuda":
+        return (torch.randn(shape, generator=g) * scale).to(DEVICE, dtype)
+    return (torch.randint(-4, 5, shape, generator=g) * (scale / 4)).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("cfg", [(16, 32, 1, 4, 3, 0), (16, 32, 3, 4, 3, 1), (16, 32, -2, 4, 3, 1), ("fma", 16, 64, 4),
+                                 "fma_mode"])
+@pytest.mark.parametrize("variant", ["gated_norm_bias", "residual"])
+def test_fused_linear_token_tiles_are_batch_invariant(cfg, variant, monkeypatch):
+    """A step wider than one token tile (37 tokens: tiles of 16, 16 and 5) in each kernel family -- tensor-core
+    plain, split-K + swap-AB, stream-K, FMA tiles (``_gemv_rows``), the fma mode's GEMV -- gives every token bit for
+    bit its 1-token result (tokens at both ends of every tile checked), right values, and counters back at zero;
+    each (token tile, column tile) pair fills its own workspace slots (the same ones for every token tile)."""
+    from dspark_core.kernels import gemm, linear
+
+    monkeypatch.setattr(linear, "SMALL_GEMM", "fma" if cfg == "fma_mode" else "mma")
+    if cfg != "fma_mode":
+        monkeypatch.setattr(linear, "_config", lambda *a: cfg)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(37)
+    n, k, n_out, gated = 37, 96, 40, variant.startswith("gated")
+    x = _exact((n, k), g, 1.0, dtype)
+    w = _exact((2 * n_out if gated else n_out, k), g, 0.25, dtype)
+    kw = dict(gated=gated)
+    if gated:
+        kw.update(norm_weight=1 + _exact((k,), g, 0.25, dtype), eps=1e-6, bias=_exact((2 * n_out,), g, 0.25, dtype))
+    else:
+        kw["residual"] = _exact((n, n_out), g, 1.0, dtype)
+
+    def rows(t):
+        return {**kw, "residual": kw["residual"][t : t + 1]} if "residual" in kw else kw
+
+    monkeypatch.setattr(gemm, "_SPLIT_BUFFERS", {})
+    y = linear.fused_linear(x, w, **kw)
+    torch.testing.assert_close(y, linear.fused_linear_reference(x, w, **kw), **_tol(dtype))
+    if gemm._SPLIT_BUFFERS:  # split-K / stream-K: each token tile fills its own workspace slots, the same ones
+        (ws, lock), = gemm._SPLIT_BUFFERS.values()
+        ws.fill_(float("nan"))
+        torch.testing.assert_close(linear.fused_linear(x, w, **kw), y, atol=0, rtol=0)
+        written = ~ws.view(3, 3, -1).isnan()  # [column tiles, token tiles, workspace of one pair]
+        assert written.any() and bool((written == written[:, :1]).all())
+    for t in (0, 6, 15, 16, 31, 32, 36):
+        torch.testing.assert_close(y[t : t + 1], linear.fused_linear(x[t : t + 1], w, **rows(t)), atol=0, rtol=0)
+    assert all(int(lock.abs().sum()) == 0 for _, lock in gemm._SPLIT_BUFFERS.values())
+
+
+def test_fused_linear_wide_step_without_batch_invariance_is_torch(monkeypatch):
+    """``set_batch_invariant(False)``: a step of n > MAX_TOKENS tokens is torch's product (cuBLAS on a GPU), no
+    Triton launch; n <= MAX_TOKENS still runs the kernels."""
+    from dspark_core.kernels import linear
+
+    monkeypatch.setattr(linear, "BATCH_INVARIANT", False)
+    launched = []
+    real = linear._launch
+    monkeypatch.setattr(linear, "_launch", lambda *a: launched.append(a[0].shape[0]) or real(*a))
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(40, 64, generator=g).to(DEVICE), torch.randn(48, 64, generator=g).to(DEVICE)
+    norm, res = (1 + 0.1 * torch.randn(64, generator=g)).to(DEVICE), torch.randn(40, 48, generator=g).to(DEVICE)
+    y = linear.fused_linear(x, w, norm_weight=norm, eps=1e-6, residual=res)
+    assert launched == []
+    assert torch.equal(y, linear.fused_linear_reference(x, w, norm_weight=norm, eps=1e-6, residual=res))
+    linear.fused_linear(x[: linear.MAX_TOKENS], w)
+    assert launched == [linear.MAX_TOKENS]
+    with pytest.raises(ValueError, match=r"fused_linear takes x \[n >= 1, K\]; got \(0, 64\)"):
+        linear.fused_linear(x[:0], w)
+
+
+def _rope_inputs(g, n, hq, hkv, d, m, dtype):
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=g).to(DEVICE, dtype)
+    qn, kn = ((1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE, dtype) for _ in range(2))
+    ang = torch.randn(m, d // 2, generator=g)
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(DEVICE, dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(DEVICE, dtype)
+    return qkv, qn, kn, cos, sin
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("tree", [False, True])
+def test_qk_norm_rope_cache_rows(index_dtype, tree):
+    """Caches of R request rows: token t is rotated at pos[t] and writes its K/V at row rows[t], slot pos[t]
+    (+ slot_offset[t]); q, and every row of the caches, are bit for bit those of one-token calls on that row alone
+    (a [1, Hkv, M, D] cache), and nothing else is written. Bad rows are refused in one line."""
+    from dspark_core.kernels.rope import qk_norm_rope_cache
+
+    g = torch.Generator().manual_seed(9)
+    n, hq, hkv, d, m, r = 6, 4, 2, 16, 40, 3
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    qkv, qn, kn, cos, sin = _rope_inputs(g, n, hq, hkv, d, m, dtype)
+    pos = torch.tensor([7, 8, 3, 9, 4, 21], device=DEVICE)
+    rows = torch.tensor([2, 2, 0, 2, 1, 0], device=DEVICE, dtype=index_dtype)
+    off = torch.tensor([0, 1, 0, 2, 5, 0], device=DEVICE, dtype=torch.int32) if tree else None
+    kc = torch.zeros(r, hkv, m, d, device=DEVICE, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    q = qk_norm_rope_cache(qkv, qn, kn, cos, sin, pos, kc, vc, hq, hkv, 1e-6, slot_offset=off, rows=rows)
+    k1, v1 = torch.zeros_like(kc), torch.zeros_like(vc)  # row by row, one token at a time
+    for t in range(n):
+        b = int(rows[t])
+        one = slice(t, t + 1)
+        q1 = qk_norm_rope_cache(qkv[one], qn, kn, cos, sin, pos[one], k1[b : b + 1], v1[b : b + 1], hq, hkv, 1e-6,
+                                slot_offset=None if off is None else off[one])
+        torch.testing.assert_close(q[one], q1, atol=0, rtol=0)
+    torch.testing.assert_close(kc, k1, atol=0, rtol=0)
+    torch.testing.assert_close(vc, v1, atol=0, rtol=0)
+    assert int((kc.abs().sum(-1) != 0).sum()) == n * hkv  # one slot per token and kv head
+    for bad, msg in ((rows[:4], r"rows must be an int32 / int64 tensor \[6\]"), (rows.float(), "int32 / int64")):
+        with pytest.raises(ValueError, match=msg):
+            qk_norm_rope_cache(qkv, qn, kn, cos, sin, pos, kc, vc, hq, hkv, 1e-6, rows=bad)
+    with pytest.raises(ValueError, match=r"contiguous \[R, Hkv, M, D\]"):
+        qk_norm_rope_cache(qkv, qn, kn, cos, sin, pos, kc[:, :, :20], vc[:, :, :20], hq, hkv, 1e-6)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_decode_attention_rows(tree):
+    """Caches of R request rows, tokens of several requests in one step (a verify's tokens of one row side by
+    side): token t attends to the keys <= pos[t] of row rows[t] only -- bit for bit the one-token call on that row
+    alone -- and matches the torch reference; with a draft tree's offsets too."""
+    from dspark_core.kernels.attention import decode_attention
+
+    g = torch.Generator().manual_seed(13)
+    hq, hkv, d, m, r = 6, 2, 32, 300, 3
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    kc = torch.randn(r, hkv, m, d, generator=g).to(DEVICE, dtype)
+    vc = torch.randn(r, hkv, m, d, generator=g).to(DEVICE, dtype)
+    rows = torch.tensor([0, 0, 0, 2, 2, 1, 1, 1], device=DEVICE)
+    pos = torch.tensor([70, 71, 72, 5, 6, 250, 251, 252], device=DEVICE)
+    n = len(pos)
+    q = torch.randn(n, hq, d, generator=g).to(DEVICE, dtype)
+    trees = None
+    if tree:  # each request's last tokens read a branch 3 slots further
+        trees = (torch.tensor([0, 3, 3, 0, 0, 0, 3, 3], dtype=torch.int32, device=DEVICE),
+                 torch.tensor([0, 0, 1, 0, 0, 0, 0, 1], dtype=torch.int32, device=DEVICE))
+    out = decode_attention(q, kc, vc, pos, scale=d ** -0.5, tree=trees, rows=rows.int())
+    for t in range(n):
+        b, one = int(rows[t]), slice(t, t + 1)
+        single = decode_attention(q[one], kc[b : b + 1], vc[b : b + 1], pos[one], scale=d ** -0.5,
+                                  tree=None if trees is None else tuple(x[one] for x in trees))
+        torch.testing.assert_close(out[one], single, atol=0, rtol=0)
+    if tree:
+        return
+    k = kc[rows].repeat_interleave(hq // hkv, 1).float()  # [n, Hq, M, D]
+    v = vc[rows].repeat_interleave(hq // hkv, 1).float()
+    scores = torch.einsum("nhd,nhmd->nhm", q.float(), k) * d ** -0.5
+    visible = torch.arange(m, device=DEVICE)[None, :] <= pos[:, None]  # [n, M]
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    ref = torch.einsum("nhm,nhmd->nhd", scores.softmax(-1), v)
+    torch.testing.assert_close(out.float(), ref, **_tol(dtype))

@@ -18,6 +18,11 @@ dependent launch (``pdl``) and lets the next one launch first thing; the product
 before waiting for the previous kernel (``pdl.PDL_PREFETCH``), which took the ``fma`` SmolLM2 step from 0.469 to
 0.372 ms on an H200.
 
+The same kernels take a step of many requests' tokens at once: ``fused_linear`` any n (token tiles of 16 beyond
+16), the caches [R, Hkv, M, D] hold R request rows and ``rows [n]`` says each token's row
+(``qk_norm_rope_cache``, ``decode_attention``), ``accept.GreedyAccept(batch=B)`` decides B requests in one
+launch. Each token is computed exactly as in a one-token step of its request alone (batch-invariant mode).
+
 Element-wise steps round to the model dtype where Hugging Face's modules do (projection outputs, RoPE
 products, SiLU, residual adds); the RMSNorms are folded into the products (``W (g x rstd) = rstd W (g x)``,
 one pass over the weights), so the fast step differs from the eager reference by rounding only (tested

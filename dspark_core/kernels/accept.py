@@ -10,15 +10,19 @@ it in one launch, with exactly the semantics of :func:`greedy_accept_reference`:
     a = length of the prefix j < S with best[j] == t_{j+1} and j < cap
     bonus = best[a];  out[0] = a;  out[2+S] = bonus;  p += a + 1;  anchor = bonus
 
-Grid (R, T): program (r, t) loads tile t (BLOCK_V columns) of row r, and writes that tile's maximum (compared
-in float32: exact for float16 / bfloat16 / float32 logits) and its lowest index holding the maximum to a
-float32 / int32 workspace [R, T]. It then increments an arrival counter (``tl.atomic_add``, acq_rel, gpu scope,
-after a ``debug_barrier`` so that every thread's partial stores are issued before the release): the program
-that sees ``old == R*T - 1`` arrived last, so every partial is visible to it (the acquire half; it reads them
-with ``.cg`` loads, past L1). That program reduces each row's T partials -- the row maximum, then the lowest
-tile argmax among the tiles holding it, which is the row's lowest index holding the maximum, i.e. exactly
-``torch.argmax``'s tie rule -- computes a and the bonus, writes ``out`` / ``p`` / ``anchor``, and resets the
-counter to 0 (``atomic_xchg``) so that the next launch, a CUDA-graph replay included, starts from zero.
+B requests at once (``batch``): logits [B*R, V] row-major by request, out [B, S+3], p / anchor [B]; each request
+is decided exactly as it would be alone, in the same single launch.
+
+Grid (B*R, T): program (r, t) loads tile t (BLOCK_V columns) of logits row r (request b = r // R), and writes
+that tile's maximum (compared in float32: exact for float16 / bfloat16 / float32 logits) and its lowest index
+holding the maximum to a float32 / int32 workspace [B*R, T]. It then increments request b's arrival counter
+(``tl.atomic_add``, acq_rel, gpu scope, after a ``debug_barrier`` so that every thread's partial stores are
+issued before the release): the program that sees ``old == R*T - 1`` arrived last among request b's, so every
+partial of b is visible to it (the acquire half; it reads them with ``.cg`` loads, past L1). That program
+reduces each of b's rows' T partials -- the row maximum, then the lowest tile argmax among the tiles holding it,
+which is the row's lowest index holding the maximum, i.e. exactly ``torch.argmax``'s tie rule -- computes a and
+the bonus, writes b's ``out`` / ``p`` / ``anchor``, and resets b's counter to 0 (``atomic_xchg``) so that the
+next launch, a CUDA-graph replay included, starts from zero.
 
 Deterministic: a maximum and a minimum index are exact whatever order the partials arrive in (no rounding),
 and the reduction reads them in a fixed order anyway; the same logits give the same bits as torch.
@@ -29,8 +33,8 @@ result is unspecified, but always a valid token id in [0, V).
 Same pattern as ``dspark_core.kernels.gemm._gemm_small``'s split-K (last-arriving program reduces) and its
 programmatic-dependent-launch convention (``gdc_wait`` first thing when ``PDL``).
 
-Shape legend: R rows = S+1 (verify positions), S block size (draft tokens), V vocab, T = cdiv(V, BLOCK_V)
-vocab tiles, R_P / T_P their next powers of two.
+Shape legend: B requests, R rows = S+1 (verify positions of one request), S block size (draft tokens), V vocab,
+T = cdiv(V, BLOCK_V) vocab tiles, R_P / T_P their next powers of two.
 """
 
 from __future__ import annotations
@@ -99,19 +103,21 @@ def _publish(WS_A, WS_B, slot, a, b, LOCK):
 @triton.jit
 def _greedy_accept(LOGITS, OUT, P, ANCHOR, WS_MAX, WS_IDX, LOCK, stride_row, R, T, V,
                    BLOCK_V: tl.constexpr, R_P: tl.constexpr, T_P: tl.constexpr, PDL_ON: tl.constexpr):
-    """Program (row, tile): the tile's partial argmax; the last program to arrive does the rest (module doc)."""
+    """Program (row, tile): the tile's partial argmax; the last program of the row's request to arrive does the
+    rest for that request (module doc)."""
     if PDL_ON:
         gdc_wait()  # the previous kernel's outputs (the logits, out) are complete and visible after this
     row = tl.program_id(0)
     tile = tl.program_id(1)
+    b = row // R  # the request
     m, idx = _tile_argmax(LOGITS, row, tile, stride_row, V, BLOCK_V)
     if PDL_ON:
         gdc_launch_dependents()  # let the next kernel launch while this one finishes
-    arrived = _publish(WS_MAX, WS_IDX, row * T + tile, m, idx, LOCK)
-    if arrived == R * T - 1:  # the last program: every partial is written and visible
-        best = _row_argmax(WS_MAX, WS_IDX, R, T, V, R_P, T_P)  # [R_P]
-        _accept(best, OUT, P, ANCHOR, R - 1, R_P)
-        tl.atomic_xchg(LOCK, 0)  # ready for the next launch / graph replay
+    arrived = _publish(WS_MAX, WS_IDX, row * T + tile, m, idx, LOCK + b)
+    if arrived == R * T - 1:  # the request's last program: every partial of it is written and visible
+        best = _row_argmax(WS_MAX + b * R * T, WS_IDX + b * R * T, R, T, V, R_P, T_P)  # [R_P]
+        _accept(best, OUT + b * (R + 2), P + b, ANCHOR + b, R - 1, R_P)
+        tl.atomic_xchg(LOCK + b, 0)  # ready for the next launch / graph replay
 
 
 @triton.jit
@@ -371,29 +377,34 @@ def default_block(rows: int, vocab: int) -> int:
 
 
 class GreedyAccept:
-    """The fused greedy accept step for logits [rows, vocab] (rows = S+1); see the module docstring.
+    """The fused greedy accept step for logits [batch * rows, vocab] (rows = S+1 per request, row-major by
+    request); see the module docstring.
 
-    The workspace and the arrival counter are allocated here, once (before any CUDA-graph capture); one
-    object must not run on two streams at once (they would share the counter). ``block_v`` (a power of two)
-    overrides the tile width, for tests."""
+    The workspace and the arrival counters are allocated here, once (before any CUDA-graph capture); one
+    object must not run on two streams at once (they would share the counters). ``block_v`` (a power of two)
+    overrides the tile width, for tests. ``tree`` mode takes batch 1."""
 
-    def __init__(self, rows: int, vocab: int, device: torch.device | str, *, block_v: int | None = None,
-                 num_warps: int = 4, tree=None) -> None:
+    def __init__(self, rows: int, vocab: int, device: torch.device | str, *, batch: int = 1,
+                 block_v: int | None = None, num_warps: int = 4, tree=None) -> None:
         if not 1 <= rows <= MAX_ROWS:
             raise ValueError(f"rows (S+1) must be in [1, {MAX_ROWS}]; got {rows}")
         if vocab < 1:
             raise ValueError(f"vocab must be positive; got {vocab}")
-        block_v = default_block(rows, vocab) if block_v is None else int(block_v)
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1; got {batch}")
+        if tree is not None and batch != 1:
+            raise ValueError(f"GreedyAccept: tree mode takes batch 1; got batch={batch}")
+        block_v = default_block(batch * rows, vocab) if block_v is None else int(block_v)
         if block_v < 16 or block_v & (block_v - 1):
             raise ValueError(f"block_v must be a power of two >= 16; got {block_v}")
-        self.rows, self.vocab, self.block_v, self.num_warps = rows, vocab, block_v, num_warps
+        self.rows, self.vocab, self.block_v, self.num_warps, self.batch = rows, vocab, block_v, num_warps, batch
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" means the current device
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.tiles = triton.cdiv(vocab, block_v)
-        self.ws_max = torch.empty(rows * self.tiles, dtype=torch.float32, device=self.device)  # [R, T]
-        self.ws_idx = torch.empty(rows * self.tiles, dtype=torch.int32, device=self.device)  # [R, T]
-        self.lock = torch.zeros(1, dtype=torch.int32, device=self.device)  # arrivals; 0 between launches
+        self.ws_max = torch.empty(batch * rows * self.tiles, dtype=torch.float32, device=self.device)  # [B*R, T]
+        self.ws_idx = torch.empty(batch * rows * self.tiles, dtype=torch.int32, device=self.device)  # [B*R, T]
+        self.lock = torch.zeros(batch, dtype=torch.int32, device=self.device)  # arrivals per request; 0 between
         self.tree = tree  # TreeLayout (dspark_core.decoding.tree) or None: the chain
         if tree is not None:
             if tree.rows != rows:
@@ -403,15 +414,17 @@ class GreedyAccept:
             self.path = torch.zeros(3, tree.block_size + 1, dtype=torch.int64, device=self.device)  # [3, S+1]
 
     def _check(self, logits: torch.Tensor, out: torch.Tensor, p: torch.Tensor, anchor: torch.Tensor) -> None:
-        r, v = self.rows, self.vocab
-        if logits.dim() != 2 or tuple(logits.shape) != (r, v):
-            raise ValueError(f"logits must have shape [{r}, {v}] (rows = S+1, vocab); got {list(logits.shape)}")
+        r, v, b = self.rows, self.vocab, self.batch
+        if logits.dim() != 2 or tuple(logits.shape) != (b * r, v):
+            raise ValueError(f"logits must have shape [{b * r}, {v}] (batch x rows = S+1, vocab); got "
+                             f"{list(logits.shape)}")
         if logits.dtype not in LOGIT_DTYPES:
             raise ValueError(f"logits must be float32, bfloat16 or float16; got {logits.dtype}")
         if logits.stride(1) != 1:
             raise ValueError(f"logits must be contiguous along the vocab; strides {logits.stride()}")
         out_len = r + 2 if self.tree is None else self.block_size + 3 + (r - 1)
-        for name, t, shape in (("out", out, (out_len,)), ("p", p, (1,)), ("anchor", anchor, (1,))):
+        out_shape = (out_len,) if b == 1 and out.dim() == 1 else (b, out_len)  # batch 1: [S+3] or [1, S+3]
+        for name, t, shape in (("out", out, out_shape), ("p", p, (b,)), ("anchor", anchor, (b,))):
             if tuple(t.shape) != shape or t.dtype != torch.int64:
                 raise ValueError(f"{name} must be int64 of shape {list(shape)}; got {t.dtype} {list(t.shape)}")
             if not t.is_contiguous():
@@ -436,8 +449,9 @@ class GreedyAccept:
     def __call__(self, logits: torch.Tensor, out: torch.Tensor, p: torch.Tensor, anchor: torch.Tensor,
                  kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                  draft_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """logits [R, V]; out int64 [R+2] = [a, cap, t_1..t_S, bonus] (a, bonus written); p, anchor int64 [1]
-        (p += a + 1, anchor = bonus). One launch, no host sync.
+        """logits [B*R, V] (request b's rows at b*R ..); out int64 [B, R+2] (batch 1: also [R+2]), per request
+        [a, cap, t_1..t_S, bonus] (a, bonus written); p, anchor int64 [B] (p += a + 1, anchor = bonus). One launch
+        for every request, no host sync.
 
         Tree mode: out = [a, cap, path tokens, bonus, node tokens]; ``kv`` / ``draft_kv`` = the target's and the
         draft's K/V caches [layers, 1, heads, M, D], whose accepted branch rows it moves to their logical slots."""
@@ -455,10 +469,10 @@ class GreedyAccept:
                 LH_BLOCK=min(64, triton.next_power_of_2(lh)), DLH_BLOCK=min(64, triton.next_power_of_2(dlh)),
                 PDL_ON=PDL, num_warps=self.num_warps, **_LAUNCH)
             return
-        _greedy_accept[(self.rows, self.tiles)](logits, out, p, anchor, self.ws_max, self.ws_idx, self.lock,
-                                                logits.stride(0), self.rows, self.tiles, self.vocab,
-                                                BLOCK_V=self.block_v, R_P=r_p, T_P=t_p, PDL_ON=PDL,
-                                                num_warps=self.num_warps, **_LAUNCH)
+        _greedy_accept[(self.batch * self.rows, self.tiles)](logits, out, p, anchor, self.ws_max, self.ws_idx,
+                                                             self.lock, logits.stride(0), self.rows, self.tiles,
+                                                             self.vocab, BLOCK_V=self.block_v, R_P=r_p, T_P=t_p,
+                                                             PDL_ON=PDL, num_warps=self.num_warps, **_LAUNCH)
 
 
 def greedy_accept_reference(logits: torch.Tensor, out: torch.Tensor, p: torch.Tensor, anchor: torch.Tensor) -> None:

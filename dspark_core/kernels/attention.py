@@ -1,8 +1,10 @@
 """Split-KV attention of the decode step over the static cache (flash-decoding): ``_attn_split`` sums each
 (kv head, split of the keys, token) apart, ``_attn_combine`` merges the splits. One token per program, so the
-result of a token does not depend on how many tokens the step has (batch-invariant).
+result of a token does not depend on how many tokens the step has, nor on which other requests' tokens share
+it (batch-invariant). The cache holds R request rows; each token reads its own row's keys.
 
-Shape legend: n tokens of the step, Hq / Hkv heads, G = Hq / Hkv, D head dim, M cache positions, S splits.
+Shape legend: n tokens of the step, Hq / Hkv heads, G = Hq / Hkv, D head dim, R cache rows, M cache positions,
+S splits.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import triton
 import triton.language as tl
 
 from dspark_core.kernels.pdl import _LAUNCH, PDL, PDL_PREFETCH, gdc_launch_dependents, gdc_wait
+from dspark_core.kernels.rope import check_rows
 
 
 # Splits past a token's keys write nothing and the combine reads only the live ones. The split count follows the
@@ -22,12 +25,16 @@ ATTN_LIVE_SPLITS = True
 
 
 @triton.jit
-def _attn_split(Q, KC, VC, POS, OFF, BACK, OP, MP, LP, M_ALLOC, split_len, scale, G: tl.constexpr,
+def _attn_split(Q, KC, VC, POS, OFF, BACK, CROWS, OP, MP, LP, M_ALLOC, split_len, scale, G: tl.constexpr,
                 HKV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, NS_P: tl.constexpr, BLOCK: tl.constexpr,
-                IEEE: tl.constexpr, TREE: tl.constexpr, LIVE: tl.constexpr, PDL_ON: tl.constexpr,
-                EARLY: tl.constexpr):
-    """Program (kv head h, split s, token t): the G query heads of token t over keys
-    [s * split_len, +split_len) that t may see (<= its position). One token per program: batch-invariant.
+                IEEE: tl.constexpr, TREE: tl.constexpr, HAS_ROWS: tl.constexpr, LIVE: tl.constexpr,
+                PDL_ON: tl.constexpr, EARLY: tl.constexpr):
+    """Program (token t, split s, kv head h): the G query heads of token t over keys
+    [s * split_len, +split_len) of cache row CROWS[t] (0 without HAS_ROWS) that t may see (<= its position).
+    One token per program: batch-invariant.
+    Grid (n, S, Hkv), the token fastest: the tokens of one request (consecutive in the step) that read the same
+    (kv head, split) of the same cache row are adjacent program ids, scheduled together, so a verify's tokens read
+    those keys from DRAM once and from L2 after; the order never changes what a program sums.
     TREE: the keys are logical positions; those >= POS[t] - BACK[t] are read OFF[t] slots further (a draft
     tree's branch rows, ``dspark_core.decoding.tree``), so the sums run in the same order as without a tree.
     LIVE: a split past the token's keys writes nothing (``ATTN_LIVE_SPLITS``).
@@ -36,9 +43,9 @@ def _attn_split(Q, KC, VC, POS, OFF, BACK, OP, MP, LP, M_ALLOC, split_len, scale
         gdc_launch_dependents()
     if PDL_ON:
         gdc_wait()  # the previous kernel's outputs are complete and visible after this
-    h = tl.program_id(0)
+    t = tl.program_id(0)
     s = tl.program_id(1)
-    t = tl.program_id(2)
+    h = tl.program_id(2)
     g = tl.arange(0, ROWS)  # query head h * G + g
     gvalid = g < G
     last = tl.load(POS + t) + 1  # token t sees keys [0, last)
@@ -49,7 +56,10 @@ def _attn_split(Q, KC, VC, POS, OFF, BACK, OP, MP, LP, M_ALLOC, split_len, scale
     m_i = tl.full([ROWS], -1.0e30, tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
-    base = h.to(tl.int64) * M_ALLOC * D
+    cache_row = 0
+    if HAS_ROWS:
+        cache_row = tl.load(CROWS + t).to(tl.int64)
+    base = (cache_row * HKV + h.to(tl.int64)) * M_ALLOC * D
     if TREE:
         off = tl.load(OFF + t)
         branch = last - 1 - tl.load(BACK + t)  # the first logical key read at + off
@@ -90,15 +100,16 @@ def _attn_split(Q, KC, VC, POS, OFF, BACK, OP, MP, LP, M_ALLOC, split_len, scale
 @triton.jit
 def _attn_combine(OP, MP, LP, POS, OUT, NS, split_len, NS_P: tl.constexpr, G: tl.constexpr, HKV: tl.constexpr,
                   D: tl.constexpr, ROWS: tl.constexpr, LIVE: tl.constexpr, PDL_ON: tl.constexpr, EARLY: tl.constexpr):
-    """LIVE: only the splits holding some of the token's keys are read (``ATTN_LIVE_SPLITS``); a masked-out slot
+    """Program (query head row r = t * G + g, kv head h): merges token t's splits for query head h * G + g.
+    LIVE: only the splits holding some of the token's keys are read (``ATTN_LIVE_SPLITS``); a masked-out slot
     reads as what an empty split would have written (m -1e30, l 0, o 0), so the sums are the same bits.
     EARLY: the next kernel (a product, prefetching its weights) may launch first thing (``PDL_PREFETCH``)."""
     if PDL_ON and EARLY:
         gdc_launch_dependents()
     if PDL_ON:
         gdc_wait()  # the previous kernel's outputs are complete and visible after this
-    h = tl.program_id(0)
-    r = tl.program_id(1)
+    r = tl.program_id(0)
+    h = tl.program_id(1)
     t = r // G
     g = r % G
     s = tl.arange(0, NS_P)
@@ -118,28 +129,31 @@ def _attn_combine(OP, MP, LP, POS, OUT, NS, split_len, NS_P: tl.constexpr, G: tl
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                     scale: float, block: int = 64, tree: tuple[torch.Tensor, torch.Tensor] | None = None
-                     ) -> torch.Tensor:
-    """q [n, Hq, D] at positions ``pos [n]`` (device) over the layer's caches [1, Hkv, M, D] (keys <= each
-    token's own position) -> [n, Hq, D]. Split-KV: (Hkv x S x n) programs, then a combine.
+                     scale: float, block: int = 64, tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     rows: torch.Tensor | None = None) -> torch.Tensor:
+    """q [n, Hq, D] at positions ``pos [n]`` (device) over the layer's caches [R, Hkv, M, D] (contiguous) ->
+    [n, Hq, D]: token t attends to the keys <= pos[t] of cache row ``rows[t]`` (``rows [n]`` int32 / int64 on the
+    device; None: row 0). Split-KV: (n x S x Hkv) programs, then a combine.
     ``tree = (offset [n], back [n])`` int32: token t reads logical keys >= pos[t] - back[t] at + offset[t]."""
     n, hq, d = q.shape
+    check_rows(rows, n, k_cache, v_cache)
     hkv, m_alloc = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
-    rows = max(16, triton.next_power_of_2(g))
+    heads = max(16, triton.next_power_of_2(g))  # the MMA's query rows (G heads, padded)
     splits = max(1, min(64, triton.cdiv(m_alloc, 64)))  # ~64 keys per program: latency, not bandwidth, rules
     split_len = triton.cdiv(triton.cdiv(m_alloc, splits), block) * block
     splits = triton.cdiv(m_alloc, split_len)
     ns_p = triton.next_power_of_2(splits)
-    op = torch.empty(n, hkv, ns_p, rows, d, device=q.device, dtype=torch.float32)
-    mp = torch.empty(n, hkv, ns_p, rows, device=q.device, dtype=torch.float32)
+    op = torch.empty(n, hkv, ns_p, heads, d, device=q.device, dtype=torch.float32)
+    mp = torch.empty(n, hkv, ns_p, heads, device=q.device, dtype=torch.float32)
     lp = torch.empty_like(mp)
     off, back = tree if tree is not None else (pos, pos)
-    _attn_split[(hkv, splits, n)](q, k_cache, v_cache, pos, off, back, op, mp, lp, m_alloc, split_len, scale, G=g,
-                                  HKV=hkv, D=d, ROWS=rows, NS_P=ns_p, BLOCK=block, IEEE=q.dtype == torch.float32,
-                                  TREE=tree is not None, LIVE=ATTN_LIVE_SPLITS, PDL_ON=PDL, EARLY=PDL_PREFETCH,
-                                  num_warps=4, **_LAUNCH)
+    # token fastest: a request's tokens reading the same (split, kv head) are adjacent programs (see _attn_split)
+    _attn_split[(n, splits, hkv)](q, k_cache, v_cache, pos, off, back, pos if rows is None else rows, op, mp, lp,
+                                  m_alloc, split_len, scale, G=g, HKV=hkv, D=d, ROWS=heads, NS_P=ns_p, BLOCK=block,
+                                  IEEE=q.dtype == torch.float32, TREE=tree is not None, HAS_ROWS=rows is not None,
+                                  LIVE=ATTN_LIVE_SPLITS, PDL_ON=PDL, EARLY=PDL_PREFETCH, num_warps=4, **_LAUNCH)
     out = torch.empty_like(q)
-    _attn_combine[(hkv, n * g)](op, mp, lp, pos, out, splits, split_len, NS_P=ns_p, G=g, HKV=hkv, D=d, ROWS=rows,
+    _attn_combine[(n * g, hkv)](op, mp, lp, pos, out, splits, split_len, NS_P=ns_p, G=g, HKV=hkv, D=d, ROWS=heads,
                                 LIVE=ATTN_LIVE_SPLITS, PDL_ON=PDL, EARLY=PDL_PREFETCH, num_warps=1, **_LAUNCH)
     return out

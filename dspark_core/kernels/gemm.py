@@ -1,10 +1,18 @@
-"""The tensor-core kernels of ``fused_linear`` (``dspark_core.kernels.linear``, the ``mma`` mode): up to 16
-token rows against a weight tile (``_gemm_small``), with split-K (a column tile's K range over several
+"""The tensor-core kernels of ``fused_linear`` (``dspark_core.kernels.linear``, the ``mma`` mode): a token tile
+of 16 rows against a weight tile (``_gemm_small``), with split-K (a column tile's K range over several
 programs, reduced in a fixed order by the last to arrive) or stream-K (``_gemm_stream``: every tile's K blocks
-laid end to end and cut into equal runs, a whole number of programs per SM). Each output row depends on its own
-token only, so a fixed configuration is batch-invariant.
+laid end to end and cut into equal runs, a whole number of programs per SM). A step of more than 16 tokens runs
+every token tile through the same programs (more of them), each with its own split-K / stream-K workspace and
+counters. Each output
+row depends on its own token only, so a fixed configuration is batch-invariant.
 
-Shape legend: M (= n) tokens of the step, K input features, N output features.
+Grid order: grid axis 0 numbers (column tile or stream-K program) x T + token tile, so the token tile is the
+fastest-varying program id (``gemv._token_tile``; one axis, which has no 65,535 limit). The programs of one
+(column tile, split) for every token tile are consecutive ids, scheduled together: they read the same weight
+tile at the same time, so it comes from DRAM once and from L2 for the others (a step is memory-bound: its cost
+is the weight bytes from DRAM). The order changes which program runs when, never what a program sums.
+
+Shape legend: M (= n) tokens of the step, K input features, N output features, T = cdiv(M, 16) token tiles.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark_core.kernels.gemv import _w_tile
+from dspark_core.kernels.gemv import _token_tile, _w_tile
 from dspark_core.kernels.pdl import _LAUNCH, PDL, gdc_launch_dependents, gdc_wait
 
 @triton.jit(do_not_specialize=["M"])
@@ -23,22 +31,23 @@ def _gemm_small(X, NW, W, BIAS, R, Y, WS, LOCK, M, N, K, K_SPLIT, eps, NORM: tl.
                 HAS_BIAS: tl.constexpr, RESID: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, SWAP: tl.constexpr,
                 PDL_ON: tl.constexpr, PREFETCH: tl.constexpr):
-    """Up to BLOCK_M tokens (x [M, K]): columns [pid * BLOCK_N, +BLOCK_N) of y over the K range
-    [split * K_SPLIT, +K_SPLIT), tensor-core dots (IEEE float32 dots for float32 inputs: no TF32). NORM in one
-    pass as in ``_gemv``.
+    """Program (token tile tt, column tile pid, split): tokens [tt * BLOCK_M, +BLOCK_M) of x [M, K], columns
+    [pid * BLOCK_N, +BLOCK_N) of y over the K range [split * K_SPLIT, +K_SPLIT), tensor-core dots (IEEE float32
+    dots for float32 inputs: no TF32). NORM in one pass as in ``_gemv``. Grid (column tiles x T, SPLITS), token
+    tiles fastest (module docstring).
 
     Each output row depends on its own token only (an MMA computes every row independently; M is never
-    specialised), so with a fixed configuration any n gives each token the same bits as n = 1: the
-    batch-invariant ``mma`` mode runs every step through here with BLOCK_M = 16.
+    specialised), so with a fixed configuration any n gives each token the same bits as n = 1, in whichever
+    token tile and row it sits: the batch-invariant ``mma`` mode runs every step through here with BLOCK_M = 16.
     SPLITS > 1 (split-K, for parallelism when N is narrow): each program writes its float32 partials to the
-    workspace WS, and the last program of a column tile to arrive (a counter in LOCK) adds the SPLITS partials
-    in split order -- a fixed order, so the result is deterministic -- applies the epilogue and resets the
-    counter. No second kernel launch.
+    workspace WS, and the last program of a (token tile, column tile) to arrive (a counter in LOCK) adds the
+    SPLITS partials in split order -- a fixed order, so the result is deterministic -- applies the epilogue and
+    resets the counter. No second kernel launch.
     SWAP (swap-AB): the product is computed transposed, ``W_tile [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]``,
     so the weight tile is the MMA's M side (64+ rows: Hopper's warpgroup MMA) and the 16 token rows its N side;
     each output column still depends on its own token only (batch-invariant the same way).
     PREFETCH: see ``PDL_PREFETCH`` (same sums in the same order either way)."""
-    pid = tl.program_id(0)
+    X, R, Y, M, tt, pid = _token_tile(X, R, Y, M, N, K, BLOCK_M)  # token tile: the fastest-varying id
     split = tl.program_id(1)
     dt = Y.dtype.element_ty
     rm = tl.arange(0, BLOCK_M)
@@ -79,8 +88,10 @@ def _gemm_small(X, NW, W, BIAS, R, Y, WS, LOCK, M, N, K, K_SPLIT, eps, NORM: tl.
             acc2 = tl.trans(acc2_t)
     sq = tl.sum(ss, 1)  # [BLOCK_M] this split's sum of squares
     if SPLITS > 1:
-        tile = WS + pid.to(tl.int64) * (SPLITS * (2 * BLOCK_M * BLOCK_N + BLOCK_M))
-        last, acc, acc2, sq = _split_fixup(tile, LOCK + pid, split, SPLITS, acc, acc2, sq, rm, BLOCK_M, BLOCK_N, GATED)
+        slot = tl.program_id(0)  # (column tile, token tile): its own workspace and counter
+        tile = WS + slot.to(tl.int64) * (SPLITS * (2 * BLOCK_M * BLOCK_N + BLOCK_M))
+        last, acc, acc2, sq = _split_fixup(tile, LOCK + slot, split, SPLITS, acc, acc2, sq, rm, BLOCK_M, BLOCK_N,
+                                           GATED)
         if last:
             _gemm_epilogue(acc, acc2, sq, BIAS, R, Y, N, K, eps, rm, mmask, cn, nmask, dt, NORM, GATED, HAS_BIAS,
                            RESID, BLOCK_M)
@@ -128,12 +139,14 @@ def _gemm_stream(X, NW, W, BIAS, R, Y, WS, LOCK, M, N, K, IPT, ITERS, S_MAX, eps
     into equal runs of ITERS, one run per program, with a grid of a whole number of programs per SM. A
     memory-bound step is then spread over every SM: a grid of column tiles (or tiles x splits) that is not a
     multiple of the SM count leaves SMs idle while others take a second tile (Qwen3-4B's O / down: 40-160
-    programs for 132 SMs).
+    programs for 132 SMs). Grid (programs x T,): every token tile runs the same runs, token tiles fastest
+    (module docstring), each with its own workspace and counters.
 
     A program sums its K blocks of each tile it touches; a tile cut between programs gets its partials added in
     program order by the last to arrive (``_split_fixup``). The cuts depend on N, K and the configuration only,
     never on M, so every token gets the same bits whatever n is (batch-invariant as ``_gemm_small``)."""
-    cta = tl.program_id(0)
+    token_tiles = tl.cdiv(M, BLOCK_M)
+    X, R, Y, M, tt, cta = _token_tile(X, R, Y, M, N, K, BLOCK_M)  # token tile: the fastest-varying id
     dt = Y.dtype.element_ty
     rm = tl.arange(0, BLOCK_M)
     mmask = rm < M
@@ -168,8 +181,9 @@ def _gemm_stream(X, NW, W, BIAS, R, Y, WS, LOCK, M, N, K, IPT, ITERS, S_MAX, eps
             _gemm_epilogue(acc, acc2, sq, BIAS, R, Y, N, K, eps, rm, mmask, cn, nmask, dt, NORM, GATED, HAS_BIAS,
                            RESID, BLOCK_M)
         else:
-            ws = WS + tile * (S_MAX * (2 * BLOCK_M * BLOCK_N + BLOCK_M))  # < 2**31 floats: the workspace is small
-            last, acc, acc2, sq = _split_fixup(ws, LOCK + tile, cta - first, count, acc, acc2, sq, rm, BLOCK_M,
+            slot = tile * token_tiles + tt  # (column tile, token tile): its own workspace and counter
+            ws = WS + slot.to(tl.int64) * (S_MAX * (2 * BLOCK_M * BLOCK_N + BLOCK_M))
+            last, acc, acc2, sq = _split_fixup(ws, LOCK + slot, cta - first, count, acc, acc2, sq, rm, BLOCK_M,
                                                BLOCK_N, GATED)
             if last:
                 _gemm_epilogue(acc, acc2, sq, BIAS, R, Y, N, K, eps, rm, mmask, cn, nmask, dt, NORM, GATED,
@@ -232,13 +246,14 @@ def _gemm_epilogue(acc, acc2, sq, BIAS, R, Y, N, K, eps, rm, mmask, cn, nmask, d
     tl.store(Y + offs, y.to(dt), mask=omask)
 
 
-MMA_ROWS = 16  # token rows of the tensor-core tile (>= MAX_TOKENS)
+MMA_ROWS = 16  # token rows of the tensor-core tile: a step of n tokens runs cdiv(n, MMA_ROWS) token tiles
 _SPLIT_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _split_buffers(device, tiles: int, splits: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-K / stream-K workspace and per-tile arrival counters (zero between launches: the last program resets
-    its counter), made once per shape -- before a CUDA graph is captured, by the warm-up that tunes."""
+    """Split-K / stream-K workspace and arrival counters for ``tiles`` (token tile, column tile) pairs (zero
+    between launches: the last program resets its counter), made once per shape -- before a CUDA graph is
+    captured, by the warm-up that tunes."""
     key = (str(device), tiles, splits, block_n)
     if key not in _SPLIT_BUFFERS:
         ws = torch.empty(tiles * splits * (2 * MMA_ROWS * block_n + MMA_ROWS), device=device, dtype=torch.float32)
@@ -273,7 +288,9 @@ def stream_k_grid(n_out: int, k: int, bn: int, bk: int, ctas: int) -> tuple[int,
 
 def _launch_stream(x, nw, w, b, r, y, n_out, k, eps, flags, bn, bk, per_sm, warps, stages, swap):
     ipt, iters, grid, s_max = stream_k_grid(n_out, k, bn, bk, sm_count(x.device) * per_sm)
-    ws, lock = _split_buffers(x.device, triton.cdiv(n_out, bn), s_max, bn)
-    _gemm_stream[(grid,)](x, nw, w, b, r, y, ws, lock, x.shape[0], n_out, k, ipt, iters, s_max, eps, **flags,
-                          IEEE=x.dtype == torch.float32, BLOCK_M=MMA_ROWS, BLOCK_N=bn, BLOCK_K=bk, SWAP=swap,
-                          PDL_ON=PDL, num_warps=warps, num_stages=stages, **_LAUNCH)
+    token_tiles = triton.cdiv(x.shape[0], MMA_ROWS)
+    ws, lock = _split_buffers(x.device, token_tiles * triton.cdiv(n_out, bn), s_max, bn)
+    _gemm_stream[(grid * token_tiles,)](x, nw, w, b, r, y, ws, lock, x.shape[0], n_out, k, ipt, iters, s_max, eps,
+                                        **flags, IEEE=x.dtype == torch.float32, BLOCK_M=MMA_ROWS, BLOCK_N=bn,
+                                        BLOCK_K=bk, SWAP=swap, PDL_ON=PDL, num_warps=warps, num_stages=stages,
+                                        **_LAUNCH)

@@ -1,7 +1,8 @@
 """The FMA matrix-vector kernels of ``fused_linear`` (``dspark_core.kernels.linear``): one program per (token,
-weight tile) (``_gemv``, the ``fma`` mode), or one program per weight tile for every token (``_gemv_rows``, the
-FMA tiles of the ``mma`` mode). Both sum each token in the same blocks and order whatever n is
-(batch-invariant).
+weight tile) (``_gemv``, the ``fma`` mode), or one program per (token tile of up to 16 tokens, weight tile)
+(``_gemv_rows``, the FMA tiles of the ``mma`` mode). Both sum each token in the same blocks and order whatever n
+is (batch-invariant), and both number their programs token (tile) first, so the programs that read one weight
+tile run side by side and share it through L2.
 
 Shape legend: M (= n) tokens of the step, K input features, N output features.
 """
@@ -85,6 +86,18 @@ def _gemv_epilogue(acc, acc2, ss, BIAS, R, Y, rows, rmask, N, K, eps, dt: tl.con
 
 
 @triton.jit
+def _token_tile(X, R, Y, M, N, K, BLOCK_M: tl.constexpr):
+    """Program id 0 = weight-side index * T + token tile (T = cdiv(M, BLOCK_M) token tiles, the fastest-varying
+    part): x, residual and y of the token tile (rows [tt * BLOCK_M, +BLOCK_M) of [M, K] / [M, N]), its token count
+    (the rows < it are live; it may exceed BLOCK_M), the token tile tt and the weight-side index."""
+    pid = tl.program_id(0)
+    token_tiles = tl.cdiv(M, BLOCK_M)
+    tt = pid % token_tiles
+    row0 = tt.to(tl.int64) * BLOCK_M
+    return X + row0 * K, R + row0 * N, Y + row0 * N, M - tt * BLOCK_M, tt, pid // token_tiles
+
+
+@triton.jit
 def _w_tile(w_rows, cols, cmask, rmask, N, K, GATED: tl.constexpr):
     """The weight tile [rows, cols] (w_rows: the rows' pointers), and with GATED the same rows of W's second half
     (the up projection, N rows further); the first one otherwise."""
@@ -112,17 +125,21 @@ def _gemv_block(X, NW, w, w2, acc, acc2, ss, cols, K, NORM: tl.constexpr, GATED:
 
 @triton.jit(do_not_specialize=["M"])
 def _gemv_rows(X, NW, W, BIAS, R, Y, M, N, K, eps, NORM: tl.constexpr, GATED: tl.constexpr,
-               HAS_BIAS: tl.constexpr, RESID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               PDL_ON: tl.constexpr, PREFETCH: tl.constexpr):
-    """Rows [pid * BLOCK_N, +BLOCK_N) of W for all M tokens, one token after the other, fp32 FMA: the FMA tiles
-    of the ``mma`` mode (``("fma", BLOCK_N, BLOCK_K, warps)``).
+               HAS_BIAS: tl.constexpr, RESID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, PDL_ON: tl.constexpr, PREFETCH: tl.constexpr):
+    """Program (token tile tt, weight tile pid): rows [pid * BLOCK_N, +BLOCK_N) of W for tokens
+    [tt * BLOCK_M, +BLOCK_M) of x [M, K], one token after the other, fp32 FMA: the FMA tiles of the ``mma`` mode
+    (``("fma", BLOCK_N, BLOCK_K, warps)``). Grid (weight tiles x T,): token tiles fastest, so the programs of one
+    weight tile run side by side and read it from L2 after the first.
 
     Each token is summed exactly as ``_gemv`` sums it (same blocks, same order), by the same loop body whatever
-    M is: batch-invariant. Unlike ``_gemv`` (a program per token and tile) the M tokens share one program, so
-    when K <= BLOCK_K the weight tile is read once, before the wait (``PDL_PREFETCH``), and stays in registers
-    for every token: a verify of n tokens reads W once, as one token does (small models, where tensor-core
-    tiles lose to their fixed costs). When K > BLOCK_K later tokens re-read the tile from cache."""
-    pid = tl.program_id(0)
+    M is: batch-invariant. Unlike ``_gemv`` (a program per token and tile) the tokens of a token tile share one
+    program, so when K <= BLOCK_K the weight tile is read once, before the wait (``PDL_PREFETCH``), and stays in
+    registers for every token: a verify of n <= BLOCK_M tokens reads W once, as one token does (small models,
+    where tensor-core tiles lose to their fixed costs). When K > BLOCK_K later tokens re-read the tile from
+    cache."""
+    X, R, Y, M, tt, pid = _token_tile(X, R, Y, M, N, K, BLOCK_M)
+    M = tl.minimum(M, BLOCK_M)  # this tile's tokens
     dt = Y.dtype.element_ty
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N

@@ -1,6 +1,7 @@
-"""``fused_linear``: y = [residual +] act?(W @ norm?(x)) for x [n <= 16, K], the matrix products of the decode
+"""``fused_linear``: y = [residual +] act?(W @ norm?(x)) for x [n, K], the matrix products of the decode
 step, through the FMA GEMV (``dspark_core.kernels.gemv``) or the tensor-core tiles (``dspark_core.kernels.gemm``),
-with the tile tuned per shape (``dspark_core.kernels.tuning``).
+with the tile tuned per shape (``dspark_core.kernels.tuning``). A step of n > 16 tokens (several requests'
+tokens at once) runs in token tiles of 16 rows, more programs of the same kernels.
 
 Shape legend: n tokens of the step, K input features, N output features.
 """
@@ -19,7 +20,10 @@ from dspark_core.kernels.pdl import _LAUNCH, INTERPRET, PDL, PDL_PREFETCH
 from dspark_core.kernels.tuning import is_fma_tile
 from dspark_core.ops import rms_norm
 
-MAX_TOKENS = 16  # the widest step these kernels take (verify of a 15-token proposal)
+# The widest step the decode path is tuned for: one token tile (a verify of a 15-token proposal). Wider steps run
+# in token tiles of MMA_ROWS (batch-invariant mode: each token's bits as in a 1-token step) or, with
+# ``set_batch_invariant(False)``, through cuBLAS.
+MAX_TOKENS = MMA_ROWS
 # Batch invariance (default): a step of n tokens computes each token exactly as a step of one token would,
 # so greedy speculative decoding reproduces AR decoding bit for bit in bf16 too. Two ways (``set_small_gemm``;
 # bench_online.small_gemm in params.yaml, bench_decode.py --kernel-modes):
@@ -29,15 +33,16 @@ MAX_TOKENS = 16  # the widest step these kernels take (verify of a 15-token prop
 #   fma: every token through the FMA GEMV, one program per (token, weight tile): the fastest n = 1 step, but
 #        n tokens read each tile from L2 n times (a verify of 8 ~4x the n = 1 step).
 # ``set_batch_invariant(False)`` (bench_online.batch_invariant, bench_decode.py --no-batch-invariant): the FMA
-# GEMV for n = 1 and tensor-core tiles for n > 1 (a near-tie can then flip a greedy token between verify and AR).
+# GEMV for n = 1, tensor-core tiles tuned per n for 1 < n <= MAX_TOKENS, and torch (cuBLAS) beyond (a near-tie
+# can then flip a greedy token between verify and AR).
 BATCH_INVARIANT = True
 SMALL_GEMM_MODES = ("mma", "fma")
 SMALL_GEMM = "mma"
 
 
 def set_batch_invariant(on: bool) -> None:
-    """Batch-invariant products (True, the default; see above) or the FMA GEMV for n = 1 and tensor-core tiles
-    for n > 1 (False), for the kernels launched from now on."""
+    """Batch-invariant products (True, the default; see above) or the fastest per n: the FMA GEMV for n = 1,
+    tensor-core tiles for n <= MAX_TOKENS, cuBLAS beyond (False), for the kernels launched from now on."""
     global BATCH_INVARIANT
     BATCH_INVARIANT = bool(on)
 
@@ -98,10 +103,13 @@ def _launch(x, w, bias, norm_weight, eps, residual, y, n_out, gated, cfg):
         _gemv[(m * triton.cdiv(n_out, bn),)](x, nw, w, b, r, y, m, n_out, k, eps, **flags, BLOCK_N=bn, BLOCK_K=bk,
                                              PDL_ON=PDL, PREFETCH=PDL_PREFETCH, num_warps=warps, **_LAUNCH)
         return
+    # Grids below: axis 0 = weight tile x token tiles + token tile, token tiles fastest (``gemm`` module docstring)
+    token_tiles = triton.cdiv(m, MMA_ROWS)
     if is_fma_tile(cfg):
         _, bn, bk, warps = cfg
-        _gemv_rows[(triton.cdiv(n_out, bn),)](x, nw, w, b, r, y, m, n_out, k, eps, **flags, BLOCK_N=bn, BLOCK_K=bk,
-                                              PDL_ON=PDL, PREFETCH=PDL_PREFETCH, num_warps=warps, **_LAUNCH)
+        _gemv_rows[(triton.cdiv(n_out, bn) * token_tiles,)](x, nw, w, b, r, y, m, n_out, k, eps, **flags,
+                                                            BLOCK_M=MMA_ROWS, BLOCK_N=bn, BLOCK_K=bk, PDL_ON=PDL,
+                                                            PREFETCH=PDL_PREFETCH, num_warps=warps, **_LAUNCH)
         return
     bn, bk, splits, warps, *rest = cfg
     stages = rest[0] if rest else 3  # Triton's default
@@ -112,12 +120,11 @@ def _launch(x, w, bias, norm_weight, eps, residual, y, n_out, gated, cfg):
     k_split = triton.cdiv(triton.cdiv(k, splits), bk) * bk
     splits = triton.cdiv(k, k_split)
     tiles = triton.cdiv(n_out, bn)
-    ws, lock = _split_buffers(x.device, tiles, splits, bn) if splits > 1 else (y, y)
-    _gemm_small[(tiles, splits)](x, nw, w, b, r, y, ws, lock, m, n_out, k, k_split, eps, **flags,
-                                 IEEE=x.dtype == torch.float32, BLOCK_M=MMA_ROWS, BLOCK_N=bn, BLOCK_K=bk,
-                                 SPLITS=splits, SWAP=swap, PDL_ON=PDL, PREFETCH=PDL_PREFETCH, num_warps=warps,
-                                 num_stages=stages,
-                                 **_LAUNCH)
+    ws, lock = _split_buffers(x.device, token_tiles * tiles, splits, bn) if splits > 1 else (y, y)
+    _gemm_small[(tiles * token_tiles, splits)](x, nw, w, b, r, y, ws, lock, m, n_out, k, k_split, eps, **flags,
+                                               IEEE=x.dtype == torch.float32, BLOCK_M=MMA_ROWS, BLOCK_N=bn,
+                                               BLOCK_K=bk, SPLITS=splits, SWAP=swap, PDL_ON=PDL,
+                                               PREFETCH=PDL_PREFETCH, num_warps=warps, num_stages=stages, **_LAUNCH)
 
 
 def _config(x, w, bias, norm_weight, eps, residual, y, n_out, gated):
@@ -170,16 +177,20 @@ def _tune(x, w, bias, norm_weight, eps, residual, n_out, gated, configs, mma: bo
 def fused_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                  norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [n, K] (n <= 16) -> y [n, N]: ``residual + act(linear(rmsnorm(x)))`` with each part optional.
+    """x [n, K] (any n >= 1) -> y [n, N]: ``residual + act(linear(rmsnorm(x)))`` with each part optional.
 
     ``w`` is [N, K], or [2N, K] with ``gated`` (rows = gate then up; y = SiLU(gate) * up); ``bias`` [N]
-    or [2N]; ``norm_weight`` [K] applies HF's RMSNorm to x first; ``residual`` [n, N] is added last."""
-    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_TOKENS:
-        raise ValueError(f"fused_linear takes x [n <= {MAX_TOKENS}, K]; got {tuple(x.shape)}")
-    x, w = x.contiguous(), w.contiguous()
+    or [2N]; ``norm_weight`` [K] applies HF's RMSNorm to x first; ``residual`` [n, N] is added last.
+    Batch-invariant mode: token t's row is bit for bit that of ``fused_linear(x[t:t+1], ...)``, for any n (n > 16:
+    token tiles of 16). ``set_batch_invariant(False)`` and n > MAX_TOKENS: ``fused_linear_reference`` (cuBLAS)."""
+    if x.dim() != 2 or x.shape[0] < 1:
+        raise ValueError(f"fused_linear takes x [n >= 1, K]; got {tuple(x.shape)}")
     m, k = x.shape
     if w.shape[1] != k:
         raise ValueError(f"fused_linear: x has {k} features, w is {tuple(w.shape)}")
+    if m > MAX_TOKENS and not BATCH_INVARIANT:
+        return fused_linear_reference(x, w, bias, norm_weight=norm_weight, eps=eps, gated=gated, residual=residual)
+    x, w = x.contiguous(), w.contiguous()
     n_out = w.shape[0] // 2 if gated else w.shape[0]
     y = torch.empty(m, n_out, device=x.device, dtype=x.dtype)
     cfg = _config(x, w, bias, norm_weight, eps, residual, y, n_out, gated)

@@ -1,6 +1,7 @@
 """The decode step's attention inputs in one kernel: Qwen3's per-head q/k RMSNorm, RoPE, and the K/V cache write.
 
-Shape legend: n tokens of the step, Hq / Hkv query / KV heads, D head dim, M cache positions.
+Shape legend: n tokens of the step, Hq / Hkv query / KV heads, D head dim, R cache rows (requests), M cache
+positions.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from dspark_core.kernels.pdl import _LAUNCH, PDL, PDL_PREFETCH, gdc_launch_depen
 
 
 @triton.jit
-def _qk_rope_cache(QKV, QN, KN, COS, SIN, POS, OFF, KC, VC, QOUT, M_ALLOC, eps, HQ: tl.constexpr,
+def _qk_rope_cache(QKV, QN, KN, COS, SIN, POS, OFF, ROWS, KC, VC, QOUT, M_ALLOC, eps, HQ: tl.constexpr,
                    HKV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr, TREE: tl.constexpr,
-                   PDL_ON: tl.constexpr, EARLY: tl.constexpr):
-    """Token t, head j: RoPE at position POS[t]; K/V written at slot POS[t] (+ OFF[t] with TREE).
-    EARLY: the next kernel may launch first thing (``PDL_PREFETCH``)."""
+                   HAS_ROWS: tl.constexpr, PDL_ON: tl.constexpr, EARLY: tl.constexpr):
+    """Token t, head j: RoPE at position POS[t]; K/V written at cache row ROWS[t] (0 without HAS_ROWS), slot
+    POS[t] (+ OFF[t] with TREE). EARLY: the next kernel may launch first thing (``PDL_PREFETCH``)."""
     if PDL_ON and EARLY:
         gdc_launch_dependents()
     if PDL_ON:
@@ -29,6 +30,9 @@ def _qk_rope_cache(QKV, QN, KN, COS, SIN, POS, OFF, KC, VC, QOUT, M_ALLOC, eps, 
     slot = pos
     if TREE:
         slot += tl.load(OFF + t).to(tl.int64)
+    cache_row = 0
+    if HAS_ROWS:
+        cache_row = tl.load(ROWS + t).to(tl.int64)
     row = QKV + t * (HQ + 2 * HKV) * D
     d = tl.arange(0, D)
     half = D // 2
@@ -53,19 +57,23 @@ def _qk_rope_cache(QKV, QN, KN, COS, SIN, POS, OFF, KC, VC, QOUT, M_ALLOC, eps, 
     tl.store(QOUT + (t * HQ + j) * D + d, out, mask=is_q)
     h = tl.maximum(j - HQ, 0).to(tl.int64)
     is_k = ~is_q
-    tl.store(KC + (h * M_ALLOC + slot) * D + d, out, mask=is_k)
+    dst = ((cache_row * HKV + h) * M_ALLOC + slot) * D + d
+    tl.store(KC + dst, out, mask=is_k)
     v = tl.load(row + (HQ + HKV + h) * D + d, mask=is_k, other=0.0)
-    tl.store(VC + (h * M_ALLOC + slot) * D + d, v, mask=is_k)
+    tl.store(VC + dst, v, mask=is_k)
 
 
 def qk_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
                        cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float,
-                       slot_offset: torch.Tensor | None = None) -> torch.Tensor:
-    """qkv [n, (Hq + 2 Hkv) D] -> q [n, Hq, D] (normed, rotated); writes k / v at ``pos [n]`` of the layer's
-    caches [1, Hkv, M, D] (at ``pos + slot_offset`` when given: a draft tree's rows, ``dspark_core.decoding.tree``).
-    ``cos`` / ``sin`` [M, D] are the full tables (rows picked by ``pos`` on the device)."""
+                       slot_offset: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv [n, (Hq + 2 Hkv) D] -> q [n, Hq, D] (normed, rotated at ``pos [n]``); writes token t's k / v into the
+    layer's caches [R, Hkv, M, D] (contiguous) at row ``rows[t]`` (``rows [n]`` int32 / int64 on the device; None:
+    row 0), slot ``pos[t]`` (``pos[t] + slot_offset[t]`` when given: a draft tree's rows,
+    ``dspark_core.decoding.tree``). ``cos`` / ``sin`` [M, D] are the full tables (rows picked by ``pos`` on the
+    device)."""
     n = qkv.shape[0]
+    check_rows(rows, n, k_cache, v_cache)
     d = cos.shape[1]
     q = torch.empty(n, num_heads, d, device=qkv.device, dtype=qkv.dtype)
     has_norm = q_norm is not None
@@ -73,7 +81,24 @@ def qk_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: t
     kn = k_norm if has_norm else cos
     tree = slot_offset is not None
     _qk_rope_cache[(n, num_heads + num_kv_heads)](qkv, qn, kn, cos, sin, pos, slot_offset if tree else pos,
-                                                  k_cache, v_cache, q, k_cache.shape[2], eps, HQ=num_heads,
-                                                  HKV=num_kv_heads, D=d, HAS_NORM=has_norm, TREE=tree, PDL_ON=PDL,
-                                                  EARLY=PDL_PREFETCH, num_warps=1 if d <= 64 else 2, **_LAUNCH)
+                                                  pos if rows is None else rows, k_cache, v_cache, q,
+                                                  k_cache.shape[2], eps, HQ=num_heads, HKV=num_kv_heads, D=d,
+                                                  HAS_NORM=has_norm, TREE=tree, HAS_ROWS=rows is not None,
+                                                  PDL_ON=PDL, EARLY=PDL_PREFETCH, num_warps=1 if d <= 64 else 2,
+                                                  **_LAUNCH)
     return q
+
+
+def check_rows(rows: torch.Tensor | None, n: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Refuse (ValueError, one line) cache rows that are not an int32 / int64 [n] tensor on the caches' device, or
+    caches that are not contiguous [R, Hkv, M, D] of one shape. The row values are not read (no host sync): each
+    must be in [0, R)."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or not (k_cache.is_contiguous()
+                                                                    and v_cache.is_contiguous()):
+        raise ValueError(f"the K / V caches must be contiguous [R, Hkv, M, D] of one shape; got "
+                         f"{list(k_cache.shape)} and {list(v_cache.shape)}")
+    if rows is None:
+        return
+    if rows.shape != (n,) or rows.dtype not in (torch.int32, torch.int64) or rows.device != k_cache.device:
+        raise ValueError(f"rows must be an int32 / int64 tensor [{n}] (one cache row per token) on "
+                         f"{k_cache.device}; got {rows.dtype} {list(rows.shape)} on {rows.device}")
