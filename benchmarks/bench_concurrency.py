@@ -13,6 +13,9 @@ timing does not depend on it):
   only where its mean accepted length (tokens per row per cycle, bonus included) exceeds it;
 - ``verify_ms_by_tokens``: the verify's cost at each step size c x j (j = 1 .. S+1) that ``proposal: confidence``
   chooses among (the engine's own measurement, ``cost_s``);
+- ``target_step``: ``triton`` (the decode kernels, batch-invariant: every token computed as in a one-token step,
+  the exact mode) or ``torch`` (cuBLAS products and SDPA: faster at high concurrency, not bit-exact across
+  concurrency); a GPU run measures both at each level;
 - ``linear_ms`` / ``linear_floor_ar_steps``: the target's linear layers (Q/K/V, O, gate/up, down, LM head; bf16
   products in a CUDA graph) on c x (S+1) tokens against c tokens: what no verify can go below.
 
@@ -102,16 +105,17 @@ def _clock(device: torch.device):
 
 
 def run_level(model, draft, c: int, args, graphs: bool, kernels: bool) -> dict:
-    """Every row of c busy on one prompt each: the engine's AR, fixed and confidence cycles."""
+    """Every row of c busy on one prompt each: the engine's AR, fixed and confidence cycles, the target's step on
+    the Triton decode kernels (``kernels``: batch-invariant, each token as in a one-token step) or torch ops."""
     s = draft.block_size
     need = args.prompt_len + args.new_tokens + 2 * (s + 1) + 16
     runner = TargetRunner(model, max_len=need, aux_layer_ids=draft.aux_layer_ids, batch_size=c, cuda_graph=graphs,
-                          kernels=kernels and c == 1)
+                          kernels=kernels)
     gen = torch.Generator().manual_seed(c)
     vocab = model.config.vocab_size
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(c)]
     reserve = 2 * (s + 1)
-    row = {"concurrency": c, "kernels": runner.kernels}
+    row = {"concurrency": c, "target_step": "triton" if kernels else "torch"}
     for name, engine in (("ar", StaticSpeculativeDecoder(runner, None, cuda_graph=graphs, reserve=reserve)),
                          ("fixed", StaticSpeculativeDecoder(runner, draft, cuda_graph=graphs, time_every=4,
                                                             reserve=reserve))):
@@ -147,7 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--block", type=int, default=7)
     ap.add_argument("--draft-layers", type=int, default=5, help="the seed recipe's draft depth")
     ap.add_argument("--markov-rank", type=int, default=256)
-    ap.add_argument("--no-kernels", action="store_true", help="concurrency 1 on torch ops, not the Triton kernels")
+    ap.add_argument("--no-kernels", action="store_true", help="the target's step on torch ops only (default on a "
+                    "GPU: each level on the Triton decode kernels, then on torch ops)")
     ap.add_argument("--tune", action="store_true", help="time the Triton tiles per shape (minutes at these shapes); "
                     "default: each kernel's first candidate")
     ap.add_argument("--out", default=None)
@@ -170,16 +175,17 @@ def main(argv: list[str] | None = None) -> dict:
     for name, (family, overrides) in shapes.items():
         model = build_model(family, overrides, device, dtype, args.tiny)
         draft = build_random_draft(model, args)
-        kernels = cuda and not args.no_kernels and kernels_problem(model) is None
-        rows = [run_level(model, draft, c, args, graphs=cuda, kernels=kernels) for c in levels]
+        steps = [False] if not cuda or args.no_kernels or kernels_problem(model) else [True, False]
+        rows = [run_level(model, draft, c, args, graphs=cuda, kernels=k) for c in levels for k in steps]
         out["shapes"][name] = rows
         print(f"\n{name} ({out['device']}, {out['dtype']}, context {args.prompt_len}, block {args.block}, "
               f"{args.draft_layers}-layer draft)")
-        print(f"{'c':>4} {'AR step ms':>11} {'cycle ms':>9} {'propose':>8} {'verify':>8} {'cycle/AR':>9} "
+        print(f"{'c':>4} {'step':>7} {'AR step ms':>11} {'cycle ms':>9} {'propose':>8} {'verify':>8} {'cycle/AR':>9} "
               f"{'linear floor':>13}")
         for r in rows:
-            print(f"{r['concurrency']:>4} {r['ar_step_ms']:>11.3f} {r['cycle_ms']:>9.3f} {r['propose_ms']:>8.3f} "
-                  f"{r['verify_ms']:>8.3f} {r['cycle_ar_steps']:>9.2f} {r['linear_floor_ar_steps']:>13.2f}")
+            print(f"{r['concurrency']:>4} {r['target_step']:>7} {r['ar_step_ms']:>11.3f} {r['cycle_ms']:>9.3f} "
+                  f"{r['propose_ms']:>8.3f} {r['verify_ms']:>8.3f} {r['cycle_ar_steps']:>9.2f} "
+                  f"{r['linear_floor_ar_steps']:>13.2f}")
         del model, draft
         if cuda:
             torch.cuda.empty_cache()

@@ -16,7 +16,7 @@ import torch
 
 from _decoding_utils import (assert_partial_acceptance, chisquare_pvalue, exact_marginals, fit_draft_to_target,
                              greedy_continuations)
-from _decoding_utils import one_thread  # noqa: F401 (fixture)
+from _decoding_utils import one_thread, untuned_kernels  # noqa: F401 (fixtures)
 from dspark_core.decoding.ar import ARDecoder
 from dspark_core.decoding.engine import SpeculativeDecoder
 from dspark_core.decoding.rows import schedule_by_confidence, token_layout
@@ -30,6 +30,7 @@ from dspark_core.testing import tiny_model
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+from dspark_core.kernels import triton_ok  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CUDA = torch.cuda.is_available()
@@ -236,6 +237,55 @@ def test_batched_engine_refusals():
         StaticSpeculativeDecoder(runner, draft).generate(PROMPTS[0], 4)
     with pytest.raises(ValueError, match="proposal must be one of fixed, confidence"):
         StaticSpeculativeDecoder(runner, draft, proposal="adaptive")
+
+
+@pytest.mark.skipif(not triton_ok(DEVICE), reason="needs Triton on CUDA or TRITON_INTERPRET=1")
+def test_a_step_of_rows_on_the_triton_kernels(untuned_kernels):
+    """One step of three request rows on the Triton decode kernels (the interpreter on CPU): each token's logits
+    and K/V are those of a one-row step of its own request (bit for bit on a GPU in bf16; within float32 rounding
+    under the interpreter, whose dots are not row-independent), and the torch step of the same rows agrees."""
+    model, _ = _setup()
+    exact = CUDA
+    if CUDA:
+        model = model.to(torch.bfloat16)
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
+    rows = TargetRunner(model, max_len=32, aux_layer_ids=AUX, batch_size=3, kernels=True)
+    torch_rows = TargetRunner(model, max_len=32, aux_layer_ids=AUX, batch_size=3)
+    singles = [TargetRunner(model, max_len=32, aux_layer_ids=AUX, kernels=True) for _ in prompts]
+    ids, row, pos, col = [], [], [], []
+    for r, prompt in enumerate(prompts):
+        for runner in (rows, torch_rows):
+            runner.prefill_row(r, torch.tensor([prompt[:-2]], device=DEVICE))
+        singles[r].prefill_row(0, torch.tensor([prompt[:-2]], device=DEVICE))
+        for c in range(2):  # the prompt's last two tokens, as a verify step would give them
+            ids.append(prompt[-2 + c]), row.append(r), pos.append(len(prompt) - 2 + c), col.append(c)
+    t = [torch.tensor(v, device=DEVICE) for v in (ids, row, pos, col)]
+    logits, aux = rows.step_rows(*t, 2)  # [6, V], [6, K, H]
+    ref_logits, ref_aux = torch_rows.step_rows(*t, 2)
+    torch.testing.assert_close(logits.float(), ref_logits.float(), atol=2e-2 if exact else 1e-4, rtol=0)
+    for r, single in enumerate(singles):
+        mine = slice(2 * r, 2 * r + 2)
+        one_logits, one_aux = single.step_rows(t[0][mine], torch.zeros(2, dtype=torch.long, device=DEVICE),
+                                               t[2][mine], t[3][mine], 2)
+        tol = dict(atol=0, rtol=0) if exact else dict(atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits[mine], one_logits, **tol)
+        torch.testing.assert_close(aux[mine], one_aux, **tol)
+        torch.testing.assert_close(rows.k_cache[:, r, :, : pos[2 * r + 1] + 1],
+                                   single.k_cache[:, 0, :, : pos[2 * r + 1] + 1], **tol)
+
+
+@pytest.mark.skipif(not CUDA, reason="the decode kernels in bf16 on a GPU (the interpreter is too slow for decoding)")
+def test_rows_on_the_triton_kernels_match_one_row(untuned_kernels):
+    """Concurrency 3 on the Triton decode kernels in bf16: every request's tokens are its AR output alone on the
+    same kernels (the engine's AR at concurrency 1), speculative and AR."""
+    model, draft = _setup()
+    model, draft = model.to(torch.bfloat16), draft.to(torch.bfloat16)
+    one = TargetRunner(model, max_len=96, aux_layer_ids=AUX, kernels=True, cuda_graph=True)
+    alone = StaticSpeculativeDecoder(one, None).serve(PROMPTS, 30).results
+    runner = TargetRunner(model, max_len=96, aux_layer_ids=AUX, batch_size=3, kernels=True, cuda_graph=True)
+    for d in (draft, None):
+        batch = StaticSpeculativeDecoder(runner, d).serve(PROMPTS, 30)
+        assert [r.tokens for r in batch.results] == [a.tokens for a in alone]
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")

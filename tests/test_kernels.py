@@ -198,8 +198,8 @@ def test_kernels_refused_with_reason():
     from dspark_core.decoding.target_runner import TargetRunner
     from dspark_core.testing import tiny_model
 
-    with pytest.raises(ValueError, match="batch_size is 2"):
-        TargetRunner(tiny_model("llama").to(DEVICE), max_len=16, batch_size=2, kernels=True)
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not SiLU"):
+        TargetRunner(tiny_model("llama", hidden_act="gelu").to(DEVICE), max_len=16, batch_size=2, kernels=True)
 
 
 def test_chunk_math_ce_rows_matches_reference_and_autograd():

@@ -377,7 +377,7 @@ def _resolve_kernels(cfg: BenchOnlineConfig, model: torch.nn.Module, device: tor
         if cfg.kernels:
             raise UserError("bench_online.kernels: true needs a CUDA device")
         return False
-    problem = kernels_problem(model, batch_size=1)
+    problem = kernels_problem(model)
     if problem and cfg.kernels:
         raise UserError(f"bench_online.kernels: true, but {problem}")
     return problem is None

@@ -28,8 +28,8 @@ layer (before / after the attention) and the head through ``torch.compile`` (one
 half shared by all layers: weights are arguments), which fuses the element-wise work between the
 matmuls. Outputs of a graph replay live in static buffers: they are valid until the next ``forward``.
 
-``kernels=True`` (CUDA, batch 1) runs every chunk of n <= 16 tokens through the Triton kernels of
-``dspark_core.kernels`` instead: 6 kernels per decoder layer (norm fused into the Q/K/V and
+``kernels=True`` (CUDA) runs every chunk of n <= 16 tokens (batch 1), and every step of several request rows
+(``step_rows``, any number of tokens), through the Triton kernels of ``dspark_core.kernels`` instead: 6 kernels per decoder layer (norm fused into the Q/K/V and
 gate/up matrix-vector products, SiLU and residual adds in their epilogues, q/k norm + RoPE + cache write
 in one kernel, split-KV attention). The Q/K/V and gate/up weights are concatenated once and the HF
 module weights re-pointed to views of the concatenation (values unchanged, no second copy).
@@ -216,13 +216,15 @@ def lm_head(x: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor, head_b:
 def kernel_layers(x: torch.Tensor, layers: Sequence[FusedWeights], k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, spec: _Spec, *,
                   attn_pos: torch.Tensor | None = None, tree: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  on_layer: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+                  on_layer: Callable[[int, torch.Tensor], None] | None = None, rows: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """The Triton decode stack (batch 1, n <= 16 rows): ``x [n, H]`` through ``layers``, layer i over the caches
     ``k_cache[i]`` / ``v_cache[i]`` ``[1, Hkv, M, D]`` -> ``[n, H]`` (pre-norm). 6 kernels per layer (module
     docstring). Row t is rotated at ``pos[t]`` and writes its K/V at slot ``pos[t]`` (``+ tree[0][t]``); it attends
     to logical keys ``<= attn_pos[t]`` (default ``pos``), those ``>= attn_pos[t] - tree[1][t]`` read ``tree[0][t]``
     slots further (``kernels.attention.decode_attention``). ``cos`` / ``sin [M, D]`` are the full RoPE tables.
-    ``on_layer(i, x)`` sees each layer's output."""
+    ``rows [n]``: the tokens of several requests, token t in cache row ``rows[t]`` of caches ``[L, B, Hkv, M, D]``
+    (None: row 0). ``on_layer(i, x)`` sees each layer's output."""
     from dspark_core.kernels.attention import decode_attention
     from dspark_core.kernels.linear import fused_linear
     from dspark_core.kernels.rope import qk_norm_rope_cache
@@ -233,8 +235,8 @@ def kernel_layers(x: torch.Tensor, layers: Sequence[FusedWeights], k_cache: torc
         kc, vc = k_cache[i], v_cache[i]  # [1, Hkv, M, D]
         qkv = fused_linear(x, w.qkv_w, w.qkv_b, norm_weight=w.ln1, eps=eps)  # [n, (Hq + 2 Hkv) D]
         q = qk_norm_rope_cache(qkv, w.q_norm, w.k_norm, cos, sin, pos, kc, vc, spec.num_heads, spec.num_kv_heads,
-                               eps, slot_offset=None if tree is None else tree[0])  # [n, Hq, D]
-        attn = decode_attention(q, kc, vc, attn_pos, spec.scaling, tree=tree)  # [n, Hq, D]
+                               eps, slot_offset=None if tree is None else tree[0], rows=rows)  # [n, Hq, D]
+        attn = decode_attention(q, kc, vc, attn_pos, spec.scaling, tree=tree, rows=rows)  # [n, Hq, D]
         x = fused_linear(attn.view(n, -1), w.o_w, w.o_b, residual=x)  # [n, H]
         h = fused_linear(x, w.gate_up_w, w.gate_up_b, norm_weight=w.ln2, eps=eps, gated=True)  # [n, F]
         x = fused_linear(h, w.down_w, w.down_b, residual=x)  # [n, H]
@@ -380,7 +382,7 @@ class TargetRunner:
         self.length = 0
         self.kernels = bool(kernels)
         if self.kernels:
-            _check_kernels(model, batch_size)
+            _check_kernels(model)
             from dspark_core.kernels.linear import resolve_small_gemm
 
             resolve_small_gemm(next(model.parameters()).device)  # mma where it applies, else fma (says why)
@@ -527,10 +529,27 @@ class TargetRunner:
         tensors; a token may repeat another's (row, position) with the same id (padding: the same K/V written
         twice). -> ``logits [T, V]``, ``aux [T, K, H]``. One row (``batch_size`` 1) with the Triton kernels runs
         their step; otherwise the torch step (``_rows_torch``)."""
-        if self.kernels and self.batch_size == 1 and ids.shape[0] <= self._kernel_max_tokens():
-            logits, aux = self._kernel_step(ids.view(1, -1), pos)  # [1, T, V], [1, T, K, H]
-            return logits[0], aux[0]
+        if self.kernels:
+            return self._kernel_rows(ids, rows, pos)
         return self._rows_torch(ids, rows, pos, cols, width)
+
+    def _kernel_rows(self, ids: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``step_rows`` through the Triton decode kernels: every token computed as in a one-token step of its own
+        row (batch-invariant mode: the same bits at any concurrency; products of more than 16 tokens in token
+        tiles, ``kernels.linear``)."""
+        x = F.embedding(ids, self._embed_w)  # [T, H]
+        collected: dict[int, torch.Tensor] = {-1: x} if -1 in self.aux_layer_ids else {}
+
+        def keep(layer: int, h: torch.Tensor) -> None:
+            if layer in self.aux_layer_ids:
+                collected[layer] = h
+
+        one_row = self.batch_size == 1
+        x = kernel_layers(x, self._fused, self.k_cache, self.v_cache, self._cos, self._sin, pos, self._spec,
+                          on_layer=keep, rows=None if one_row else rows)  # [T, H]
+        aux = self._stack_aux({k: v.unsqueeze(0) for k, v in collected.items()}, x.unsqueeze(0))[0]  # [T, K, H]
+        return kernel_head(x, self._norm_w, self._head_w, self._head_b, self._spec), aux
 
     def _rows_torch(self, ids: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor, width: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -736,8 +755,8 @@ def _check_supported(model: torch.nn.Module) -> None:
                         "sequence length); choose another target (target.path)")
 
 
-def kernels_problem(model: torch.nn.Module, batch_size: int = 1) -> str | None:
-    """Why ``kernels=True`` does not apply to ``model`` (None when it does)."""
+def kernels_problem(model: torch.nn.Module) -> str | None:
+    """Why ``kernels=True`` does not apply to ``model`` (None when it does), at any number of request rows."""
     from dspark_core.kernels import triton_ok
 
     device = next(model.parameters()).device
@@ -747,8 +766,6 @@ def kernels_problem(model: torch.nn.Module, batch_size: int = 1) -> str | None:
     problems = []
     if not triton_ok(device):
         problems.append(f"Triton cannot run on {device}")
-    if batch_size != 1:
-        problems.append(f"batch_size is {batch_size} (the kernels decode batch 1)")
     if head_dim & (head_dim - 1) or head_dim < 16:
         problems.append(f"head_dim {head_dim} is not a power of two >= 16")
     if act not in ("silu", "swish"):
@@ -759,9 +776,9 @@ def kernels_problem(model: torch.nn.Module, batch_size: int = 1) -> str | None:
     return "; ".join(problems) if problems else None
 
 
-def _check_kernels(model: torch.nn.Module, batch_size: int) -> None:
+def _check_kernels(model: torch.nn.Module) -> None:
     """Refuse ``kernels=True`` where the Triton step does not apply (with the reason)."""
-    problem = kernels_problem(model, batch_size)
+    problem = kernels_problem(model)
     if problem:
         raise ValueError("TargetRunner(kernels=True) does not apply: " + problem)
 

@@ -429,7 +429,9 @@ def kernels_problem(model: DMTDModel, batch_size: int = 1) -> str | None:
     and a cycle step of at most ``kernels.linear.MAX_TOKENS`` rows."""
     from dspark_core.kernels.linear import MAX_TOKENS
 
-    problems = [target_kernels_problem(model.lm, batch_size)]
+    problems = [target_kernels_problem(model.lm)]
+    if batch_size != 1:
+        problems.append(f"batch_size is {batch_size} (the DMTD kernel stack decodes batch 1)")
     rows = 2 * model.tau if model.rule.refresh else model.tau
     if rows > MAX_TOKENS:
         problems.append(f"the cycle step has {rows} rows (tau {model.tau}); the kernels take at most {MAX_TOKENS}")
