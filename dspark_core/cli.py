@@ -66,6 +66,8 @@ def profile_check(name: str, params: Path = typer.Option(Path("params.yaml")),
     report = check_profile(name, params, samples=samples, tokens_per_sample=tokens_per_sample, tokens=tokens)
     for line in report.lines:
         typer.echo(line)
+    for line in report.warnings:
+        typer.echo(f"warning: {line}")
     for line in report.problems:
         typer.echo(f"problem: {line}", err=True)
     typer.echo(f"profile {name}: " + ("ok" if not report.problems else f"{len(report.problems)} problem(s)"))

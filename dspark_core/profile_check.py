@@ -10,9 +10,13 @@ The profile is merged onto a copy of params.yaml (as ``dspark profile apply`` wo
 - it lists what the pipeline would download (the target's repository and revision, the ``hf:`` data sets) and
   estimates the bytes of the hidden-state cache for a token count (``cache.store.estimate_cache_bytes``: the
   target's hidden size, the aux layers, the aux dtype; ``--samples`` / ``--tokens-per-sample`` or ``--tokens``,
-  else the prepare split sizes x ``cache.max_length``, an upper bound since every sample is cut to it).
+  else the prepare split sizes x ``cache.max_length``: a sample a conversation, each cut to it, where a conversation
+  split into a sample an answer makes more);
+- it compares the answers a conversation can hold (``regenerate.max_turns`` x ``max_new_tokens``) with
+  ``cache.max_length`` and warns where regenerated answers would not be trained whole (:func:`turn_warnings`).
 
-``check_profile(...) -> ProfileCheck`` (``problems``: one line each; ``lines``: the report) is what the CLI prints.
+``check_profile(...) -> ProfileCheck`` (``problems``: one line each; ``warnings``: what a run would lose, one line
+each; ``lines``: the report) is what the CLI prints.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ TYPICAL_COMPRESSION = 0.7
 class ProfileCheck:
     problems: list[str] = dataclasses.field(default_factory=list)
     lines: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
     def attempt(self, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()``, or None with its one-line error recorded under ``what``."""
@@ -142,6 +147,25 @@ def _check_dims(report: ProfileCheck, cfg: dict, sections: dict[str, Any], draft
                                f"a {layers}-layer target")
 
 
+def turn_warnings(regenerate: Any, cache: Any) -> list[str]:
+    """What the cache would not train of the regenerated answers: with ``long_conversations: truncate``, the
+    answers past ``cache.max_length`` of a conversation of ``max_turns`` answers of ``max_new_tokens``; with
+    ``split``, the tail of an answer longer than ``max_length`` (and the context of one that fills it)."""
+    turns, new, limit = regenerate.max_turns, regenerate.max_new_tokens, cache.max_length
+    counted = "counted in reports/cache_stats.json: answers_cut, answer_tokens_lost"
+    if cache.long_conversations == "truncate" and turns * new > limit:
+        return [f"regenerate.max_turns x max_new_tokens = {turns} x {new:,} = {turns * new:,} answer tokens a "
+                f"conversation can hold, against cache.max_length {limit:,}: with cache.long_conversations: truncate "
+                f"a conversation keeps its first {limit:,} tokens and the answers past them are regenerated, then "
+                f"not trained ({counted}); cache.long_conversations: split trains each answer"]
+    if cache.long_conversations == "split" and new >= limit:
+        longer = f", and a longer one is cut at its tail ({counted})" if new > limit else ""
+        return [f"regenerate.max_new_tokens {new:,} >= cache.max_length {limit:,}: an answer of {limit:,} tokens "
+                f"fills its sample alone, with none of its prompt{longer}; raise cache.max_length to keep long "
+                "answers with their context"]
+    return []
+
+
 def _downloads(sections: dict[str, Any]) -> list[str]:
     """What the pipeline would fetch from the hub: the target repository and the ``hf:`` data sets."""
     out = []
@@ -166,6 +190,7 @@ def _estimate(report: ProfileCheck, cfg: dict | None, sections: dict[str, Any], 
         report.lines.append("cache estimate: needs the target's hidden size (see above)")
         return
     if tokens is None:
+        counted = samples is None  # the prepare sizes: conversations
         if samples is None and prepare is not None and prepare.n_train is not None:
             samples = prepare.n_train + sum(d.n for d in prepare.eval_draws())
         if samples is None:
@@ -175,6 +200,9 @@ def _estimate(report: ProfileCheck, cfg: dict | None, sections: dict[str, Any], 
         per = tokens_per_sample or cache.max_length
         tokens = samples * per
         how = f"{samples:,} samples x {per:,} tokens ({'given' if tokens_per_sample else 'cache.max_length, at most'})"
+        regen = sections.get("regenerate")
+        if counted and cache.long_conversations == "split" and regen is not None and regen.max_turns > 1:
+            how += f"; a sample a conversation: a split one makes more, up to {regen.max_turns}"
     else:
         how = "given"
     hidden, k = int(cfg["hidden_size"]), len(cache.aux_layer_ids)
@@ -209,5 +237,7 @@ def check_profile(name: str | None, params: Path = Path("params.yaml"), dvc_yaml
         report.lines += [f"download: {d}" for d in _downloads(sections)]
         train_hidden = str((read_yaml(merged).get("train") or {}).get("hidden_states", "cache"))
         _estimate(report, cfg, sections, samples, tokens_per_sample, tokens, train_hidden)
+        if sections.get("regenerate") is not None and sections.get("cache") is not None:
+            report.warnings += turn_warnings(sections["regenerate"], sections["cache"])
     report.problems = list(dict.fromkeys(report.problems))  # a section every variant reads: named once
     return report

@@ -45,6 +45,26 @@ class Recorder:
         self.inner.close()
 
 
+class Scripted:
+    """A backend that answers each request with ``answer(prompt_text)`` + EOS, reported 'stop' (``finalize_response``
+    cuts one of ``max_new_tokens`` ids or more: 'length'); records the prompt texts it got (``texts``)."""
+
+    name = "scripted"
+
+    def __init__(self, tok, answer: Callable[[str], str]):
+        self.tok, self.answer, self.texts = tok, answer, []
+
+    def generate(self, requests):
+        from dspark_core.data.backends import Generation
+
+        self.texts += [r.prompt_text for r in requests]
+        return [Generation(list(self.tok(self.answer(r.prompt_text), add_special_tokens=False)["input_ids"])
+                           + [self.tok.eos_token_id], "stop") for r in requests]
+
+    def close(self):
+        pass
+
+
 class CompletionServer:
     """A local OpenAI-style completions server answering ``answer(body)`` to each request after ``delay_s``; it
     records the request bodies it answered (``bodies``) and the most requests it had in flight at once (``peak``)."""

@@ -31,6 +31,14 @@ MAX_LEN = 96
 N_TRUNCATED = sum(p + r > MAX_LEN for p, r in LENGTHS)  # 3
 
 
+def kept(p: int, r: int) -> slice:
+    """The tokens of a (prompt, response) row a store keeps (``long_conversations: split``): all when they fit, else
+    the response with as much of the prompt's tail as fits (a response alone longer than MAX_LEN: its head)."""
+    if p + r <= MAX_LEN:
+        return slice(0, p + r)
+    return slice(p, p + MAX_LEN) if r > MAX_LEN else slice(p + r - MAX_LEN, p + r)
+
+
 def cfg_for(root: Path, target: Path, **kw) -> CacheConfig:
     base = dict(aux_layer_ids=LAYERS, max_length=MAX_LEN, chunk_tokens=256, batch_tokens=200,
                 target_dir=str(target), regen_dir=str(root / "regen"), out_dir=str(root / "cache"),
@@ -93,8 +101,8 @@ def test_roundtrip_equals_direct_forward_exactly(tmp_path, targets, regen, famil
     for n in range(len(ds)):
         item = ds[n]
         row, (p, r) = rows[src[n]], LENGTHS[src[n]]
-        assert item["input_ids"].tolist() == row[:MAX_LEN]
-        assert item["loss_mask"].tolist() == ([False] * p + [True] * r)[:MAX_LEN]
+        assert item["input_ids"].tolist() == row[kept(p, r)]
+        assert item["loss_mask"].tolist() == ([False] * p + [True] * r)[kept(p, r)]
         with torch.no_grad():
             hs = model(input_ids=item["input_ids"][None], output_hidden_states=True).hidden_states
         for k, lid in enumerate(LAYERS):
@@ -244,6 +252,23 @@ def test_empty_or_missing_regen_refused(tmp_path, targets):
     write_regen(tmp_path / "regen" / "train.parquet", [])
     with pytest.raises(ValueError, match="train.parquet: no rows"):
         run_cache(cfg)
+
+
+def test_truncate_keeps_each_rows_head(regen):
+    """``long_conversations: truncate``: a row's first MAX_LEN tokens, whatever they hold; the response tokens past
+    them are counted as lost."""
+    from dspark_core.cache.source import load_regen
+
+    samples = load_regen(regen, MAX_LEN, long_conversations="truncate")
+    rows, off = source_rows(regen), samples.offsets
+    for n, row in enumerate(samples.order):
+        p, r = LENGTHS[row]
+        assert samples.input_ids[off[n]:off[n + 1]].tolist() == rows[row][:MAX_LEN]
+        assert samples.loss_mask[off[n]:off[n + 1]].tolist() == ([0] * p + [1] * r)[:MAX_LEN]
+    assert samples.truncated == N_TRUNCATED and samples.conversations_split == 0
+    assert samples.answers_cut == 3 and samples.answer_tokens_lost == sum(max(0, p + r - MAX_LEN) for p, r in LENGTHS)
+    split = load_regen(regen, MAX_LEN)  # the default: every response whole
+    assert (split.truncated, split.answers_cut, split.answer_tokens_lost) == (N_TRUNCATED, 0, 0)
 
 
 def test_too_long_sample_refused_when_asked(tmp_path, targets, regen):

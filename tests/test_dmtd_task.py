@@ -155,8 +155,9 @@ def test_nested_eval_section_and_bad_values():
 
 
 def test_settings_that_cannot_run_here_are_named(workspace):
-    """flex attention cannot train on a CPU; cuda_graph decoding needs a GPU; a max_length that cuts every
-    answer away leaves nothing to train on: each is one error naming the param."""
+    """flex attention cannot train on a CPU; cuda_graph decoding needs a GPU; a max_length of one token (each
+    document an answer's last token, no next token to learn) leaves nothing to train on: each is one error naming
+    the param."""
     from dspark_core.dmtd.inference import resolve_graph_mode
 
     cfg = cfg_for(workspace)
@@ -165,8 +166,8 @@ def test_settings_that_cannot_run_here_are_named(workspace):
     with pytest.raises(UserError, match=r"dmtd.eval.graph: 'cuda_graph' needs a CUDA device"):
         resolve_graph_mode("cuda_graph", torch.device("cpu"))
     with pytest.raises(UserError, match=r"train.parquet: no document keeps a supervised token within "
-                                        r"dmtd.max_length=3 .*raise max_length"):
-        load_packed(workspace / "regen" / "train.parquet", 3, "response", MASK)
+                                        r"dmtd.max_length=1 .*raise max_length"):
+        load_packed(workspace / "regen" / "train.parquet", 1, "response", MASK)
 
 
 def test_freeze_embeddings_and_denominators(workspace):

@@ -1011,12 +1011,20 @@ def test_verify_lists_damaged_chunks(project: Project):
 
 def test_prompt_over_max_length_is_cut_and_counted(project: Project):
     """The default ``cache.on_too_long: truncate`` keeps a sample longer than ``cache.max_length`` cut to it and
-    counts it in the stats; one whose prompt alone fills max_length has no response token left and is counted
-    as such (its loss mask is empty, so it trains nothing)."""
+    counts it in the stats. ``long_conversations: split`` (the default) keeps its answer whole with the prompt's
+    tail; ``truncate`` keeps its head: one whose prompt alone fills max_length has no response token left and is
+    counted as such (its loss mask is empty, so it trains nothing), its answer's tokens as lost."""
     regen_rows([(120, 10)] + LENGTHS)(project)
     shutil.rmtree(project.root / "data/cache")
     stats = cache()()
-    assert stats["truncated_samples"] == 2 and stats["no_response_samples"] == 1  # rows 0 (130) and 2 (100)
+    assert stats["truncated_samples"] == 2 and stats["no_response_samples"] == 0  # rows 0 (130) and 2 (100)
+    ds = CacheDataset("data/cache/train.zarr")
+    assert sorted(int(ds[n]["loss_mask"].sum()) for n in range(len(ds)) if len(ds[n]["input_ids"]) == 96) == [10, 40]
+    assert (stats["answers_cut"], stats["answer_tokens_lost"]) == (0, 0)
+    project.params(cache={"long_conversations": "truncate"})
+    stats = cache(rebuild_stale=True)()
+    assert stats["truncated_samples"] == 2 and stats["no_response_samples"] == 1
+    assert (stats["answers_cut"], stats["answer_tokens_lost"]) == (2, 10 + 4)
     ds = CacheDataset("data/cache/train.zarr")
     cut = [ds[n] for n in range(len(ds)) if not ds[n]["loss_mask"].any()]
     assert len(cut) == 1 and cut[0]["input_ids"].shape[0] == 96

@@ -15,7 +15,6 @@ import torch
 import dspark_core.data.regenerate as regen
 from dspark_core.cache import CacheConfig, CacheDataset, CacheCollator, build_store
 from dspark_core.cache.source import load_regen
-from dspark_core.data.backends import Generation
 from dspark_core.data.chat import render_with_spans
 from dspark_core.data.prompts import Prompt, write_prompts
 from dspark_core.data.regenerate import RegenerateConfig, read_regen, run_regenerate
@@ -24,11 +23,12 @@ from dspark_core.draft.anchors import add_anchor_fields
 from dspark_core.errors import UserError
 from dspark_core.target import load_target, read_fingerprint
 from dspark_core.testing import save_tiny_target, tiny_tokenizer
-from _regen_utils import CompletionServer, Recorder, greedy
+from _regen_utils import CompletionServer, Recorder, Scripted, greedy
 
 MAX_NEW = 10
-CONVERSATIONS = [("What is 2 + 3?", "And times 4?"), ("Name a colour.", "Another one?", "A third?"),
-                 ("hi",), ("Write a haiku.", "Shorter.")]
+# greedy (the tiny fixture): c:1 stops twice, then is cut at MAX_NEW; c:3's first answer is cut, its turn 2 dropped
+CONVERSATIONS = [("What is 2 + 3?", "And times 4?"), ("Name a color.", "Another one?", "A third?"),
+                 ("hi",), ("Name a colour.", "Another one?")]
 S, E = "<|im_start|>", "<|im_end|>"   # the simple template's markers (one token each)
 _REAL_MAKE_BACKEND = regen.make_backend
 
@@ -170,33 +170,38 @@ def test_every_turn_answered_after_the_targets_own_answers(tiny, answered):
     for call in calls:
         for req in call:
             asked[(req.id, sum(k[0] == req.id for k in asked))] = list(req.prompt_ids)
-    reasons = []
+    reasons, dropped = [], 0
     for i, turns in enumerate(CONVERSATIONS):
-        row, text, spans, answer, ctx = rows[f"c:{i}"], "", [], [], []
+        row, text, spans, answer, ctx, n = rows[f"c:{i}"], "", [], [], [], 0
         for k, user in enumerate(turns):
             if k:
-                body = answer[:-1] if answer[-1] == eos else answer
+                if answer[-1] != eos:   # cut at max_new_tokens: its conversation ends with it
+                    break
                 spans.append((len(_ids(tok, text + f"{S}assistant\n")),))
-                text += f"{S}assistant\n" + tok.decode(body, clean_up_tokenization_spaces=False) + f"{E}\n"
+                text += f"{S}assistant\n" + tok.decode(answer[:-1], clean_up_tokenization_spaces=False) + f"{E}\n"
                 spans[-1] += (len(_ids(tok, text)) - 1,)
             text += _turn("user", user)
             ctx = _ids(tok, text + f"{S}assistant\n")
             assert asked[(f"c:{i}", k)] == ctx, (i, k)
             answer = greedy(model, ctx, MAX_NEW, eos)
             reasons.append("stop" if answer[-1] == eos else "length")
+            n = k + 1
+        dropped += len(turns) - n
         seq = row["prompt_ids"] + row["response_ids"]
         assert seq == ctx + answer
-        assert _spans(row) == spans + [(len(ctx), len(ctx) + len(answer))]
+        assert _spans(row) == spans + [(len(ctx), len(ctx) + len(answer))]  # a cut answer: no end token added
         assert len(row["prompt_ids"]) == (spans[0][0] if spans else len(ctx))  # tokens before the first answer
-        assert row["num_turns"] == len(turns) and len(row["finish_reasons"]) == len(turns)
+        assert row["num_turns"] == n and len(row["finish_reasons"]) == n
         assert row["finish_reason"] == row["finish_reasons"][-1]
         assert all(seq[e - 1] == eos for _, e in spans)
+        assert "length" not in row["finish_reasons"][:-1]
     assert {"stop", "length"} <= set(reasons)
     assert sorted(r for row in rows.values() for r in row["finish_reasons"]) == sorted(reasons)
     s = stats["splits"]["eval"]
-    assert s["turns"] == sum(len(t) for t in CONVERSATIONS) == len(asked)
+    assert s["turns"] == len(reasons) == len(asked) and s["turns_dropped"] == dropped > 0
     assert s["answer_tokens"] == sum(b - a for row in rows.values() for a, b in _spans(row))
-    assert [len(c) for c in calls] == [4, 3, 1]   # every first turn at once, then the second turns, ...
+    assert max(r["num_turns"] for r in rows.values()) > 1
+    assert [len(c) for c in calls] == [4, 2, 1]   # every first turn at once, then the second turns, ...
 
 
 def test_max_turns_one_and_own_system_messages(tiny, answered, tmp_path):
@@ -225,14 +230,14 @@ def test_max_turns_one_and_own_system_messages(tiny, answered, tmp_path):
 
 
 def test_a_killed_multi_turn_run_resumes_to_the_same_bytes(tiny, tmp_path, monkeypatch):
-    """Sampling, two conversations a batch: killed during the second batch's second turn (the first batch is a
+    """Sampling, two conversations a batch: killed during the second batch's third turn (the first batch is a
     part file), the same command gives the bytes of an uninterrupted run; later turns draw their own seeds."""
     target, prompts = tiny
     cfg = _cfg(target, prompts, tmp_path / "out", batch_size=2, temperature=1.0, top_p=1.0, top_k=0)
-    killed = _patch_backend(monkeypatch, fail_after=4)   # batch 1: turns 1, 2, 3; batch 2: turn 1, then killed
+    killed = _patch_backend(monkeypatch, fail_after=4)   # batch 1: turns 1, 2; batch 2: turns 1, 2, then killed
     with pytest.raises(KeyboardInterrupt):
         run_regenerate(cfg)
-    assert [len(c) for c in killed[0].calls] == [2, 2, 1, 2]
+    assert [len(c) for c in killed[0].calls] == [2, 1, 2, 1]
     assert len(list((tmp_path / "out" / "parts" / "eval").glob("part-*.parquet"))) == 1
     again = _patch_backend(monkeypatch)
     run_regenerate(cfg)
@@ -274,24 +279,8 @@ def test_another_prompt_set_keeps_the_conversations_it_can_and_the_time_budget(t
     first = {r.id for r in made[0].calls[0]}
     rows = read_regen(tmp_path / "budget" / "eval.parquet")
     assert {r["id"] for r in rows} == first and stats["splits"]["eval"]["skipped_prompts"] == len(changed) - 2
-    assert all(r["num_turns"] == len(changed[int(r["id"][2:])]) for r in rows)   # every turn of the batch
-
-
-class _Scripted:
-    """A backend that answers turn k (the number of user turns in the prompt) with ``answer(k)`` + EOS."""
-
-    name = "scripted"
-
-    def __init__(self, tok, answer):
-        self.tok, self.answer, self.texts = tok, answer, []
-
-    def generate(self, requests):
-        self.texts += [r.prompt_text for r in requests]
-        return [Generation(_ids(self.tok, self.answer(r.prompt_text.count(f"{S}user"))) + [self.tok.eos_token_id],
-                           "stop") for r in requests]
-
-    def close(self):
-        pass
+    assert all(r["num_turns"] == len(changed[int(r["id"][2:])]) or r["finish_reason"] == "length"
+               for r in rows)   # every turn of the batch (up to a cut answer)
 
 
 @pytest.mark.parametrize("thinking", [True, False])
@@ -302,8 +291,9 @@ def test_qwen3_style_template_drops_earlier_thinking_and_keeps_the_last(tmp_path
     target = save_tiny_target(tmp_path / "target", "qwen3", template="qwen3")
     tok = tiny_tokenizer("qwen3")
     answer = (lambda k: f"<think>\nstep {k}\n</think>\n\nA{k}") if thinking else (lambda k: f"A{k}")
-    made: list[_Scripted] = []
-    monkeypatch.setattr(regen, "make_backend", lambda *a, **kw: made.append(_Scripted(tok, answer)) or made[-1])
+    made: list[Scripted] = []
+    monkeypatch.setattr(regen, "make_backend", lambda *a, **kw: made.append(
+        Scripted(tok, lambda text: answer(text.count(f"{S}user")))) or made[-1])
     prompts = _write(tmp_path / "prompts", [Prompt("c", "test", ("u1", "u2"))])
     run_regenerate(_cfg(target, prompts, tmp_path / "out", enable_thinking=thinking, max_new_tokens=32))
     (row,) = read_regen(tmp_path / "out" / "eval.parquet")

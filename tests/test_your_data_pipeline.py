@@ -5,8 +5,8 @@ eval_offline -> bench_online (two turns decoded); then the same project switched
 and `eval_offline.hidden_states: online` with `dvc exp run`, which trains the same draft bit for bit (CPU, float32)
 from a token-only store.
 
-What it checks: data/target holds no weights; every conversation's loss spans are its two answers and the cache's
-loss mask is exactly them; eval_offline ran and bench_online decoded both turns of a conversation; the
+What it checks: data/target holds no weights; every conversation's loss spans are its two answers (or its first,
+cut at max_new_tokens, which ends it) and the cache's loss mask is exactly them; eval_offline ran and bench_online decoded both turns of a conversation; the
 online run's store has no hidden states, and its draft weights and offline metrics equal the cache run's."""
 
 from __future__ import annotations
@@ -52,6 +52,30 @@ def _openai(i: int, topic: str) -> dict:
     return {"id": f"oa{i}", "messages": msgs}
 
 
+def _stopping_target(path: Path) -> Path:
+    """A tiny random target that ends its answers: its EOS row of the LM head 1.5x the row of the token its greedy
+    answers to the data's first turns hold most from their fourth token on, so answers of a few tokens stop and
+    others run to max_new_tokens (the conversation then ends there)."""
+    import torch
+
+    from dspark_core.target import load_target
+    from _regen_utils import greedy
+
+    save_tiny_target(path, "qwen3")
+    model, tok = load_target(path)
+    later: dict[int, int] = {}
+    for first in [f"Tell me one short fact about {t}." for t in TOPICS] + [f"Write a line of verse about {t}."
+                                                                           for t in TOPICS]:
+        text = tok.apply_chat_template([{"role": "user", "content": first}], add_generation_prompt=True,
+                                       tokenize=False)
+        for t in greedy(model, tok(text, add_special_tokens=False)["input_ids"], 12, -1)[3:]:
+            later[t] = later.get(t, 0) + 1
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] = 1.5 * model.lm_head.weight[max(later, key=later.get)]
+    model.save_pretrained(path)
+    return path
+
+
 def _write_jsonl(path: Path, records: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -94,7 +118,7 @@ def project(tmp_path_factory):
     tiny target only in a hub cache outside it."""
     tmp = tmp_path_factory.mktemp("yourdata")
     hub = tmp / "hub"
-    save_hub_repo(hub, REPO_ID, save_tiny_target(tmp / "tiny_src", "qwen3"))
+    save_hub_repo(hub, REPO_ID, _stopping_target(tmp / "tiny_src"))
     repo = tmp / "repo"
     repo.mkdir()
     for name in ("dvc.yaml", "params.yaml", "stages", "dspark_core", "profiles"):
@@ -145,20 +169,31 @@ def test_two_turn_conversations_train_on_both_answers(project):
     assert all(len(p["turns"]) == 2 and len(p["replies"]) >= 1 for p in prompts)
     assert any(p["system"] for p in prompts) and any(p["system"] is None for p in prompts)
     rows = pq.read_table(repo / "data/regen/train.parquet").to_pylist()
-    assert [r["num_turns"] for r in rows] == [2] * 8
-    for r in rows:
+    two = [r for r in rows if r["num_turns"] == 2]
+    assert len(two) >= 4 and all(r["finish_reasons"] == ["length"] for r in rows if r["num_turns"] != 2)
+    stats = json.loads((repo / "reports/regenerate_stats.json").read_text())["splits"]["train"]
+    assert stats["turns_dropped"] == len(rows) - len(two)   # a cut first answer ends its conversation
+    for r in two:
         spans = _spans(r)
         n = len(r["prompt_ids"]) + len(r["response_ids"])
         assert len(spans) == 2 and spans[0][0] == len(r["prompt_ids"]) and spans[0][1] < spans[1][0] <= n
-        assert spans[1][1] == n  # the last answer ends the sample, its EOS included
+        assert spans[1][1] == n  # the last answer ends the sample (its EOS included when it stopped)
     store = zarr.open_group(str(repo / "data/cache/train.zarr"), mode="r")
     offsets, order = np.asarray(store["offsets"][:]), np.asarray(store["source_index"][:])
-    mask = np.asarray(store["loss_mask"][:])
-    for n, row in enumerate(order):
-        want = np.zeros(offsets[n + 1] - offsets[n], dtype=np.uint8)
-        for a, b in _spans(rows[row]):
-            want[a:min(b, want.size)] = 1
-        np.testing.assert_array_equal(mask[offsets[n]:offsets[n + 1]], want)
+    ids, mask = np.asarray(store["input_ids"][:]), np.asarray(store["loss_mask"][:])
+    made: dict[int, list[tuple[list[int], list[int]]]] = {}   # {row: [(tokens, loss mask)]}, shortest first
+    for n in sorted(range(len(order)), key=lambda n: offsets[n + 1] - offsets[n]):
+        made.setdefault(int(order[n]), []).append((ids[offsets[n]:offsets[n + 1]].tolist(),
+                                                   mask[offsets[n]:offsets[n + 1]].tolist()))
+    for row, r in enumerate(rows):
+        seq = r["prompt_ids"] + r["response_ids"]
+        spans = _spans(r)
+        if len(made[row]) == 2:   # the history does not hold answer 1 as generated: it ends a sample of its own
+            own = seq[:r["turn_prefix"][0]] + r["turn_tails"][0]
+            a, b = r["turn_span_starts"][0], r["turn_span_ends"][0]
+            assert made[row][0] == (own, [int(a <= i < b) for i in range(len(own))])
+            spans = spans[1:]
+        assert made[row][-1] == (seq, [int(any(a <= i < b for a, b in spans)) for i in range(len(seq))])
     assert "aux_hidden" in store.array_keys()
 
 

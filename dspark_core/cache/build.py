@@ -30,11 +30,11 @@ from tqdm.auto import tqdm
 from dspark_core.cache.capture import (
     capture_batch, check_layer_ids, forward_pad_id, nonfinite_rows, plan_batches,
 )
-from dspark_core.cache.source import ON_TOO_LONG, TokenSamples, load_regen
+from dspark_core.cache.source import LONG_CONVERSATIONS, ON_TOO_LONG, TokenSamples, load_regen
 from dspark_core.cache.store import (
-    AUX_DTYPES, FORMAT_VERSION, HIDDEN_ARRAYS, HIDDEN_STATES, TOKEN_BYTES, HiddenWriter, cache_bytes_per_token,
-    commit, create_store, encode_hidden, estimate_cache_bytes, human_bytes, is_store, mismatches, open_store,
-    remove_store, store_stats,
+    AUX_DTYPES, CUT_COUNTS, FORMAT_VERSION, HIDDEN_ARRAYS, HIDDEN_STATES, TOKEN_BYTES, HiddenWriter,
+    cache_bytes_per_token, commit, create_store, encode_hidden, estimate_cache_bytes, human_bytes, is_store,
+    mismatches, open_store, remove_store, store_stats,
 )
 from dspark_core.config import ParamsError, Section, device_name, one_of, positive, read_yaml, require, resolve_device
 from dspark_core.dist import Dist, init_distributed
@@ -57,6 +57,7 @@ class CacheConfig(Section):
     batch_tokens: int = 4096         # padded tokens per forward (batch count x longest sample)
     dtype: str = "float32"           # compute dtype of the target forward
     on_too_long: str = "truncate"    # truncate (counted in the stats) | error
+    long_conversations: str = "split"  # split: a sample per answer, as much context as fits | truncate: one, its head
     device: str = "auto"             # auto (cuda if available) | cpu | cuda | cuda:N
     splits: tuple[str, ...] = ("train", "eval")
     target_dir: str = "data/target"
@@ -80,6 +81,7 @@ class CacheConfig(Section):
         positive("batch_tokens", self.batch_tokens)
         resolve_dtype(self.dtype)
         one_of("on_too_long", self.on_too_long, ON_TOO_LONG)
+        one_of("long_conversations", self.long_conversations, LONG_CONVERSATIONS)
         device_name("device", self.device)
         require(len(self.splits) > 0 and len(set(self.splits)) == len(self.splits),
                 f"splits must be non-empty and distinct; got {list(self.splits)}")
@@ -107,8 +109,11 @@ def consumer_hidden_states(params: str | Path) -> dict[str, str]:
 def wanted_manifest(cfg: CacheConfig, model_config: Any, fingerprint: str, samples: TokenSamples,
                     source: Path, source_sha256: str, hidden_states: str = "cache") -> dict[str, Any]:
     """The manifest a store built now from ``source`` with ``cfg`` must carry; a token-only store's (``hidden_states``
-    online) adds ``hidden_states: online`` (a store with hidden states leaves the key out)."""
+    online) adds ``hidden_states: online`` (a store with hidden states leaves the key out), a store of
+    ``long_conversations: split`` adds that key (``truncate`` leaves it out: one sample a row, what a manifest
+    without the key reads as)."""
     token_only = {"hidden_states": "online"} if hidden_states == "online" else {}
+    split = {"long_conversations": cfg.long_conversations} if cfg.long_conversations != "truncate" else {}
     return {
         "format_version": FORMAT_VERSION, "model_fingerprint": fingerprint,
         "model_type": model_config.model_type, "aux_layer_ids": list(cfg.aux_layer_ids),
@@ -118,8 +123,15 @@ def wanted_manifest(cfg: CacheConfig, model_config: Any, fingerprint: str, sampl
         "batch_tokens": cfg.batch_tokens, "on_too_long": cfg.on_too_long, "source": str(source),
         "source_sha256": source_sha256, "order": "length_desc", "num_samples": len(samples.ids),
         "num_tokens": int(samples.offsets[-1]), "truncated_samples": samples.truncated,
-        "no_response_samples": samples.no_response, **token_only,
+        "no_response_samples": samples.no_response, "conversations_split": samples.conversations_split,
+        "answers_cut": samples.answers_cut, "answer_tokens_lost": samples.answer_tokens_lost, **split, **token_only,
     }
+
+
+def regen_samples(cfg: CacheConfig, source: Path, vocab_size: int | None = None) -> TokenSamples:
+    """The samples of the regen parquet ``source`` under ``cfg`` (max_length, on_too_long, long_conversations)."""
+    return load_regen(source, cfg.max_length, cfg.on_too_long, vocab_size=vocab_size,
+                      long_conversations=cfg.long_conversations)
 
 
 def open_for_build(path: Path, manifest: dict[str, Any], samples: TokenSamples, force: bool,
@@ -179,7 +191,7 @@ def build_store(model: torch.nn.Module, fingerprint: str, cfg: CacheConfig, sour
     """
     source, dest = Path(source), Path(dest)
     check_layer_ids(cfg.aux_layer_ids, model.config.num_hidden_layers)
-    samples = load_regen(source, cfg.max_length, cfg.on_too_long, vocab_size=model.config.vocab_size)
+    samples = regen_samples(cfg, source, model.config.vocab_size)
     manifest = wanted_manifest(cfg, model.config, fingerprint, samples, source, sha256_file(source))
     if dist.world_size > 1:
         return _build_sharded(model, cfg, samples, manifest, dest, force, rebuild_stale, on_commit, dist)
@@ -197,7 +209,7 @@ def build_token_store(model_config: Any, fingerprint: str, cfg: CacheConfig, sou
     or rebuilt as :func:`open_for_build` decides. Under several processes rank 0 writes it. Returns
     :func:`store_stats`."""
     source, dest = Path(source), Path(dest)
-    samples = load_regen(source, cfg.max_length, cfg.on_too_long, vocab_size=model_config.vocab_size)
+    samples = regen_samples(cfg, source, model_config.vocab_size)
     manifest = wanted_manifest(cfg, model_config, fingerprint, samples, source, sha256_file(source), "online")
     seconds = None  # kept as it was: nothing written
     if dist.is_main:
@@ -347,8 +359,7 @@ def run_cache(cfg: CacheConfig, force: bool = False, rebuild_stale: bool = False
     ``cuda:LOCAL_RANK`` whatever ``device`` names."""
     modes = {s: (hidden_states or {}).get(s, "cache") for s in cfg.splits}
     sources = {s: Path(cfg.regen_dir) / f"{s}.parquet" for s in cfg.splits}
-    samples = {s: load_regen(src, cfg.max_length, cfg.on_too_long)  # a missing / empty input fails first
-               for s, src in sources.items()}
+    samples = {s: regen_samples(cfg, src) for s, src in sources.items()}  # a missing / empty input fails first
     dist = init_distributed()
     model_config = target_model_config(cfg.target_dir)
     check_layer_ids(cfg.aux_layer_ids, model_config.num_hidden_layers)
@@ -461,5 +472,11 @@ def combine_stats(per_split: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "num_tokens": tokens, "num_samples": sum(s["num_samples"] for s in per_split.values()),
         "truncated_samples": sum(s["truncated_samples"] for s in per_split.values()),
         "no_response_samples": sum(s["no_response_samples"] for s in per_split.values()),
+        **{k: _sum_counts([s.get(k) for s in per_split.values()]) for k in CUT_COUNTS},
         "aux_dtype": next(iter(per_split.values()))["aux_dtype"], "splits": per_split,
     }
+
+
+def _sum_counts(counts: list[int | None]) -> int | None:
+    """A counter summed over splits; None when a split's store's manifest lacks it."""
+    return None if any(c is None for c in counts) else sum(counts)

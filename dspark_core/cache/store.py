@@ -2,11 +2,11 @@
 
 Layout (see docs/DESIGN.md, "Cache store"), every array chunked along tokens (C = chunk_tokens):
 
-    input_ids    [T] int32         loss_mask [T] uint8 (1 on response tokens)
+    input_ids    [T] int32         loss_mask [T] uint8 (1 on the answers' loss spans)
     aux_hidden   [T, K, H] uint16  (bf16 bits)   or uint8 (fp8 e4m3 bits) + aux_scale [T, K] float32
     last_hidden  [T, H] uint16     (bf16 bits of the final *normalised* hidden state, always lossless)
     offsets      [N + 1] int64     sample n = tokens offsets[n]:offsets[n + 1]
-    source_index [N] int64         row of sample n in the source parquet (the store is sorted by length)
+    source_index [N] int64         row of sample n in the source parquet (sorted by length; a split row: several)
 
 Crash safety: ``input_ids``, ``loss_mask``, ``offsets`` and ``source_index`` are written when the store
 is created (then ``initialized`` is set). Hidden states are appended by :class:`HiddenWriter`, which
@@ -50,11 +50,14 @@ TOKEN_BYTES = 5  # input_ids int32 + loss_mask uint8, a token
 # Manifest keys that decide the content of a store: a store built with other values is never resumed.
 CONTENT_KEYS = (
     "format_version", "model_fingerprint", "aux_layer_ids", "aux_dtype", "max_length", "chunk_tokens",
-    "clevel", "compute_dtype", "batch_tokens", "on_too_long", "source_sha256", "hidden_states",
+    "clevel", "compute_dtype", "batch_tokens", "on_too_long", "source_sha256", "hidden_states", "long_conversations",
 )
 # The value of a content key a manifest leaves out: a store with hidden states does not write ``hidden_states``,
-# so its manifest (and its bytes) are those of a store built before token-only stores existed.
-CONTENT_DEFAULTS = {"hidden_states": "cache"}
+# so its manifest (and its bytes) are those of a store built before token-only stores existed; nor does a store of
+# ``long_conversations: truncate`` (one sample a regen row, cut at its head).
+CONTENT_DEFAULTS = {"hidden_states": "cache", "long_conversations": "truncate"}
+# What making the samples cut, per store (None in stats where a manifest lacks them)
+CUT_COUNTS = ("conversations_split", "answers_cut", "answer_tokens_lost")
 
 
 # -- codecs and encodings ------------------------------------------------------------------------
@@ -468,5 +471,7 @@ def store_stats(path: str | Path, compute_seconds: float | None = None) -> dict[
         "hidden_compression_ratio": hidden_stored / hidden_raw if hidden_raw else None,
         "tokens_per_s": t / seconds if seconds > 0 else None, "compute_seconds": seconds,
         "num_tokens": t, "num_samples": int(m["num_samples"]), "truncated_samples": int(m["truncated_samples"]),
-        "no_response_samples": int(m["no_response_samples"]), "aux_dtype": m["aux_dtype"], "arrays": arrays,
+        "no_response_samples": int(m["no_response_samples"]), **{k: m.get(k) for k in CUT_COUNTS},
+        "long_conversations": m.get("long_conversations", CONTENT_DEFAULTS["long_conversations"]),
+        "aux_dtype": m["aux_dtype"], "arrays": arrays,
     }

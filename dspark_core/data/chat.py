@@ -19,6 +19,10 @@ the chat template itself, for any model family, never with a parser that knows a
 
 Spans are token ``[start, end)`` pairs over the ids of ``T`` (``tok(T, add_special_tokens=False)``, the ids the
 regenerate stage feeds the target).
+
+A row of several answers also keeps each answer's own sample -- the conversation rendered up to that answer, which a
+Qwen3-style template renders with the answer's thinking -- compactly, against the row's sample
+(:func:`turn_columns`: the ``turn_*`` columns of the regenerate parquet, read by ``dspark_core.cache.source``).
 """
 
 from __future__ import annotations
@@ -26,10 +30,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from dspark_core.errors import UserError
 
 PRIVATE_USE = 0xE000  # the first code point of the Basic Multilingual Plane's private-use area
 SENTINEL_CHARS = 3
+# answer k's own sample: the row's first turn_prefix[k] tokens, then turn_tails[k]; the answer at
+# [turn_span_starts[k], turn_span_ends[k]) of it. Null in a row of one answer (its sample is the row's).
+TURN_COLUMNS = ("turn_prefix", "turn_tails", "turn_span_starts", "turn_span_ends")
 
 
 def render(tok, messages: Sequence[dict], *, add_generation_prompt: bool, enable_thinking: bool | None = None) -> str:
@@ -73,15 +82,17 @@ def _common_suffix(a: str, b: str, limit: int) -> int:
 
 
 def assistant_regions(tok, messages: Sequence[dict], *, add_generation_prompt: bool,
-                      enable_thinking: bool | None = None, where: str = "chat template"
+                      enable_thinking: bool | None = None, where: str = "chat template", last_only: bool = False
                       ) -> tuple[str, list[tuple[int, int]]]:
-    """``(T, [(start, end) character region of each assistant message in T])`` (see the module docstring)."""
+    """``(T, [(start, end) character region of each assistant message in T])`` (see the module docstring);
+    ``last_only``: the last assistant message's only."""
     opts = dict(enable_thinking=enable_thinking)
     text = render(tok, messages, add_generation_prompt=add_generation_prompt, **opts)
     sentinel = _sentinel(text, messages)
     regions: list[tuple[int, int]] = []
+    last = max((j for j, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
     for j, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or (last_only and j != last):
             continue
         probe = [dict(x, content=sentinel) if i == j else x for i, x in enumerate(messages)]
         other = render(tok, probe, add_generation_prompt=add_generation_prompt, **opts)
@@ -119,16 +130,38 @@ def token_spans(offsets: Sequence[tuple[int, int]], ids: Sequence[int], regions:
 
 
 def render_with_spans(tok, messages: Sequence[dict], eos_ids: Sequence[int], *, add_generation_prompt: bool,
-                      enable_thinking: bool | None = None, where: str = "chat template") -> Rendered:
-    """Render ``messages`` and find every assistant message's token span (a fast tokenizer's offsets)."""
+                      enable_thinking: bool | None = None, where: str = "chat template",
+                      last_only: bool = False) -> Rendered:
+    """Render ``messages`` and find every assistant message's token span (a fast tokenizer's offsets;
+    ``last_only``: the last assistant message's only)."""
     if not getattr(tok, "is_fast", False):
         raise UserError(f"{where}: the target's tokenizer is not a fast tokenizer (tokenizer.json): the answers' "
                         "loss spans need its character offsets")
     text, regions = assistant_regions(tok, messages, add_generation_prompt=add_generation_prompt,
-                                      enable_thinking=enable_thinking, where=where)
+                                      enable_thinking=enable_thinking, where=where, last_only=last_only)
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = [int(t) for t in enc["input_ids"]]
     return Rendered(text, ids, token_spans(enc["offset_mapping"], ids, regions, eos_ids), regions)
 
 
-__all__ = ["render", "Rendered", "assistant_regions", "token_spans", "render_with_spans"]
+def turn_columns(sample: Sequence[int], turns: Sequence[tuple[Sequence[int], tuple[int, int]]]) -> dict:
+    """The ``turn_*`` columns of a row whose sample is ``sample``: each answer's own sample ``(ids, answer span)``
+    as the tokens it shares with ``sample`` from the start and the rest (a template that renders history as the
+    answers were: the rest is the answer alone); all null for one answer."""
+    if len(turns) < 2:
+        return dict.fromkeys(TURN_COLUMNS)
+    row = np.asarray(sample, dtype=np.int64)  # [L]
+    prefix, tails = [], []
+    for ids, _ in turns:
+        ids = np.asarray(ids, dtype=np.int64)  # [L_k]
+        n = min(ids.size, row.size)
+        differ = np.flatnonzero(ids[:n] != row[:n])
+        p = int(differ[0]) if differ.size else n
+        prefix.append(p)
+        tails.append(ids[p:].tolist())
+    return {"turn_prefix": prefix, "turn_tails": tails, "turn_span_starts": [int(s) for _, (s, _) in turns],
+            "turn_span_ends": [int(e) for _, (_, e) in turns]}
+
+
+__all__ = ["render", "Rendered", "assistant_regions", "token_spans", "render_with_spans", "turn_columns",
+           "TURN_COLUMNS"]

@@ -13,20 +13,27 @@ The sample of a conversation is the token ids of the last turn's context (the te
 earlier answers as the template renders history) followed by the last answer's ids exactly as generated; with
 ``backend: none`` the render of the whole conversation. Its loss spans are the assistant turns, found by the
 template itself (:mod:`dspark_core.data.chat`): each earlier answer as the template renders it plus its
-end-of-turn EOS token, the last answer's generated ids including the EOS it produced. Output
-``{out_dir}/{split}.parquet``, one row a conversation:
+end-of-turn EOS token, the last answer's generated ids including the EOS it produced. A row of several answers
+also keeps each answer's own sample: the context the target answered it in (``backend: none``: the render of the
+conversation up to it) followed by the answer as generated, which a Qwen3-style template renders with its
+thinking (the ``turn_*`` columns, :func:`dspark_core.data.chat.turn_columns`; the cache stage makes its samples
+from them). Output ``{out_dir}/{split}.parquet``, one row a conversation:
 
     id, source, prompt_ids list<int32>, response_ids list<int32>, prompt_text, response_text, backend,
     finish_reason, span_starts list<int32>, span_ends list<int32>, finish_reasons list<str>, num_turns int32,
-    input_key
+    input_key, turn_prefix list<int32>, turn_tails list<list<int32>>, turn_span_starts list<int32>,
+    turn_span_ends list<int32>
 
 ``prompt_ids`` are the sample's tokens before the first answer and ``response_ids`` the rest, so
 ``prompt_ids + response_ids`` is the sample and a single-turn row is what it always was (the prompt, then the
 answer). ``span_starts`` / ``span_ends`` are the loss spans, positions in ``prompt_ids + response_ids`` (a file
 or row without them: one span, the response). An answer's ids end with an EOS id when the model stopped
-(``'stop'``), or hold exactly ``max_new_tokens`` ids (``'length'``); ``finish_reasons`` has one a turn
-(``'given'`` for ``backend: none``), ``finish_reason`` is the last turn's. ``num_turns``: the turns answered
-(fewer than asked when a turn's context would pass the positions the conversation was given, see
+(``'stop'``), or hold exactly ``max_new_tokens`` ids (``'length'``: its span ends at its last generated token,
+no end-of-turn token is added); ``finish_reasons`` has one a turn (``'given'`` for ``backend: none``),
+``finish_reason`` is the last turn's. An answer cut at ``max_new_tokens`` ends its conversation: the later user
+turns are not asked (an unfinished answer, maybe inside its ``<think>``, is no history to answer after), so a cut
+answer is always a row's last (``turns_dropped`` in the stats). ``num_turns``: the turns answered (fewer than
+asked after a cut answer, or when a turn's context would pass the positions the conversation was given, see
 :func:`conversation_positions`). ``response_text`` is ``response_ids`` decoded without special tokens;
 ``prompt_text`` is the chat-templated text before the first answer. ``input_key``: what the row's answers
 depend on besides the settings (the rendered first prompt and the conversation's later turns, see
@@ -74,9 +81,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from dspark_core.config import Section, device_name, non_negative, one_of, positive, require, resolve_device
 from dspark_core.data.backends import BACKENDS, Backend, Request, SamplingSpec, finalize_response, request_seed
-from dspark_core.data.chat import Rendered, render, render_with_spans
+from dspark_core.data.chat import Rendered, render, render_with_spans, turn_columns
 from dspark_core.data.prompts import SPLITS, Prompt, read_prompts
 from dspark_core.errors import UserError
 from dspark_core.io import (atomic_path, parquet_schema, read_json, read_parquet, sha256_file, sha256_json,
@@ -94,6 +103,9 @@ NONE = "none"                       # backend: the data set's own replies, no mo
 BACKEND_CHOICES = (*BACKENDS, NONE)
 GIVEN = "given"                     # the finish reason of a reply taken from the data set
 TURN_SLACK = 16                     # tokens a rendered earlier answer may take beyond max_new_tokens
+# The layout of rows of several turns, in the settings key when max_turns > 1: 2 = each answer's own sample in the
+# turn columns, and an answer cut at max_new_tokens ends its conversation
+MULTI_TURN_ROWS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,7 +353,9 @@ def _schema():
                       ("response_text", pa.string()), ("backend", pa.string()), ("finish_reason", pa.string()),
                       ("span_starts", pa.list_(pa.int32())), ("span_ends", pa.list_(pa.int32())),
                       ("finish_reasons", pa.list_(pa.string())), ("num_turns", pa.int32()),
-                      ("input_key", pa.string())])
+                      ("input_key", pa.string()), ("turn_prefix", pa.list_(pa.int32())),
+                      ("turn_tails", pa.list_(pa.list_(pa.int32()))), ("turn_span_starts", pa.list_(pa.int32())),
+                      ("turn_span_ends", pa.list_(pa.int32()))])
 
 
 def _write_rows(path: Path, rows: list[dict], key: str | None = None, row_key: str | None = None) -> None:
@@ -414,8 +428,10 @@ class PartStore:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _row(conv: Conversation, sample: Rendered, reasons: Sequence[str], backend: str, tok) -> dict:
-    """The parquet row of a conversation whose sample (ids and loss spans) is ``sample``."""
+def _row(conv: Conversation, sample: Rendered, reasons: Sequence[str], backend: str, tok,
+         turns: Sequence[tuple[Sequence[int], tuple[int, int]]] = ()) -> dict:
+    """The parquet row of a conversation whose sample (ids and loss spans) is ``sample`` and whose answers' own
+    samples are ``turns`` (``(ids, answer span)`` each: :func:`turn_columns`)."""
     cut = sample.spans[0][0] if sample.spans else len(sample.ids)
     text_cut = sample.char_spans[0][0] if sample.char_spans else len(sample.text)
     return {"id": conv.id, "source": conv.source, "prompt_ids": sample.ids[:cut], "response_ids": sample.ids[cut:],
@@ -423,22 +439,24 @@ def _row(conv: Conversation, sample: Rendered, reasons: Sequence[str], backend: 
             "response_text": tok.decode(sample.ids[cut:], skip_special_tokens=True),
             "backend": backend, "finish_reason": reasons[-1], "span_starts": [a for a, _ in sample.spans],
             "span_ends": [b for _, b in sample.spans], "finish_reasons": list(reasons), "num_turns": len(reasons),
-            "input_key": conv.key}
+            "input_key": conv.key, **turn_columns(sample.ids, turns)}
 
 
 class _Dialogue:
     """One conversation being answered: its answers so far (text for the template, ids and finish reasons as
-    the backend gave them) and the request of its current turn."""
+    the backend gave them, each with the context it answered) and the request of its current turn."""
 
     def __init__(self, conv: Conversation):
         self.conv, self.texts, self.reasons = conv, [], []
         self.answer: list[int] = []
         self.request: Request | None = None
+        self.turns: list[tuple[np.ndarray, list[int]]] = []  # (context ids [L] int32, answer ids) a turn
 
     def next_request(self, tok, cfg: "RegenerateConfig") -> Request | None:
-        """The next turn's request, or None (no turn left, or its context would pass ``conv.positions``)."""
+        """The next turn's request, or None (no turn left, the last answer was cut at ``max_new_tokens``, or the
+        context would pass ``conv.positions``)."""
         k = len(self.texts)
-        if k >= len(self.conv.turns):
+        if k >= len(self.conv.turns) or (self.reasons and self.reasons[-1] == "length"):
             return None
         if k == 0:
             return self.conv.first
@@ -456,6 +474,7 @@ class _Dialogue:
         with, special tokens and spaces kept: the template renders the answer as the target produced it)."""
         body = ids[:-1] if ids and ids[-1] in eos_ids else ids
         self.request, self.answer = request, ids
+        self.turns.append((np.asarray(request.prompt_ids, dtype=np.int32), list(ids)))
         self.texts.append(tok.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False))
         self.reasons.append(reason)
 
@@ -473,6 +492,11 @@ class _Dialogue:
         return Rendered(ctx.text, ctx.ids + list(self.answer), ctx.spans + [(n, n + len(self.answer))],
                         ctx.char_spans + [(len(ctx.text), len(ctx.text))])
 
+    def answer_samples(self) -> list[tuple[np.ndarray, tuple[int, int]]]:
+        """Each answer's own sample: the context it answered, then its ids as generated (the answer's span)."""
+        return [(np.concatenate([ctx, np.asarray(ids, dtype=np.int32)]), (ctx.size, ctx.size + len(ids)))
+                for ctx, ids in self.turns]
+
 
 def answer_batch(convs: Sequence[Conversation], backend: Backend, tok, eos_ids: Sequence[int],
                  cfg: "RegenerateConfig") -> tuple[list[dict], int]:
@@ -489,17 +513,24 @@ def answer_batch(convs: Sequence[Conversation], backend: Backend, tok, eos_ids: 
             ids, reason = finalize_response(g.response_ids, g.finish_reason, eos_ids, cfg.max_new_tokens)
             d.add(req, ids, reason, tok, eos_ids)
             new_tokens += len(ids)
-    return [_row(d.conv, d.sample(tok, eos_ids, cfg), d.reasons, backend.name, tok) for d in dialogues], new_tokens
+    rows = [_row(d.conv, d.sample(tok, eos_ids, cfg), d.reasons, backend.name, tok, d.answer_samples())
+            for d in dialogues]
+    return rows, new_tokens
 
 
 def given_rows(convs: Sequence[Conversation], tok, eos_ids: Sequence[int], cfg: "RegenerateConfig") -> list[dict]:
     """``backend: none``: each conversation as the data set gives it, its replies the answers: the render of
-    the whole conversation, a span for every reply."""
+    the whole conversation, a span for every reply; each reply's own sample the render up to it."""
     rows = []
     for c in convs:
-        sample = render_with_spans(tok, _skeleton(c), eos_ids, add_generation_prompt=False,
-                                   enable_thinking=cfg.enable_thinking, where=cfg.target_dir)
-        rows.append(_row(c, sample, [GIVEN] * len(c.replies), NONE, tok))
+        opts = dict(add_generation_prompt=False, enable_thinking=cfg.enable_thinking, where=cfg.target_dir)
+        sample = render_with_spans(tok, _skeleton(c), eos_ids, **opts)
+        turns = [(sample.ids, sample.spans[-1])]
+        for k in range(len(c.replies) - 1, 0, -1):  # the earlier replies' own samples (several replies only)
+            upto = c.messages(c.replies[:k])[:-1]  # [system?, u1, r1, ..., uk, rk]: the next user turn left out
+            own = render_with_spans(tok, upto, eos_ids, last_only=True, **opts)
+            turns.insert(0, (own.ids, own.spans[-1]))
+        rows.append(_row(c, sample, [GIVEN] * len(c.replies), NONE, tok, turns))
     return rows
 
 
@@ -537,12 +568,12 @@ def make_backend(cfg: RegenerateConfig, tok, eos_ids: Sequence[int], max_model_l
 # ----------------------------------------------------------------------------------------------
 def _settings(cfg: RegenerateConfig, fingerprint: str) -> dict:
     """What an answer depends on besides its prompt: target, template inputs, sampling, backend, dtype, turns.
-    ``max_turns`` and ``enable_thinking`` enter only when not at their defaults (1, null), so the answers of the
-    single-turn stage stay current."""
+    ``max_turns`` (with the layout of multi-turn rows, :data:`MULTI_TURN_ROWS`) and ``enable_thinking`` enter only
+    when not at their defaults (1, null), so the answers of the single-turn stage stay current."""
     out = {"target": fingerprint, "sampling": dataclasses.asdict(cfg.sampling), "seed": cfg.seed,
            "system_prompt": cfg.system_prompt, "backend": cfg.backend, "dtype": cfg.dtype}
     if cfg.max_turns != 1:
-        out["max_turns"] = cfg.max_turns
+        out.update(max_turns=cfg.max_turns, rows=MULTI_TURN_ROWS)
     if cfg.enable_thinking is not None:
         out["enable_thinking"] = cfg.enable_thinking
     return out
@@ -714,8 +745,8 @@ def run_regenerate(cfg: RegenerateConfig, time_budget_s: float | None = None) ->
                 rows = assemble(convs, store.rows(), final, key, row_key, allow_missing=counters["stopped_early"])
                 if len(rows) == len(convs):
                     store.remove()
-            stats["splits"][split] = split_stats = _split_stats(rows, counters, len(convs),
-                                                                turns=cfg.max_turns > 1 or cfg.backend == NONE)
+            asked = {c.id: len(c.turns) for c in convs} if cfg.max_turns > 1 or cfg.backend == NONE else None
+            stats["splits"][split] = split_stats = _split_stats(rows, counters, len(convs), asked)
             measured = _last_measured(split_stats, (earlier.get("splits") or {}).get(split), earlier, stats)
             if measured:
                 split_stats["last_measured"] = measured
@@ -727,9 +758,12 @@ def run_regenerate(cfg: RegenerateConfig, time_budget_s: float | None = None) ->
     return stats
 
 
-def _split_stats(rows: list[dict], counters: dict, num_requests: int | None = None, turns: bool = False) -> dict:
-    """A split's counters; ``turns`` (several turns or given replies): also ``turns`` (answered, all rows) and
-    ``answer_tokens`` (the loss spans' tokens; ``response_tokens`` then holds the later user turns too)."""
+def _split_stats(rows: list[dict], counters: dict, num_requests: int | None = None,
+                 asked: dict[str, int] | None = None) -> dict:
+    """A split's counters; ``asked`` (several turns or given replies: {id: the user turns to answer}): also
+    ``turns`` (answered, all rows), ``answer_tokens`` (the loss spans' tokens; ``response_tokens`` then holds the
+    later user turns too) and ``turns_dropped`` (user turns not asked because the answer before was cut at
+    max_new_tokens)."""
     secs = counters["seconds"]
     reasons = [x for r in rows for x in (r.get("finish_reasons") or [r["finish_reason"]])]  # one a turn
     out = {
@@ -743,10 +777,12 @@ def _split_stats(rows: list[dict], counters: dict, num_requests: int | None = No
         "generate_seconds": round(secs, 3),
         "tokens_per_s": round(counters["new_tokens"] / secs, 2) if secs > 0 else None,
     }
-    if turns:
+    if asked is not None:
         out["turns"] = len(reasons)
         out["answer_tokens"] = sum(sum(r["span_ends"]) - sum(r["span_starts"]) if r.get("span_starts") is not None
                                    else len(r["response_ids"]) for r in rows)
+        out["turns_dropped"] = sum(asked[r["id"]] - (r.get("num_turns") or 1) for r in rows
+                                   if r["finish_reason"] == "length" and r["id"] in asked)
     if num_requests is not None and num_requests > len(rows):
         out["skipped_prompts"] = num_requests - len(rows)  # left by a time budget
     return out

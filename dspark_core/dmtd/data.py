@@ -40,7 +40,9 @@ class PackStats:
 
 def read_documents(path: str | Path, max_length: int, loss_on: str = "response",
                    vocab_size: int | None = None) -> tuple[list[Document], int]:
-    """Documents of a regenerate parquet (cut to ``max_length``), longest first; and the truncated count."""
+    """Documents of a regenerate parquet: its samples at ``max_length`` (:func:`load_regen`, ``long_conversations:
+    split``: a document an answer where a conversation's answers do not fit together), longest first; and the
+    count of those cut."""
     samples = load_regen(path, max_length=max_length, vocab_size=vocab_size)
     docs = []
     for i in range(len(samples.ids)):

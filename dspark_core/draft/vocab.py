@@ -13,11 +13,11 @@ Both are buffers of the draft's :class:`DraftVocab` and are saved in the draft's
 (:func:`speculators_maps`): ``d2t`` as offsets (``target = i + d2t[i]``) and ``t2d`` as a bool mask [V].
 
 The selection is made by the ``draft_vocab`` stage: every target token ranked by its count over the
-regenerated train answers (the loss spans of each sample: its assistant turns, the ``response_ids`` of a
-single-turn row; :func:`dspark_core.cache.source.regen_sequences`), most frequent first, ties broken by the
-smaller token id (tokens never seen come last, by id). The ranking of all V tokens is stored, so any N takes its first N
-(:func:`read_ranking`, :func:`top_ids`); the stage records the coverage (the share of answer tokens inside the
-first N) of each size it is asked about.
+regenerated train answers (every answer once, as generated: each answer's own sample's span, the
+``response_ids`` of a single-turn row; :func:`dspark_core.cache.source.regen_answers`), most frequent first, ties
+broken by the smaller token id (tokens never seen come last, by id). The ranking of all V tokens is stored, so
+any N takes its first N (:func:`read_ranking`, :func:`top_ids`); the stage records the coverage (the share of
+answer tokens inside the first N) of each size it is asked about.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def run_draft_vocab_stage(params: str | Path, target_dir: Path = Path("data/targ
                           regen: Path = Path("data/regen/train.parquet"), out: Path = RANKING_PATH,
                           report: Path = Path("reports/draft_vocab.json")) -> dict:
     """Rank the target's tokens over the train answers -> ``out``; coverage per size -> ``report`` (returned)."""
-    from dspark_core.cache.source import regen_sequences
+    from dspark_core.cache.source import regen_answers
     from dspark_core.io import read_json, write_json
     from dspark_core.target import read_fingerprint
 
@@ -208,7 +208,7 @@ def run_draft_vocab_stage(params: str | Path, target_dir: Path = Path("data/targ
     vocab = int(read_json(target_dir / "config.json")["vocab_size"])
     if not regen.is_file():
         raise UserError(f"{regen}: no regenerated train answers; run `dvc repro regenerate` first")
-    answers = [seq[a:b] for _, _, seq, spans in regen_sequences(regen) for a, b in spans]  # every answer span
+    answers = list(regen_answers(regen))  # every answer once, as generated
     counts = count_tokens(answers, vocab)
     order = rank_tokens(counts)
     write_ranking(out, order, counts, read_fingerprint(target_dir)["fingerprint"])
