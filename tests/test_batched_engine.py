@@ -185,6 +185,27 @@ def test_sampled_rows_are_distributed_as_the_target():
             assert chisquare_pvalue(tokens[:, j], marginals[j].numpy()) > 1e-3, (proposal, j)
 
 
+def test_confidence_falls_back_to_ar_cycles_when_the_draft_does_not_pay():
+    """``proposal: confidence`` with a draft too slow to earn its cost (an injected cost table: a draft 50 AR steps
+    long, verify sizes flat): the engine runs AR cycles and proposes again only every PROBE_EVERY cycles; with a
+    free draft it proposes every cycle. The outputs are AR's alone either way."""
+    from dspark_core.decoding.static_engine import PROBE_EVERY
+
+    model, draft = _setup()
+    alone = _alone(model, PROMPTS, 30)
+    runner = TargetRunner(model, max_len=96, aux_layer_ids=AUX, batch_size=2)
+    for draft_s, mostly in ((50.0, False), (0.0, True)):
+        engine = StaticSpeculativeDecoder(runner, draft, proposal="confidence")
+        engine.cost_s, engine.draft_cost_s = {t: 1.0 for t in engine.sizes}, draft_s
+        batch = engine.serve(PROMPTS, 30)
+        assert [r.tokens for r in batch.results] == [a.tokens for a in alone]
+        if mostly:
+            assert all(batch.proposed)
+        else:
+            assert 1 <= sum(batch.proposed) <= 1 + len(batch.proposed) // PROBE_EVERY
+            assert all(t == 2 for t, p in zip(batch.verify_tokens, batch.proposed) if not p)
+
+
 def test_confidence_schedule_against_brute_force():
     """For random gains and a cost table, the schedule's step and counts reach the best expected tokens per second
     over every choice of per-row counts (each row a prefix of its block) at every step size."""
@@ -262,7 +283,8 @@ def test_a_step_of_rows_on_the_triton_kernels(untuned_kernels):
     t = [torch.tensor(v, device=DEVICE) for v in (ids, row, pos, col)]
     logits, aux = rows.step_rows(*t, 2)  # [6, V], [6, K, H]
     ref_logits, ref_aux = torch_rows.step_rows(*t, 2)
-    torch.testing.assert_close(logits.float(), ref_logits.float(), atol=2e-2 if exact else 1e-4, rtol=0)
+    gap = (logits.float() - ref_logits.float()).norm() / ref_logits.float().norm()  # two paths: their rounding only
+    assert gap < (3e-2 if exact else 1e-5), gap  # bf16: ~1e-2 after a few layers
     for r, single in enumerate(singles):
         mine = slice(2 * r, 2 * r + 2)
         one_logits, one_aux = single.step_rows(t[0][mine], torch.zeros(2, dtype=torch.long, device=DEVICE),

@@ -109,7 +109,7 @@ class BatchResult:
     """What :meth:`StaticSpeculativeDecoder.serve` returns: one ``GenerationResult`` per request (in request
     order; ``decode_s`` = the request's own wall time from its first token to its last, ``prefill_s`` its
     prefill), and the batch's cycles (``active_rows`` and ``verify_tokens`` per cycle; draft / verify seconds of
-    the timed cycles)."""
+    the timed cycles; ``proposed``: False for a ``proposal: confidence`` cycle run as AR)."""
 
     results: list[GenerationResult]
     concurrency: int
@@ -117,6 +117,7 @@ class BatchResult:
     prefill_s: float = 0.0  # wall time of the prefills
     active_rows: list[int] = field(default_factory=list)  # rows decoding a request, per cycle
     verify_tokens: list[int] = field(default_factory=list)  # tokens the target verified, per cycle
+    proposed: list[bool] = field(default_factory=list)  # whether the draft proposed, per cycle (else an AR cycle)
     draft_s: list[float] = field(default_factory=list)
     verify_s: list[float] = field(default_factory=list)
 

@@ -28,7 +28,10 @@ cycle in flight with CUDA graphs).
 confidence head's per-slot acceptance), and the size chosen whose expected committed tokens per second of cycle is
 highest, with the cost of each size measured on this machine when the engine first serves (``cost_s``). At low
 concurrency a wider step costs about nothing and every row verifies its block; at high concurrency the verify is
-compute-bound and draft tokens unlikely to be accepted are left out. ``verify_budget`` caps the step's tokens.
+compute-bound and draft tokens unlikely to be accepted are left out. ``verify_budget`` caps the step's tokens. The
+draft's own cost must be earned too: while AR cycles (every row its anchor alone) commit more tokens per second
+than the speculative cycles did -- their measured committed tokens over the measured draft and verify times --, the
+engine runs AR cycles, and proposes again every ``PROBE_EVERY`` cycles to measure anew.
 
 Two ways to run a cycle, chosen by its shape:
 
@@ -82,6 +85,8 @@ from dspark_core.draft.inference import choose_tokens
 # (``logits_to_probs`` + ``sampling.rejection_step``), the reference the tests compare it with.
 REJECT_KERNEL = True
 COST_REPEATS = 5  # replays timed per verify step size (proposal: confidence); the median is kept
+PROBE_EVERY = 16  # proposal: confidence: while AR cycles pay more, a speculative cycle every this many measures again
+RATE_WEIGHT = 0.3  # weight of the newest speculative cycle in the running tokens-per-second estimate
 
 
 class StaticSpeculativeDecoder:
@@ -323,6 +328,8 @@ class StaticSpeculativeDecoder:
         self.sizes = [rows * (j + 1) for j in range(s + 1)] if self.proposal == "confidence" else [rows * (s + 1)]
         self.cost_s: dict[int, float] = {}  # verify seconds per step size (measured when first serving)
         self.draft_cost_s = 0.0
+        self._spec_rate: float | None = None  # measured committed tokens per second of speculative cycles (running)
+        self._since_spec = 0  # cycles since the last speculative one
         self._graphs = {}
 
     def _extras(self) -> dict | None:
@@ -455,7 +462,8 @@ class StaticSpeculativeDecoder:
             self.cost_s[total] = float(np.median(times))
         self._restore(saved)
 
-    def _launch_rows(self, timed: bool, batch: BatchResult) -> int:
+    def _launch_rows(self, timed: bool, batch: BatchResult, active: int) -> tuple[int, bool]:
+        """Enqueue one cycle of the rows path; returns its verify size and whether the draft proposed."""
         if self.cuda_graph:
             for size in self.sizes:
                 if size not in self._graphs:
@@ -463,17 +471,46 @@ class StaticSpeculativeDecoder:
         measure = self.proposal == "confidence" and not self.cost_s
         if measure:
             self._measure_costs()
+        speculate = self.draft is not None and self._speculate(active)
         c0 = self._clock() if timed or measure else 0.0
-        self._run_propose_rows()
+        if speculate:
+            self._run_propose_rows()
         c1 = self._clock() if timed or measure else 0.0
         if measure:
             self.draft_cost_s = c1 - c0
-        total = self._schedule() if self.proposal == "confidence" else self.sizes[-1]
+        if self.proposal != "confidence":
+            total = self.sizes[-1]
+        elif speculate:
+            total = self._schedule()
+        else:  # an AR cycle: every row verifies its anchor alone
+            self.counts.zero_()
+            total = self.sizes[0]
         self._run_verify_rows(total)
         if timed:
             batch.draft_s.append(c1 - c0)
             batch.verify_s.append(self._clock() - c1)
-        return total
+        return total, speculate
+
+    def _speculate(self, active: int) -> bool:
+        """``proposal: confidence``: propose this cycle unless AR cycles commit more tokens per second -- ``active``
+        rows per AR step's measured time against the running rate of the speculative cycles (their committed tokens
+        over the measured draft and verify times), measured again every ``PROBE_EVERY`` cycles."""
+        if self.proposal != "confidence" or self._spec_rate is None or self._since_spec >= PROBE_EVERY:
+            return True
+        return self._spec_rate >= active / self.cost_s[self.sizes[0]]
+
+    def _observe(self, out: list[int], snapshot: tuple[int, ...], total: int, speculated: bool) -> None:
+        """After a cycle was read: update the running rate of the speculative cycles (``proposal: confidence``)."""
+        if self.proposal != "confidence" or self.draft is None:
+            return
+        if not speculated:
+            self._since_spec += 1
+            return
+        width = len(out) // len(snapshot)
+        committed = sum(out[r * width] + 1 for r, index in enumerate(snapshot) if index >= 0)
+        rate = committed / max(self.draft_cost_s + self.cost_s[total], 1e-12)
+        self._spec_rate = rate if self._spec_rate is None else (1 - RATE_WEIGHT) * self._spec_rate + RATE_WEIGHT * rate
+        self._since_spec = 0
 
     def _admit_rows(self, row: int, prompt: torch.Tensor) -> torch.Tensor:
         n = prompt.shape[1]
@@ -560,16 +597,21 @@ class StaticSpeculativeDecoder:
                 timed = self.time_every > 0 and launched % self.time_every == 0
                 if timed and len(ring):
                     break  # a timed cycle starts on an idle device
-                total = self._launch_single(timed, batch) if self.single else self._launch_rows(timed, batch)
-                ring.push(self.out, (run.snapshot(), total))
+                if self.single:
+                    total, speculated = self._launch_single(timed, batch), True
+                else:
+                    total, speculated = self._launch_rows(timed, batch, run.active())
+                ring.push(self.out, (run.snapshot(), total, speculated))
                 launched += 1
                 if timed:
                     break
             if not len(ring):
                 break
-            out, (snapshot, total) = ring.pop()  # the oldest cycle in flight (waits for it)
+            out, (snapshot, total, speculated) = ring.pop()  # the oldest cycle in flight (waits for it)
             batch.active_rows.append(sum(r >= 0 for r in snapshot))
             batch.verify_tokens.append(total)
+            batch.proposed.append(speculated)
+            self._observe(out, snapshot, total, speculated)
             for row in run.commit(out, snapshot, s, batch):
                 self._fill(row, run, batch)
         ring.drain()
@@ -612,6 +654,9 @@ class _Run:
 
     def busy(self) -> bool:
         return any(r >= 0 for r in self.rows)
+
+    def active(self) -> int:
+        return sum(r >= 0 for r in self.rows)
 
     def snapshot(self) -> tuple[int, ...]:
         return tuple(self.rows)
