@@ -34,7 +34,8 @@ import yaml
 from dspark_core.pipeline import load_stages
 from dspark_core.profiles import apply_profile
 
-pytestmark = pytest.mark.slow  # the packaged model (setup.sh installs it)
+pytestmark = [pytest.mark.slow,  # the packaged model (setup.sh installs it)
+              pytest.mark.workspace("the project's params.yaml: the pipeline under test")]
 ROOT = Path(__file__).resolve().parent.parent
 DVC = [sys.executable, "-m", "dvc"]
 ABLATION = "++variants.reranker_frozen.train.lr=5e-4"

@@ -18,6 +18,7 @@ from dspark_core.profiles import apply_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data" / "prompts_h200"
+pytestmark = pytest.mark.workspace("data/prompts_h200, the snapshot in git, and the project's params.yaml")
 INSTRUCTION_START = "\nSolve the following math problem step by step."
 
 

@@ -120,6 +120,7 @@ def test_weighted_mix_of_jsonl_sources_and_domains(tmp_path):
     assert select_splits(cfg2) == splits
 
 
+@pytest.mark.workspace("data/prompts_h200, the snapshot in git: a repo-relative jsonl: path")
 def test_jsonl_paths_resolve_against_the_repo_and_without_suffix(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     prompts = list(iter_jsonl("data/prompts_h200/eval_gsm8k"))   # relative to the repo root, '.jsonl' left out

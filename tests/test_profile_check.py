@@ -19,6 +19,7 @@ from dspark_core.profiles import available
 from dspark_core.testing import QWEN3_4B_SHAPES, save_hub_repo
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.workspace("the project's params.yaml: every profile is checked against it")
 
 
 def _config_repo(tmp_path: Path, repo_id: str, **shapes) -> Path:

@@ -14,6 +14,7 @@ from dspark_core.data.prompts import PrepareConfig
 from dspark_core.profiles import SOURCE_KEYED, WHOLE_VALUES, apply_profile, available, exp_run_args, leaves, load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.workspace("the project's params.yaml: every profile applies to it")
 
 
 @pytest.mark.parametrize("name", available())

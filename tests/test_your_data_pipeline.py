@@ -25,7 +25,8 @@ import yaml
 from dspark_core.profiles import apply_profile
 from dspark_core.testing import save_hub_repo, save_tiny_target
 
-pytestmark = pytest.mark.slow  # a whole DAG through DVC
+pytestmark = [pytest.mark.slow,  # a whole DAG through DVC
+              pytest.mark.workspace("the project's params.yaml: the pipeline under test")]
 ROOT = Path(__file__).resolve().parent.parent
 DVC = [sys.executable, "-m", "dvc"]
 REPO_ID = "tiny-org/tiny-qwen3"
