@@ -76,6 +76,9 @@ def repo(tmp_path_factory, packaged_target):
     (overlay / "converted.yaml").write_text(yaml.safe_dump(
         {"target": {"source": "hf_dir", "path": str(packaged_target), "hf_dir_link": "copy"}}))
     apply_profile("converted", repo / "params.yaml", overlay)
+    for folder in ("sources", "prompts_h200"):  # prepare's data dependencies (the packaged sources here)
+        (repo / "data" / folder).mkdir(parents=True)
+        (repo / "data" / folder / "README.md").write_text("no data files\n")
     (repo / ".gitignore").write_text("/data/\n/dvc_plots/\n")
     _run(["git", "init", "-q"], repo)
     _run(DVC + ["init", "-q"], repo)
