@@ -91,8 +91,9 @@ def hub_errors(model: str, revision: str, where: str = "target.model", repo_type
     try:
         yield
     except GatedRepoError:
-        raise UserError(f"{where}: {model} is gated: accept its conditions on https://huggingface.co/{model} with "
-                        "your account, then log in here (`hf auth login`, or set HF_TOKEN)") from None
+        page = f"https://huggingface.co/{'datasets/' if repo_type == 'dataset' else ''}{model}"
+        raise UserError(f"{where}: {model} is gated: accept its conditions on {page} with your account, then log in "
+                        "here (`hf auth login`, or set HF_TOKEN)") from None
     except RepositoryNotFoundError:
         raise UserError(f"{where}: repository {model!r} not found on the hub (check the id; a private repository "
                         "needs `hf auth login` or HF_TOKEN)") from None

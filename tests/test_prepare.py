@@ -832,6 +832,21 @@ def test_hf_revision_is_pinned_and_its_commit_recorded(tmp_path, monkeypatch, da
     assert ("org/chat-set", "v1.0") in asked and set(asked) - {("org/chat-set", "v1.0"), ("org/chat-set", "main")} == {
         first}   # every read of the run is of the resolved commit
 
+    import httpx2
+    from huggingface_hub import errors
+
+    def no_revision(self, repo, revision=None, **k):   # main is there, a branch named test is not
+        if revision == "main":
+            return type("Info", (), {"sha": first})()
+        request = httpx2.Request("GET", f"https://huggingface.co/api/datasets/{repo}/revision/{revision}")
+        raise errors.RevisionNotFoundError("no rev", response=httpx2.Response(404, request=request))
+
+    monkeypatch.setattr(HfApi, "dataset_info", no_revision)
+    with pytest.raises(ValueError, match=r"^hf:org/chat-set@test: revision 'test' not found in org/chat-set \(the "
+                                         r"revision after @: a branch, tag or commit sha of the repository\) \(`@` "
+                                         r"names a revision; a split is written hf:org/chat-set::test\)$"):
+        prepare("hf:org/chat-set@test")
+
 
 def test_hf_names_parse_and_a_malformed_name_is_one_line(tmp_path, monkeypatch):
     from dspark_core.data.records import HfName, parse_hf_name
