@@ -571,11 +571,9 @@ def _local_name(spec: str, at: int, source: str, field: str) -> HfName | None:
     if tail is None:
         return None
     if tail["revision"] is not None:
-        folder = spec[:at] + spec[at:].split("@", 1)[0]
-        raise UserError(f"{field}: {source!r}: a local dataset folder has no revision (@{tail['revision']}); "
-                        f"its split is written hf:{folder}::{tail['revision']}"
-                        if not tail["config"] and not tail["split_only"] else
-                        f"{field}: {source!r}: a local dataset folder has no revision (@{tail['revision']})")
+        hint = ("" if tail["split"] or tail["split_only"] else
+                f"; its split is written hf:{spec[:at]}:{tail['config'] or ''}:{tail['revision']}")
+        raise UserError(f"{field}: {source!r}: a local dataset folder has no revision (@{tail['revision']}){hint}")
     return HfName(str(Path(spec[:at]).expanduser()), tail["config"], tail["split"] or tail["split_only"] or "train",
                   True)
 
