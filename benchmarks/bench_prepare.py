@@ -169,7 +169,7 @@ def kept_sources(folder: Path, sizes: list[int], formats: list[str]) -> dict[tup
 
 
 def prepare_params(source: str, mode: str, n_train: int, n_eval: int, out_dir: Path) -> dict:
-    return {"train_mix": [[source, 1]], "eval_sources": {"chat": [source]}, "holdout": [[source, 0.05]],
+    return {"train": [{"source": source, "weight": 1, "holdout": 0.05}], "eval_sources": {"chat": [source]},
             "n_train": None if mode == "all" else n_train, "n_eval_per_domain": n_eval, "max_prompt_chars": 1500,
             "seed": 0, "out_dir": str(out_dir)}
 

@@ -68,8 +68,9 @@ def _first_line(err: BaseException, limit: int = 200) -> str:
     return (text[0] if text else type(err).__name__)[:limit]
 
 
-def _not_cached(model: str, revision: str, where: str) -> UserError:
-    get = f"`hf download {model} --revision {revision}`"
+def _not_cached(model: str, revision: str, where: str, repo_type: str = "model") -> UserError:
+    kind = "" if repo_type == "model" else f"--repo-type {repo_type} "
+    get = f"`hf download {kind}{model} --revision {revision}`"
     if _offline():
         return UserError(f"{where}: {model} (revision {revision}) is not in the hub cache {_cache_dir()} and "
                          f"HF_HUB_OFFLINE=1 forbids downloading it; download it first ({get}) or unset "
@@ -80,31 +81,35 @@ def _not_cached(model: str, revision: str, where: str) -> UserError:
 
 
 @contextlib.contextmanager
-def hub_errors(model: str, revision: str, where: str = "target.model") -> Iterator[None]:
+def hub_errors(model: str, revision: str, where: str = "target.model", repo_type: str = "model") -> Iterator[None]:
     """The hub's exceptions raised inside the block as one-line UserErrors naming ``model`` (``where`` starts
-    the message: the param in the target stage, the target dir in later stages)."""
+    the message: the param in the target stage, the target dir in later stages, a data source's name;
+    ``repo_type``: ``model`` or ``dataset``)."""
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                         OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError)
 
     try:
         yield
     except GatedRepoError:
-        raise UserError(f"{where}: {model} is gated: accept its conditions on https://huggingface.co/{model} with "
-                        "your account, then log in here (`hf auth login`, or set HF_TOKEN)") from None
+        page = f"https://huggingface.co/{'datasets/' if repo_type == 'dataset' else ''}{model}"
+        raise UserError(f"{where}: {model} is gated: accept its conditions on {page} with your account, then log in "
+                        "here (`hf auth login`, or set HF_TOKEN)") from None
     except RepositoryNotFoundError:
         raise UserError(f"{where}: repository {model!r} not found on the hub (check the id; a private repository "
                         "needs `hf auth login` or HF_TOKEN)") from None
     except RevisionNotFoundError:
-        raise UserError(f"{where}: revision {revision!r} not found in {model} (target.revision: a branch, tag or "
-                        "commit sha of the repository)") from None
+        field = "target.revision" if repo_type == "model" else "the revision after @"
+        raise UserError(f"{where}: revision {revision!r} not found in {model} ({field}: a branch, tag or commit sha "
+                        "of the repository)") from None
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
-        raise _not_cached(model, revision, where) from None
+        raise _not_cached(model, revision, where, repo_type) from None
     except HfHubHTTPError as e:
         raise UserError(f"{where}: the hub refused {model} (revision {revision}): {_first_line(e)}") from None
     except (ConnectionError, TimeoutError) as e:
+        kind = "" if repo_type == "model" else f"--repo-type {repo_type} "
         raise UserError(f"{where}: cannot reach the hub for {model} ({_first_line(e)}); check the network, or "
-                        f"download it where the hub can be reached (`hf download {model} --revision {revision}`)"
-                        ) from None
+                        f"download it where the hub can be reached (`hf download {kind}{model} --revision "
+                        f"{revision}`)") from None
     except Exception as e:  # the HTTP client's own connection errors (not OSError subclasses)
         if type(e).__module__.split(".")[0].startswith("httpx"):
             raise UserError(f"{where}: cannot reach the hub for {model} ({type(e).__name__}: {_first_line(e)}); "

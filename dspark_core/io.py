@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -33,6 +34,32 @@ def atomic_path(path: str | Path, suffix: str = "") -> Iterator[Path]:
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yield an empty temp dir beside ``path``; on success it replaces ``path`` (old one removed).
+
+    What a killed earlier writer of ``path`` left beside it (its ``.<name>.*.tmp`` / ``.<name>.old-*``) is removed
+    first: a stage's output has one writer, so such leftovers belong to no one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in [*path.parent.glob(f".{path.name}.*.tmp"), *path.parent.glob(f".{path.name}.old-*")]:
+        shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the final dir gets the usual mode
+    try:
+        yield tmp
+        old = None
+        if path.exists() or path.is_symlink():
+            old = path.parent / f".{path.name}.old-{os.getpid()}"
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
 
 
 def fsync_path(path: str | Path) -> None:

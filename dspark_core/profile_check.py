@@ -5,8 +5,12 @@ The profile is merged onto a copy of params.yaml (as ``dspark profile apply`` wo
 - every section is read through its stage's own ``Section`` class (the errors a stage would stop on, each as one
   line), every variant's merged ``draft`` / ``loss`` / ``train`` and ``warm_start``, the ``variant_dag``, and
   dvc.yaml resolved against the merged params (foreach, ``${...}``, a dependency cycle);
-- where the target's ``config.json`` can be read without a download (a hub target already in the hub cache, a
-  local HF dir, or ``data/target`` built), what depends on its dims: the aux layer ids, the MASK id, the DMTD split;
+- what depends on the target's dims (the aux layer ids, the MASK id, the DMTD split), against the target the
+  profile names where its dims can be read without a download (a hub target's ``config.json`` in the hub cache, a
+  local HF dir, a GGUF file's metadata), or against what the profile declares it needs (``target.requires``), never
+  against the workspace's ``data/target``: a profile's check gives the same answer whatever target is built. A
+  profile that does neither is a problem; for one that declares its needs, a line says whether the params' current
+  target fits them;
 - it lists what the pipeline would download (the target's repository and revision, the ``hf:`` data sets) and
   estimates the bytes of the hidden-state cache for a token count (``cache.store.estimate_cache_bytes``: the
   target's hidden size, the aux layers, the aux dtype; ``--samples`` / ``--tokens-per-sample`` or ``--tokens``,
@@ -110,11 +114,11 @@ def _check_dag(report: ProfileCheck, params: Path, dvc_yaml: Path) -> None:
                                 f"({', '.join(s.name for s in order[:6])}{', ...' if len(order) > 6 else ''})")
 
 
-def target_config(sections: dict[str, Any], root: Path) -> tuple[dict | None, str]:
-    """The target's config.json where it can be read without a download, and where it came from."""
-    target = sections.get("target")
-    if target is None:
-        return None, "the target section is invalid"
+def target_config(target: Any) -> tuple[dict | None, str]:
+    """The dims of the target ``target`` (a ``TargetConfig``) names -- its config.json, or a GGUF file's metadata --
+    where they can be read without a download, and where they came from (never the workspace's ``data/target``)."""
+    from dspark_core.target import check_gguf_file, find_package_gguf, gguf_dims
+
     if target.source == "hf_hub":
         from huggingface_hub import try_to_load_from_cache
 
@@ -123,26 +127,35 @@ def target_config(sections: dict[str, Any], root: Path) -> tuple[dict | None, st
             return json.loads(Path(found).read_text()), f"the hub cache ({target.model} @ {target.revision})"
         return None, (f"{target.model} @ {target.revision} is not in the hub cache (`hf download {target.model} "
                       "config.json` to check its dims without the weights)")
-    local = Path(target.path) if target.source == "hf_dir" else root / target.out_dir
-    if (local / "config.json").is_file():
-        return json.loads((local / "config.json").read_text()), str(local)
-    return None, f"{local}/config.json does not exist yet (the target stage writes it)"
+    if target.source == "hf_dir":
+        local = Path(target.path) / "config.json"
+        if local.is_file():
+            return json.loads(local.read_text()), str(local.parent)
+        return None, f"{local} does not exist"
+    try:
+        gguf = (find_package_gguf(target.gguf_package, target.gguf_file) if target.source == "smollm2_gguf" else
+                check_gguf_file(target.path))
+        return gguf_dims(gguf), f"the GGUF metadata of {gguf.name}"
+    except UserError as e:
+        return None, str(e)
 
 
 def _check_dims(report: ProfileCheck, cfg: dict, sections: dict[str, Any], drafts: dict[str, Any]) -> None:
-    """What a stage would refuse once it saw the target: aux layer ids, MASK ids, the DMTD split."""
+    """What a stage would refuse once it saw a target of ``cfg``'s dims (a config.json, or ``target.requires``
+    with the least layers it allows; an unknown dim is None and not checked): aux layer ids, MASK ids, the DMTD
+    split."""
     from dspark_core.cache.capture import check_layer_ids
 
-    layers, vocab = int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
-    cache = sections.get("cache")
-    if cache is not None:
-        report.attempt("cache", lambda: check_layer_ids(cache.aux_layer_ids, layers))
-    for v, draft in drafts.items():
-        if not 0 <= draft.mask_token_id < vocab:
-            report.problems.append(f"variants.{v}: draft.mask_token_id {draft.mask_token_id} is outside the target's "
-                                   f"vocabulary of {vocab}")
-    dmtd = sections.get("dmtd")
-    if dmtd is not None and not 0 < dmtd.num_parallel_layers < layers:
+    layers, vocab = cfg.get("num_hidden_layers"), cfg.get("vocab_size")
+    cache, dmtd = sections.get("cache"), sections.get("dmtd")
+    if layers is not None and cache is not None:
+        report.attempt("cache", lambda: check_layer_ids(cache.aux_layer_ids, int(layers)))
+    if vocab is not None:
+        for v, draft in drafts.items():
+            if not 0 <= draft.mask_token_id < vocab:
+                report.problems.append(f"variants.{v}: draft.mask_token_id {draft.mask_token_id} is outside the "
+                                       f"target's vocabulary of {vocab}")
+    if layers is not None and dmtd is not None and not 0 < dmtd.num_parallel_layers < layers:
         report.problems.append(f"dmtd.num_parallel_layers {dmtd.num_parallel_layers} must be in 1..{layers - 1} for "
                                f"a {layers}-layer target")
 
@@ -166,6 +179,38 @@ def turn_warnings(regenerate: Any, cache: Any) -> list[str]:
     return []
 
 
+def _profile_target(report: ProfileCheck, name: str | None, named: bool, target: Any) -> dict | None:
+    """The dims the profile is checked against: its own target's (read where possible), else its
+    ``target.requires`` (with a line on whether the params' current target fits them); None: not known."""
+    if target is None:
+        report.lines.append("target config: the target section is invalid")
+        return None
+    requires = target.requires
+    cfg, where = target_config(target)
+    if named or not requires.declared:
+        if name is not None and not named:
+            report.problems.append(f"profile {name}: names no target (target.source and its model / path) and "
+                                   "declares none it needs (target.requires): its check would depend on the "
+                                   "workspace's target")
+        report.lines.append(f"target config: {'read from ' if cfg else ''}{where}")
+        if cfg is not None and requires.declared and requires.misfits(cfg):
+            report.problems.append(f"target.requires: {target.label} has {', '.join(requires.misfits(cfg))}, but "
+                                   f"the profile needs {requires.describe()}")
+        return cfg
+    report.lines.append(f"target: not named by the profile; the params are checked against what it needs: "
+                        f"{requires.describe()} (target.requires)")
+    if cfg is None:
+        report.lines.append(f"target: the current target ({target.label}): its dims cannot be read here ({where})")
+    elif requires.misfits(cfg):
+        report.lines.append(f"target: the current target ({target.label}) does not fit this profile: it has "
+                            f"{', '.join(requires.misfits(cfg))}; a target with {requires.describe()} would (set "
+                            f"target.source and target.model / target.path to one)")
+    else:
+        report.lines.append(f"target: the current target ({target.label}) fits ({requires.describe()})")
+    return {"num_hidden_layers": requires.min_layers, "vocab_size": requires.vocab_size,
+            "hidden_size": requires.hidden_size}
+
+
 def _downloads(sections: dict[str, Any]) -> list[str]:
     """What the pipeline would fetch from the hub: the target repository and the ``hf:`` data sets."""
     out = []
@@ -186,7 +231,7 @@ def _estimate(report: ProfileCheck, cfg: dict | None, sections: dict[str, Any], 
     from dspark_core.cache.store import TOKEN_BYTES, cache_bytes_per_token, human_bytes
 
     cache, prepare = sections.get("cache"), sections.get("prepare")
-    if cache is None or cfg is None:
+    if cache is None or cfg is None or cfg.get("hidden_size") is None:
         report.lines.append("cache estimate: needs the target's hidden size (see above)")
         return
     if tokens is None:
@@ -219,19 +264,20 @@ def check_profile(name: str | None, params: Path = Path("params.yaml"), dvc_yaml
                   samples: int | None = None, tokens_per_sample: int | None = None, tokens: int | None = None,
                   profiles_dir: Path | None = None) -> ProfileCheck:
     """Check profile ``name`` (None: params.yaml as it is) merged onto ``params``; see the module docstring."""
-    from dspark_core.profiles import PROFILES_DIR, apply_profile
+    from dspark_core.profiles import PROFILES_DIR, apply_profile, load_profile, names_target
 
     report = ProfileCheck()
     with tempfile.TemporaryDirectory() as tmp:
         merged = Path(tmp) / "params.yaml"
         shutil.copy(params, merged)
+        named = True   # params.yaml as it is: its own target
         if name is not None:
             apply_profile(name, merged, profiles_dir or PROFILES_DIR)  # an unknown key: one line, raised
+            named = names_target(load_profile(name, profiles_dir or PROFILES_DIR))
         sections = {s: report.attempt(s, lambda f=f: f(merged)) for s, f in _section_loaders()}
         drafts = _check_variants(report, merged)
         _check_dag(report, merged, dvc_yaml)
-        cfg, where = target_config(sections, Path(params).resolve().parent)
-        report.lines.append(f"target config: {'read from ' if cfg else ''}{where}")
+        cfg = _profile_target(report, name, named, sections.get("target"))
         if cfg is not None:
             _check_dims(report, cfg, sections, drafts)
         report.lines += [f"download: {d}" for d in _downloads(sections)]

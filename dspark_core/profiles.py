@@ -4,12 +4,15 @@
     dspark profile apply seed004_qwen3_4b          # rewrite params.yaml in place (comments kept)
     dvc exp run $(dspark profile args seed004_qwen3_4b)   # or run it as a DVC experiment, params.yaml untouched
 
-A profile is a nested mapping with the same sections as params.yaml; its leaves replace params.yaml's.
-Every key must already exist in params.yaml (a typo is an error, not a silent new key). A parameter whose
-value is a mapping of names (:data:`WHOLE_VALUES`: ``prepare.train_mix`` and ``prepare.holdout``, keyed by source;
-``regenerate.vllm``, vLLM's engine arguments; ``variants``) is one leaf,
-replaced whole: its keys are data (a source absent from the profile's mix is not kept from params.yaml's; a
-profile's ``variants`` are the only ones its DAG trains).
+A profile is a nested mapping with the same sections as params.yaml; its leaves replace params.yaml's (a list,
+such as ``prepare.train``, is one leaf). Every key must already exist in params.yaml (a typo is an error, not a
+silent new key). A parameter whose value is a mapping of names (:data:`WHOLE_VALUES`: ``prepare.eval_sources``,
+keyed by domain; ``regenerate.vllm``, vLLM's engine arguments; ``variants``) is one leaf, replaced whole: its keys
+are data (a profile's ``variants`` are the only ones its DAG trains).
+
+A profile stands alone: it names its target (``target.source`` and the model) or declares what it needs of one
+(``target.requires``: layers, vocabulary, hidden size), so that ``dspark profile check`` gives the same answer
+whatever target the workspace holds (:func:`names_target`).
 """
 
 from __future__ import annotations
@@ -25,11 +28,7 @@ from dspark_core.errors import UserError
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 # mappings of names, set whole: a profile's ``variants`` is its experiment's set of variants (names of its own,
 # params.yaml's not kept), with the ``variant_dag.warm`` that goes with it
-WHOLE_VALUES = frozenset({"prepare.train_mix", "prepare.eval_sources", "prepare.holdout", "regenerate.vllm", "variants",
-                          "variant_dag.warm"})
-# whole values keyed by source names (``jsonl:path.gz``, ``hf:org/name``), which Hydra cannot write as mapping keys:
-# they go to ``dvc exp run -S`` as the ``[[source, value], ...]`` lists that ``prepare`` also reads
-SOURCE_KEYED = frozenset({"prepare.train_mix", "prepare.holdout"})
+WHOLE_VALUES = frozenset({"prepare.eval_sources", "regenerate.vllm", "variants", "variant_dag.warm"})
 
 
 def available(profiles_dir: Path = PROFILES_DIR) -> list[str]:
@@ -45,6 +44,13 @@ def load_profile(name: str, profiles_dir: Path = PROFILES_DIR) -> dict[str, Any]
         raise UserError(f"{path}: a profile must be a mapping of params.yaml sections")
     data.pop("description", None)
     return data
+
+
+def names_target(profile: dict[str, Any]) -> bool:
+    """Whether a profile names its target (``target.source``, ``model`` or ``path``), rather than keeping the
+    workspace's."""
+    target = profile.get("target")
+    return isinstance(target, dict) and any(k in target for k in ("source", "model", "path"))
 
 
 def leaves(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -110,18 +116,18 @@ def _replace(mapping: Any, key: str, value: Any) -> None:
 
 
 def exp_run_args(name: str, profiles_dir: Path = PROFILES_DIR) -> list[str]:
-    """``-S key=value`` arguments for ``dvc exp run`` (values as YAML flow scalars/lists).
+    """``-S key=value`` arguments for ``dvc exp run`` (scalars as YAML flow scalars; lists and mappings in Hydra's
+    override grammar, which DVC parses ``-S`` with: a list replaces params.yaml's).
 
     A whole value (:data:`WHOLE_VALUES`) becomes ``-S ~key -S +key=VALUE``: DVC merges a mapping into the one in
-    params.yaml, so it is deleted and added anew. VALUE is in Hydra's override grammar (DVC parses ``-S`` so),
-    which has no quoted mapping keys: ``train_mix``, keyed by source names such as ``jsonl:path.gz``, goes as the
-    ``[[source, weight], ...]`` list that ``prepare`` also reads."""
+    params.yaml, so it is deleted and added anew."""
     out = []
     for key, value in leaves(load_profile(name, profiles_dir)):
         if key in WHOLE_VALUES:
-            if key in SOURCE_KEYED and isinstance(value, dict):
-                value = [[source, weight] for source, weight in value.items()]
             out += ["-S", f"~{key}", "-S", f"+{key}={_hydra(value, key)}"]
+            continue
+        if isinstance(value, (list, dict)):
+            out += ["-S", f"{key}={_hydra(value, key)}"]
             continue
         text = yaml.safe_dump(value, default_flow_style=True).strip()
         if text.endswith("\n..."):

@@ -49,10 +49,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
@@ -61,7 +61,7 @@ import torch
 
 from dspark_core.config import Section, one_of, require
 from dspark_core.errors import UserError
-from dspark_core.io import package_dir, read_json, sha256_file, sha256_json, write_json
+from dspark_core.io import atomic_dir, package_dir, read_json, sha256_file, sha256_json, write_json  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,41 @@ _SKIP_NAMES = (FINGERPRINT_FILE, INFO_FILE, ".gitattributes")
 # params
 # ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
+class TargetRequires(Section):
+    """params ``target.requires``: what the other params need of the target, declared by a profile that cannot
+    name its target (null: anything). The target stage refuses a target that lacks it, before replacing
+    ``out_dir``; ``dspark profile check`` checks the params against it."""
+
+    min_layers: int | None = None    # at least this many decoder layers (aux layer ids, the DMTD split)
+    vocab_size: int | None = None    # this vocabulary size (MASK ids, the tokenizer)
+    hidden_size: int | None = None   # this hidden size (the draft's widths, the cache's bytes)
+
+    def validate(self) -> None:
+        for name in ("min_layers", "vocab_size", "hidden_size"):
+            value = getattr(self, name)
+            if value is not None:
+                require(value > 0, f"{name} must be > 0 (or null: any); got {value!r}")
+
+    @property
+    def declared(self) -> bool:
+        return any(v is not None for v in (self.min_layers, self.vocab_size, self.hidden_size))
+
+    def describe(self) -> str:
+        """``at least 48 layers, vocabulary 151,936, hidden size 2,560``."""
+        parts = [f"at least {self.min_layers:,} layers" if self.min_layers is not None else "",
+                 f"vocabulary {self.vocab_size:,}" if self.vocab_size is not None else "",
+                 f"hidden size {self.hidden_size:,}" if self.hidden_size is not None else ""]
+        return ", ".join(p for p in parts if p) or "any target"
+
+    def misfits(self, config: dict) -> list[str]:
+        """What a target of ``config`` (its config.json) lacks, e.g. ``['30 layers', 'vocabulary 49,152']``."""
+        layers, vocab, hidden = (int(config[k]) for k in ("num_hidden_layers", "vocab_size", "hidden_size"))
+        return [what for what, bad in ((f"{layers:,} layers", self.min_layers is not None and layers < self.min_layers),
+                                       (f"vocabulary {vocab:,}", self.vocab_size not in (None, vocab)),
+                                       (f"hidden size {hidden:,}", self.hidden_size not in (None, hidden))) if bad]
+
+
+@dataclasses.dataclass(frozen=True)
 class TargetConfig(Section):
     """params section ``target``."""
 
@@ -94,6 +129,7 @@ class TargetConfig(Section):
     dtype: str = "bfloat16"          # dtype of the written safetensors (GGUF conversion)
     hf_dir_link: str = "copy"        # hf_dir: copy | hardlink | symlink the source files
     out_dir: str = "data/target"
+    requires: TargetRequires = dataclasses.field(default_factory=TargetRequires)
 
     def validate(self) -> None:
         one_of("source", self.source, SOURCES)
@@ -113,6 +149,22 @@ class TargetConfig(Section):
         require(bool(self.revision.strip()) and not any(c.isspace() for c in self.revision),
                 f"revision must be a branch, tag or commit sha; got {self.revision!r}")
         require(bool(self.out_dir), "out_dir must not be empty")
+
+    @property
+    def label(self) -> str:
+        """The target in a message: the hub id and revision, the local dir or the GGUF file."""
+        if self.source == "hf_hub":
+            return f"{self.model} @ {self.revision}"
+        if self.source == "smollm2_gguf":
+            return f"the GGUF in package {self.gguf_package}"
+        return str(self.path)
+
+    def check_requires(self, config: dict) -> None:
+        """Refuse a target (its config.json) that lacks ``requires``, in one line."""
+        missing = self.requires.misfits(config)
+        if missing:
+            raise UserError(f"target.requires: {self.label} has {', '.join(missing)}, but the params need "
+                            f"{self.requires.describe()} (a profile declares it); set target to such a model")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -337,34 +389,6 @@ def load_tokenizer(path: str | Path):
 # ----------------------------------------------------------------------------------------------
 # the target stage
 # ----------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Yield an empty temp dir beside ``path``; on success it replaces ``path`` (old one removed).
-
-    What a killed earlier writer of ``path`` left beside it (its ``.<name>.*.tmp`` / ``.<name>.old-*``) is removed
-    first: a stage's output has one writer, so such leftovers belong to no one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in [*path.parent.glob(f".{path.name}.*.tmp"), *path.parent.glob(f".{path.name}.old-*")]:
-        shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the final dir gets the usual mode
-    try:
-        yield tmp
-        old = None
-        if path.exists() or path.is_symlink():
-            old = path.parent / f".{path.name}.old-{os.getpid()}"
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-
-
 def check_gguf_file(path: str | Path) -> Path:
     """``path`` as an existing GGUF file (magic bytes checked); ValueError naming ``target.path`` otherwise."""
     path = Path(path).expanduser()
@@ -375,6 +399,34 @@ def check_gguf_file(path: str | Path) -> Path:
     if magic != b"GGUF":
         raise UserError(f"target.path: {str(path)!r} is not a GGUF file (starts with {magic!r}, not b'GGUF')")
     return path.resolve()
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_dims(path: str, size: int, mtime: float) -> dict:
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    arch = bytes(fields["general.architecture"].parts[-1]).decode()
+
+    def number(key: str) -> int | None:
+        return int(fields[key].parts[-1][0]) if key in fields else None
+
+    vocab = number(f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(fields["tokenizer.ggml.tokens"].data)
+    return {"num_hidden_layers": number(f"{arch}.block_count"), "hidden_size": number(f"{arch}.embedding_length"),
+            "vocab_size": vocab}
+
+
+def gguf_dims(path: str | Path) -> dict:
+    """``num_hidden_layers``, ``hidden_size`` and ``vocab_size`` of a GGUF file, from its metadata (no tensor
+    read; a few seconds for the tokenizer's tokens, once a process)."""
+    path = Path(path)
+    st = path.stat()
+    try:
+        return dict(_gguf_dims(str(path), st.st_size, st.st_mtime))
+    except (KeyError, ValueError, IndexError) as e:
+        raise UserError(f"{path}: no layer / hidden / vocabulary sizes in its GGUF metadata ({e})") from None
 
 
 def find_package_gguf(package: str, gguf_file: str | None = None) -> Path:
@@ -566,7 +618,7 @@ def run_target(cfg: TargetConfig) -> dict:
         if cfg.trust_remote_code:
             info.update(trust_remote_code=True)
         write_json(tmp / INFO_FILE, info)  # a hub target's dir finds its weights through it
-        validate_hf_dir(tmp)
+        cfg.check_requires(validate_hf_dir(tmp))   # refused here: out_dir keeps the last good target
         fp = write_fingerprint(tmp)
         info.update(fingerprint=fp["fingerprint"])  # no wall time: the same inputs give the same bytes (DVC hash)
         write_json(tmp / INFO_FILE, info)

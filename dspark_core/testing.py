@@ -184,16 +184,17 @@ def write_regen(path: str | Path, lengths: list[tuple[int, int]], seed: int = 0,
 
 
 def save_hub_repo(cache_dir: str | Path, repo_id: str, src_dir: str | Path, ref: str = "main",
-                  commit: str | None = None) -> str:
-    """Lay the files of ``src_dir`` (a tiny target's HF dir) out as huggingface_hub's cache holds a downloaded
-    repository, so that hub targets are tested offline: ``<cache_dir>/models--org--name/blobs/<sha256>``,
-    ``snapshots/<commit>/<file>`` as relative symlinks to those blobs, ``refs/<ref>`` holding the commit (default:
-    a 40-hex hash of the files). Several calls add commits to one repository; returns the commit."""
+                  commit: str | None = None, repo_type: str = "model") -> str:
+    """Lay the files of ``src_dir`` (a tiny target's HF dir, or a data set's files with ``repo_type="dataset"``)
+    out as huggingface_hub's cache holds a downloaded repository, so that hub targets and data sets are tested
+    offline: ``<cache_dir>/models--org--name/blobs/<sha256>`` (``datasets--org--name``), ``snapshots/<commit>/<file>``
+    as relative symlinks to those blobs, ``refs/<ref>`` holding the commit (default: a 40-hex hash of the files).
+    Several calls add commits to one repository; returns the commit."""
     import hashlib
     import os
 
     src = Path(src_dir)
-    repo = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+    repo = Path(cache_dir) / (f"{repo_type}s--" + repo_id.replace("/", "--"))
     files = sorted(f for f in src.rglob("*") if f.is_file())
     digests = {f.relative_to(src).as_posix(): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
     commit = commit or hashlib.sha1(repr(sorted(digests.items())).encode()).hexdigest()

@@ -3,7 +3,7 @@
 The device has none of the data packages (ShareGPT alone is a 125 MB JSON), so the prompts are saved here once,
 one JSONL file per registry source (``dspark_core/data/sources.py``; records ``{"id", "domain", "group"?,
 "turns"}``), and travel with the repo. ``prepare`` reads them instead of the packages when
-``prepare.snapshot_dir`` names the folder (profiles/h200_smollm2.yaml): the same ``train_mix`` weights, the same
+``prepare.snapshot_dir`` names the folder (profiles/h200_smollm2.yaml): the same ``train`` weights, the same
 per-domain ``eval_sources``, the same eval-only refusals and overlap check as with the packages.
 
     python scripts/make_h200_prompts.py            # -> data/prompts_h200/<source>.jsonl, split.json

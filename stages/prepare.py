@@ -5,12 +5,13 @@ from pathlib import Path
 
 import typer
 
-from dspark_core.data.prompts import PrepareConfig, run_prepare
+from dspark_core.data.prompts import PrepareConfig, run_prepare, warn_untracked_files
 from dspark_core.errors import run_stage
 
 
 def main(params: Path = typer.Option(Path("params.yaml"), help="params file")) -> None:
     cfg = PrepareConfig.load(params, "prepare")
+    warn_untracked_files(cfg)  # a file DVC does not track for this stage: a change to it reruns nothing
     stats: dict = {}
     sizes = run_prepare(cfg, stats)
     by_domain = {split: stats[split]["by_domain"] for split in sizes}

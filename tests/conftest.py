@@ -1,8 +1,9 @@
-"""Fixtures shared by several test files."""
+"""Fixtures shared by several test files, and the guard that keeps tests off the workspace's pipeline outputs."""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,43 @@ def pytest_configure(config):
 # The longest file (a whole `dvc repro` and `dvc exp run`) first: under `-n 2 --dist loadfile` one worker runs it
 # while the other takes the rest of the suite.
 FIRST_FILES = ("test_dvc_pipeline.py",)
+
+
+# The workspace: what `dvc repro` (the README's command 1, run before the tests in the same clone by .ci/run) and
+# `dvc exp run` write or change. A test reads it only when that is its purpose, and says so with
+# @pytest.mark.workspace("why"); any other test that opens or lists a path here fails, naming it: it would test
+# whatever target, prompts or params the last run left, not the code.
+ROOT = Path(__file__).resolve().parent.parent
+WORKSPACE_FILES = {str(ROOT / "params.yaml"), str(ROOT / "dvc.lock")}
+WORKSPACE_DIRS = (str(ROOT / "data"), str(ROOT / "reports"))
+_workspace_reads: list[str] = []
+
+
+def _audit(event: str, args: tuple) -> None:
+    """Record every path under WORKSPACE_* that this process opens or lists (sys.addaudithook)."""
+    if event not in ("open", "os.listdir", "os.scandir") or not args or args[0] is None or isinstance(args[0], int):
+        return
+    try:
+        path = os.path.abspath(os.fsdecode(args[0]))
+    except (TypeError, ValueError):
+        return
+    if path in WORKSPACE_FILES or any(path == d or path.startswith(d + os.sep) for d in WORKSPACE_DIRS):
+        _workspace_reads.append(path)
+
+
+sys.addaudithook(_audit)
+
+
+@pytest.fixture(autouse=True)
+def _workspace_guard(request):
+    """Fail a test (its setup included) that read the workspace without a ``workspace`` marker."""
+    yield
+    reads, _workspace_reads[:] = sorted(set(_workspace_reads)), []
+    if reads and request.node.get_closest_marker("workspace") is None:
+        names = ", ".join(os.path.relpath(p, ROOT) for p in reads[:3])
+        pytest.fail(f"read the workspace's {names}{' ...' if len(reads) > 3 else ''}: a test reads data/, reports/, "
+                    "params.yaml or dvc.lock only when that is its purpose (build what it needs in a temp dir, or "
+                    "mark it @pytest.mark.workspace('why'))", pytrace=False)
 
 
 def pytest_collection_modifyitems(config, items):

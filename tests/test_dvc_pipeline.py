@@ -34,7 +34,8 @@ import yaml
 from dspark_core.pipeline import load_stages
 from dspark_core.profiles import apply_profile
 
-pytestmark = pytest.mark.slow  # the packaged model (setup.sh installs it)
+pytestmark = [pytest.mark.slow,  # the packaged model (setup.sh installs it)
+              pytest.mark.workspace("the project's params.yaml: the pipeline under test")]
 ROOT = Path(__file__).resolve().parent.parent
 DVC = [sys.executable, "-m", "dvc"]
 ABLATION = "++variants.reranker_frozen.train.lr=5e-4"
@@ -75,6 +76,9 @@ def repo(tmp_path_factory, packaged_target):
     (overlay / "converted.yaml").write_text(yaml.safe_dump(
         {"target": {"source": "hf_dir", "path": str(packaged_target), "hf_dir_link": "copy"}}))
     apply_profile("converted", repo / "params.yaml", overlay)
+    for folder in ("sources", "prompts_h200"):  # prepare's data dependencies (the packaged sources here)
+        (repo / "data" / folder).mkdir(parents=True)
+        (repo / "data" / folder / "README.md").write_text("no data files\n")
     (repo / ".gitignore").write_text("/data/\n/dvc_plots/\n")
     _run(["git", "init", "-q"], repo)
     _run(DVC + ["init", "-q"], repo)

@@ -64,7 +64,7 @@ NOT_UTF8 = b'{"turns": ["Hi"]}\n{"turns": ["caf\xe9 au lait"]}\n'  # latin-1 e-a
 
 PARAMS: dict[str, Any] = {
     "target": {"source": "hf_dir", "path": "no/such/hf_dir", "out_dir": "data/target"},
-    "prepare": {"train_sources": ["jsonl:src.jsonl"], "eval_sources": ["jsonl:src.jsonl"], "n_train": 4, "n_eval": 2,
+    "prepare": {"train": "jsonl:src.jsonl", "eval_sources": ["jsonl:src.jsonl"], "n_train": 4, "n_eval": 2,
                 "out_dir": "data/prompts"},
     "cache": {"aux_layer_ids": LAYERS, "max_length": 96, "chunk_tokens": 256, "batch_tokens": 512, "device": "cpu",
               "splits": ["train"]},
@@ -929,12 +929,21 @@ CASES = [
     Case("prompt/prepare_two_user_turns",
          prepare_from([json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]})]),
          r"src.jsonl:1: messages\[0\] and \[1\] are two user turns in a row; accepted records", ("data/prompts",)),
-    Case("params/prepare_malformed_hf_name", params_then(prepare(), prepare={"train_sources": ["hf:org/na me"]}),
-         r"params.yaml: prepare.train_sources: malformed source name 'hf:org/na me': use hf:<org>/<name>\[:<config>\]"
-         r"\[@<split>\]", ("data/prompts",)),
-    Case("params/prepare_holdout_fraction", params_then(prepare(), prepare={"holdout": {"jsonl:src.jsonl": 1.5}}),
-         r"params.yaml: prepare.holdout: the fraction of 'jsonl:src.jsonl' must be >= 0 and < 1; got 1.5",
+    Case("params/prepare_malformed_hf_name", params_then(prepare(), prepare={"train": "hf:org/na me"}),
+         r"params.yaml: prepare.train: malformed source name 'hf:org/na me': use hf:<org>/<name>\[:<config>"
+         r"\[:<split>\]\]\[@<revision>\]", ("data/prompts",)),
+    Case("params/prepare_holdout_fraction",
+         params_then(prepare(), prepare={"train": [{"source": "jsonl:src.jsonl", "holdout": 1.5}]}),
+         r"params.yaml: prepare.train: the holdout of 'jsonl:src.jsonl' must be >= 0 and < 1; got 1.5",
          ("data/prompts",)),
+    Case("params/prepare_sources_as_keys", params_then(prepare(), prepare={"train_mix": {"jsonl:src.jsonl": 1}}),
+         r"params.yaml: prepare.train_mix is not a parameter: .* here: train: \[\{source: 'jsonl:src.jsonl', "
+         r"weight: 1\}\]$", ("data/prompts",)),
+    Case("prompt/prepare_mostly_bad",
+         prepare_from(['{"turns": ["q1"]}', '{"turns": ["q2"', '{"turns": ["q3"]}', "not json"] +
+                      [json.dumps({"turns": [f"q{i}"]}) for i in range(4, 12)], on_bad_record="skip"),
+         r"^prepare: jsonl:src.jsonl: 2 of 12 records are bad \(bad_json 2; 16.7%\), more than "
+         r"prepare.max_bad_fraction 0.1: the source is likely not what it says", ("data/prompts",)),
     Case("prompt/bench_not_utf8", raw_file(bench_prompts([]), "prompts.jsonl", NOT_UTF8),
          r"prompts.jsonl:2: not valid UTF-8 \(byte 0xe9 at column 16\)", BENCH_OUT),
     Case("too_long/cache_prompt_alone", regen_rows([(120, 10)] + LENGTHS, cache={"on_too_long": "error"}),

@@ -16,6 +16,7 @@ from dspark_core.profiles import apply_profile
 from dspark_core.target import TargetConfig
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.workspace("the project's params.yaml: the profile applies to it")
 
 
 def test_profile_gives_valid_stage_params(tmp_path):

@@ -18,6 +18,7 @@ from dspark_core.profiles import apply_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data" / "prompts_h200"
+pytestmark = pytest.mark.workspace("data/prompts_h200, the snapshot in git, and the project's params.yaml")
 INSTRUCTION_START = "\nSolve the following math problem step by step."
 
 
@@ -80,7 +81,7 @@ def test_no_test_split_and_no_evaluated_problem_is_trained_on():
 @pytest.mark.parametrize("source", ["gsm8k_symbolic", "humaneval"])
 def test_snapshot_keeps_the_eval_only_refusal(source):
     with pytest.raises(ValueError, match=f"'{source}' is eval-only"):
-        PrepareConfig.from_dict({"snapshot_dir": str(DATA), "train_mix": {source: 1}})
+        PrepareConfig.from_dict({"snapshot_dir": str(DATA), "train": source})
 
 
 def test_profile_mixes_the_snapshot(tmp_path, monkeypatch):
@@ -100,8 +101,9 @@ def test_profile_mixes_the_snapshot(tmp_path, monkeypatch):
                                                           "competition_math": 253}
     # the earlier 7,920-prompt mix: its train prompts are all drawn again, and its eval sets are the same prompts
     # (the drafts trained then were trained on no eval prompt of now)
-    old_mix = {"sharegpt": 45, "gsm_symbolic_variants": 30, "codeio": 22, "project_euler": 3}
-    old = select_splits(PrepareConfig.from_dict({**prep, "train_mix": old_mix, "n_train": 7920}))
+    old_mix = [{"source": s, "weight": w} for s, w in (("sharegpt", 45), ("gsm_symbolic_variants", 30), ("codeio", 22),
+                                                        ("project_euler", 3))]
+    old = select_splits(PrepareConfig.from_dict({**prep, "train": old_mix, "n_train": 7920}))
     assert Counter(p.domain for p in old["train"]) == {"chat": 3564, "math_word": 2376, "code": 1742,
                                                        "competition_math": 238}
     assert [p.id for p in old["eval"]] == [p.id for p in splits["eval"]]

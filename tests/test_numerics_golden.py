@@ -32,7 +32,8 @@ import pytest
 
 import dspark_core.train.trainer as trainer
 
-pytestmark = pytest.mark.slow  # the packaged model; regenerate and cache stages; three training runs
+pytestmark = [pytest.mark.slow,  # the packaged model; regenerate and cache stages; three training runs
+              pytest.mark.workspace("the project's params.yaml: the golden curves are its default recipe's")]
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_STEPS = 40
 GOLDEN_LR = 3e-4

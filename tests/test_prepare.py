@@ -35,7 +35,7 @@ def _cfg(tmp_path: Path, **kw) -> PrepareConfig:
 
 def _one(src: str, n_train: int, n_eval: int, **kw) -> dict:
     """A config drawing train and eval from one source."""
-    return dict(train_mix={src: 1}, eval_sources={"chat": [src]}, n_train=n_train, n_eval_per_domain=n_eval, **kw)
+    return dict(train=src, eval_sources={"chat": [src]}, n_train=n_train, n_eval_per_domain=n_eval, **kw)
 
 
 def _check_disjoint(splits) -> None:
@@ -79,7 +79,7 @@ def test_seed_changes_selection_and_is_deterministic(tmp_path):
 def test_texts_shared_by_two_sources_are_not_reused(tmp_path):
     a = _jsonl(tmp_path / "a.jsonl", [f"q{i}" for i in range(6)])
     b = _jsonl(tmp_path / "b.jsonl", [f"Q{i}." for i in range(3, 9)])   # Q3..Q5: the same as q3..q5, normalised
-    cfg = _cfg(tmp_path, train_mix={f"jsonl:{b}": 1}, eval_sources={"chat": [f"jsonl:{a}"]}, n_train=3,
+    cfg = _cfg(tmp_path, train=f"jsonl:{b}", eval_sources={"chat": [f"jsonl:{a}"]}, n_train=3,
                n_eval_per_domain=6)
     splits = select_splits(cfg)
     _check_disjoint(splits)
@@ -109,26 +109,28 @@ def test_weighted_mix_of_jsonl_sources_and_domains(tmp_path):
     code = _jsonl(tmp_path / "code.jsonl", [f"write a function {i}" for i in range(40)], domain="code")
     chat = _jsonl(tmp_path / "chat.jsonl", [f"hello {i}" for i in range(40)])
     math = _jsonl(tmp_path / "math.jsonl", [f"what is {i} + {i}" for i in range(40)], domain="math_word")
-    cfg = _cfg(tmp_path, train_mix=[[f"jsonl:{code}", 1], [f"jsonl:{chat}", 3], [f"jsonl:{math}", 0]], n_train=12,
+    cfg = _cfg(tmp_path, train=[{"source": f"jsonl:{code}", "weight": 1}, {"source": f"jsonl:{chat}", "weight": 3},
+                                {"source": f"jsonl:{math}", "weight": 0}], n_train=12,
                eval_sources={"code": [f"jsonl:{code}"], "math_word": [f"jsonl:{math}"]}, n_eval_per_domain=3)
     splits = select_splits(cfg)
     assert Counter(p.domain for p in splits["train"]) == {"chat": 9, "code": 3}
     assert Counter(p.domain for p in splits["eval"]) == {"code": 3, "math_word": 3}
     _check_disjoint(splits)
-    # a mapping with the same weights draws the same prompts
-    cfg2 = dataclasses.replace(cfg, train_mix={f"jsonl:{code}": 1, f"jsonl:{chat}": 3, f"jsonl:{math}": 0})
+    # a bare name in the list weighs 1; a weight-0 source left out draws the same prompts
+    cfg2 = dataclasses.replace(cfg, train=[f"jsonl:{code}", {"source": f"jsonl:{chat}", "weight": 3}])
     assert select_splits(cfg2) == splits
 
 
+@pytest.mark.workspace("data/prompts_h200, the snapshot in git: a repo-relative jsonl: path")
 def test_jsonl_paths_resolve_against_the_repo_and_without_suffix(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     prompts = list(iter_jsonl("data/prompts_h200/eval_gsm8k"))   # relative to the repo root, '.jsonl' left out
     assert len(prompts) == 30 and prompts[0].source == "jsonl:data/prompts_h200/eval_gsm8k"
 
 
-def test_old_list_form_still_reads(tmp_path):
+def test_old_list_form_of_eval_sources_still_reads(tmp_path):
     f = _jsonl(tmp_path / "q.jsonl", [f"question {i}" for i in range(12)])
-    cfg = _cfg(tmp_path, train_sources=[f"jsonl:{f}"], eval_sources=[f"jsonl:{f}"], n_train=6, n_eval=3)
+    cfg = _cfg(tmp_path, train=[f"jsonl:{f}"], eval_sources=[f"jsonl:{f}"], n_train=6, n_eval=3)
     splits = select_splits(cfg)
     assert len(splits["train"]) == 6 and len(splits["eval"]) == 3
     _check_disjoint(splits)
@@ -212,7 +214,7 @@ def test_default_run_mixes_every_domain_and_never_trains_on_eval(tmp_path):
 
 def test_evaluated_problems_are_never_trained_on_in_any_form(tmp_path):
     """Eval on GSM8K test problems, train on GSM-Symbolic variants: no variant of an evaluated problem."""
-    cfg = _cfg(tmp_path, train_mix={"gsm_symbolic_variants": 1}, n_train=300,
+    cfg = _cfg(tmp_path, train="gsm_symbolic_variants", n_train=300,
                eval_sources={"math_word": ["gsm8k_symbolic", "gsm8k_test"]}, n_eval_per_domain=60)
     splits = select_splits(cfg)
     _check_disjoint(splits)
@@ -228,12 +230,12 @@ def test_evaluated_problems_are_never_trained_on_in_any_form(tmp_path):
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("source", ["gsm8k_symbolic", "gsm8k_test", "aime2025", "humaneval"])
 def test_eval_only_sources_are_refused_for_training(tmp_path, source):
-    with pytest.raises(ParamsError, match=rf"train_mix: '{source}' is eval-only .*test split.* never trains"):
-        _cfg(tmp_path, train_mix={"sharegpt": 1, source: 1})
-    with pytest.raises(ValueError, match=rf"train_sources: '{source}' is eval-only"):
-        _cfg(tmp_path, train_sources=[source], eval_sources=["sharegpt"], n_eval=2)
+    with pytest.raises(ParamsError, match=rf"train: '{source}' is eval-only .*test split.* never trains"):
+        _cfg(tmp_path, train=["sharegpt", source])
+    with pytest.raises(ValueError, match=rf"train: '{source}' is eval-only"):
+        _cfg(tmp_path, train=source, eval_sources=["sharegpt"], n_eval=2)
     with pytest.raises(ValueError, match="is eval-only"):   # weight 0 is refused as well: it has no place there
-        _cfg(tmp_path, train_mix={"sharegpt": 1, source: 0})
+        _cfg(tmp_path, train=["sharegpt", {"source": source, "weight": 0}])
 
 
 def _p(pid: str, text: str, group: str | None = None, *more: str) -> Prompt:
@@ -266,7 +268,7 @@ def test_a_train_source_that_only_repeats_eval_problems_runs_out(tmp_path):
     tr = tmp_path / "tr.jsonl"
     tr.write_text("".join(json.dumps({"id": i, "turns": [f"variant {i}"], "group": "g1" if i < 5 else f"h{i}"}) + "\n"
                           for i in range(7)))
-    cfg = _cfg(tmp_path, train_mix={f"jsonl:{tr}": 1}, eval_sources={"math_word": [f"jsonl:{ev}"]}, n_train=2,
+    cfg = _cfg(tmp_path, train=f"jsonl:{tr}", eval_sources={"math_word": [f"jsonl:{ev}"]}, n_train=2,
                n_eval_per_domain=1)
     splits = select_splits(cfg)
     assert {p.id for p in splits["train"]} == {"tr:5", "tr:6"} and splits["eval"][0].domain == "math_word"
@@ -288,7 +290,7 @@ def test_too_few_prompts_is_a_clear_error(tmp_path):
 
 def test_config_errors(tmp_path):
     with pytest.raises(ParamsError, match="unknown source 'wiki'"):
-        _cfg(tmp_path, train_mix={"wiki": 1})
+        _cfg(tmp_path, train="wiki")
     with pytest.raises(ParamsError, match="n_eval_per_domain must be > 0"):
         _cfg(tmp_path, n_eval_per_domain=0)
     with pytest.raises(ParamsError, match="lists a source twice"):
@@ -300,17 +302,17 @@ def test_config_errors(tmp_path):
     with pytest.raises(ParamsError, match=r"eval_sources.code: 'sharegpt' is a chat source"):
         _cfg(tmp_path, eval_sources={"code": ["sharegpt"]})
     with pytest.raises(ParamsError, match="the weight of 'sharegpt' must be a number >= 0"):
-        _cfg(tmp_path, train_mix={"sharegpt": -1})
+        _cfg(tmp_path, train=[{"source": "sharegpt", "weight": -1}])
     with pytest.raises(ParamsError, match="at least one weight must be > 0"):
-        _cfg(tmp_path, train_mix={"sharegpt": 0})
-    with pytest.raises(ParamsError, match="train_sources is the old form of train_mix"):
-        _cfg(tmp_path, train_sources=["sharegpt"], train_mix={"sharegpt": 1})
+        _cfg(tmp_path, train=[{"source": "sharegpt", "weight": 0}])
+    with pytest.raises(ParamsError, match=r"train: entry \{'source': 'sharegpt', 'share': 1\} is not a source name"):
+        _cfg(tmp_path, train=[{"source": "sharegpt", "share": 1}])
     with pytest.raises(ParamsError, match="n_eval .* goes with a list of eval_sources"):
         _cfg(tmp_path, n_eval=4)
     with pytest.raises(ParamsError, match="asks for only 1 prompts"):
         _cfg(tmp_path, eval_sources=["sharegpt", "gsm8k_symbolic"], n_eval=1)
-    with pytest.raises(ParamsError, match=r"prepare.train_mix"):
-        PrepareConfig.from_dict({"train_mix": {"wiki": 1}}, prefix="prepare.")
+    with pytest.raises(ParamsError, match=r"prepare.train: unknown source 'wiki'"):
+        PrepareConfig.from_dict({"train": "wiki"}, prefix="prepare.")
     with pytest.raises(ParamsError, match="must be a mapping"):
         _cfg(tmp_path, eval_sources="sharegpt")
 
@@ -382,14 +384,14 @@ def test_snapshot_dir_replaces_the_packages(tmp_path):
     write_snapshot(snap / "codeio.jsonl", [Prompt(f"codeio:{i}", "codeio", (f"task {i}",), "code") for i in range(9)])
     write_snapshot(snap / "humaneval.jsonl", [Prompt(f"humaneval:{i}", "humaneval", (f"def f{i}():",), "code")
                                               for i in range(5)])
-    cfg = _cfg(tmp_path, snapshot_dir=str(snap), train_mix={"codeio": 1}, eval_sources={"code": ["humaneval"]},
+    cfg = _cfg(tmp_path, snapshot_dir=str(snap), train="codeio", eval_sources={"code": ["humaneval"]},
                n_train=6, n_eval_per_domain=3)
     splits = select_splits(cfg)
     assert Counter(p.source for p in splits["train"]) == {"codeio": 6}
     assert Counter(p.source for p in splits["eval"]) == {"humaneval": 3}
     assert splits["train"][0].id.startswith("codeio:") and splits["eval"][0].domain == "code"
     with pytest.raises(ValueError, match=r"snap/sharegpt.jsonl not found: the snapshot holds no 'sharegpt'"):
-        select_splits(dataclasses.replace(cfg, train_mix={"sharegpt": 1}))
+        select_splits(dataclasses.replace(cfg, train="sharegpt"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -547,6 +549,85 @@ def test_stage_counts_what_it_skipped(tmp_path):
         run_prepare(dataclasses.replace(cfg, on_bad_record="error"))
 
 
+def test_skip_counts_lines_that_are_not_json_by_reason(tmp_path):
+    """on_bad_record: skip skips a JSONL line that is not JSON or not UTF-8 as it skips a malformed record, each
+    counted under its reason; error refuses the first one, naming its line and the skip setting."""
+    good = [json.dumps(_sharegpt((f"question {i}",), (f"answer {i}",))).encode() for i in range(40)]
+    lines = good[:5] + [b'{"conversations": [{"from": "human", "value": "cut'] + good[5:10] + [b"\xff\xfe not text"]
+    lines += good[10:] + [json.dumps(BAD_RECORDS["two_users"][0]).encode()]
+    f = tmp_path / "s.jsonl"
+    f.write_bytes(b"\n".join(lines) + b"\n")
+    cfg = _cfg(tmp_path, **_one(f"jsonl:{f}", 8, 2), on_bad_record="skip", stats_path=str(tmp_path / "stats.json"))
+    assert run_prepare(cfg) == {"train": 8, "eval": 2}
+    source = json.loads((tmp_path / "stats.json").read_text())["sources"][f"jsonl:{f}"]
+    assert source["skipped"] == {"bad_json": 1, "bad_record": 1, "not_utf8": 1} and source["records"] == 43
+    with pytest.raises(ValueError, match=r"^\S+s.jsonl:6: not valid JSON \(.*\); or set prepare.on_bad_record: skip "
+                                         r"to skip and count such records$"):
+        run_prepare(dataclasses.replace(cfg, on_bad_record="error"))
+
+
+def test_max_bad_fraction_stops_a_file_that_is_not_what_it_says(tmp_path):
+    """A source whose share of bad records (skipped) is above prepare.max_bad_fraction stops the run with one line
+    of counts, writing nothing; under the limit it runs."""
+    recs = [_sharegpt((f"question {i}",), (f"answer {i}",)) for i in range(14)] + [{"text": f"row {i}"}
+                                                                                   for i in range(6)]
+    f = _write_jsonl(tmp_path / "mixed.jsonl", recs)   # 6 of 20 records of no accepted shape: 30%
+    cfg = _cfg(tmp_path, **_one(f"jsonl:{f}", 4, 2), on_bad_record="skip")
+    assert cfg.max_bad_fraction == 0.1
+    with pytest.raises(ValueError, match=r"^prepare: jsonl:\S+mixed.jsonl: 6 of 20 records are bad \(bad_record 6; "
+                                         r"30.0%\), more than prepare.max_bad_fraction 0.1: .*on_bad_record: error"):
+        run_prepare(cfg)
+    assert not (tmp_path / "prompts").exists()
+    assert run_prepare(dataclasses.replace(cfg, max_bad_fraction=0.3)) == {"train": 4, "eval": 2}
+    assert run_prepare(dataclasses.replace(cfg, max_bad_fraction=None)) == {"train": 4, "eval": 2}
+    with pytest.raises(ParamsError, match=r"max_bad_fraction must be in \[0, 1\]"):
+        _cfg(tmp_path, max_bad_fraction=1.5)
+
+
+def test_old_source_keys_fail_with_the_train_value_they_spell(tmp_path):
+    """train_mix / train_sources / holdout (sources as mapping keys, which `dvc exp run -S` cannot set) are refused
+    in one line that shows the `train` value; that value, pasted into params.yaml, is the same mix."""
+    import yaml
+
+    old = {"train_mix": {"sharegpt": 3, "jsonl:data/sources/my.v2.jsonl": 1}, "holdout": {"sharegpt": 0.05}}
+    with pytest.raises(ParamsError) as e:
+        PrepareConfig.from_dict(old, src="params.yaml", prefix="prepare.")
+    msg = str(e.value)
+    assert msg.startswith("params.yaml: prepare.train_mix is not a parameter: the training mix and its holdout are one "
+                          "value, prepare.train (") and "\n" not in msg
+    train = yaml.safe_load(msg.split("here: train: ", 1)[1])
+    assert train == [{"source": "sharegpt", "weight": 3, "holdout": 0.05},
+                     {"source": "jsonl:data/sources/my.v2.jsonl", "weight": 1}]
+    cfg = PrepareConfig.from_dict({"train": train})
+    assert cfg.mix() == [("sharegpt", 3), ("jsonl:data/sources/my.v2.jsonl", 1)]
+    assert cfg.holdouts() == {"sharegpt": 0.05}
+    with pytest.raises(ParamsError, match=r"prepare.train_sources is not a parameter: .* here: train: \[\{source: "
+                                          r"codeio, weight: 1\}\]$"):
+        PrepareConfig.from_dict({"train_sources": ["codeio"]}, prefix="prepare.")
+    with pytest.raises(ParamsError, match=r"prepare.train is a list, not a mapping of sources: train: \[\{source: "
+                                          r"'jsonl:data/my.jsonl', weight: 1\}\]$"):
+        PrepareConfig.from_dict({"train": {"jsonl:data/my.jsonl": 1}}, prefix="prepare.")
+
+
+def test_a_source_file_outside_the_stage_deps_is_named(tmp_path, monkeypatch):
+    """A jsonl: / parquet: file outside the prepare stage's dependencies in dvc.yaml gets one warning line: DVC
+    will not rerun prepare when it changes. A file under data/sources/ gets none."""
+    from dspark_core.data.prompts import warn_untracked_files
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dvc.yaml").write_text("stages:\n  prepare:\n    cmd: x\n    deps: [data/sources]\n")
+    inside = _jsonl((tmp_path / "data" / "sources").mkdir(parents=True) or tmp_path / "data/sources/in.jsonl", ["a"])
+    outside = _jsonl(tmp_path / "out.jsonl", ["b"])
+    cfg = _cfg(tmp_path, train=["jsonl:data/sources/in.jsonl", f"jsonl:{outside}"],
+               eval_sources={"chat": ["jsonl:data/sources/in.jsonl"]}, n_eval_per_domain=1)
+    lines = warn_untracked_files(cfg)
+    assert inside.is_file() and len(lines) == 1
+    assert lines[0] == (f"prepare: jsonl:{outside} reads {outside}, which is no dependency of the prepare stage in "
+                        f"dvc.yaml: DVC will not rerun prepare when it changes (put it under data/sources/, or run "
+                        f"`dvc repro -f prepare` after changing it)")
+    assert warn_untracked_files(cfg, tmp_path / "none.yaml") == []
+
+
 # ----------------------------------------------------------------------------------------------
 # parquet: and hf: sources
 # ----------------------------------------------------------------------------------------------
@@ -655,18 +736,21 @@ def test_hf_local_dataset_folder(tmp_path, monkeypatch, datasets_cache):
     got = list(source_info(f"hf:{folder}").read(ReadOptions(), Counter()))
     assert [(p.id, p.turns, p.system, p.replies) for p in got] == _expected(rows, "my-set@train")
     monkeypatch.chdir(tmp_path)
-    test = list(source_info("hf:./my-set@test").read(ReadOptions(), Counter()))
+    test = list(source_info("hf:./my-set::test").read(ReadOptions(), Counter()))
     assert [(p.id, p.turns) for p in test] == [(i, t) for i, t, _, _ in _expected(rows[:2], "my-set@test")]
-    assert test[0].source == "hf:./my-set@test"
+    assert test[0].source == "hf:./my-set::test"
+    with pytest.raises(ValueError, match=r"^prepare.train: 'hf:./my-set@test': a local dataset folder has no revision "
+                                         r"\(@test\); its split is written hf:./my-set::test$"):
+        PrepareConfig.from_dict({"train": "hf:./my-set@test"}, prefix="prepare.")
     _hub_layout(tmp_path / "bad-set", _arrow_rows(4, bad_row=3), rows[:1])
     with pytest.raises(ValueError, match=r"bad-set\[train\] row 3: conversations\[0\] is an assistant turn"):
         list(source_info("hf:./bad-set").read(ReadOptions(), Counter()))
-    with pytest.raises(ValueError, match=r"hf:./my-set@validation: cannot load .*my-set\[validation\] \(.*split"):
-        list(source_info("hf:./my-set@validation").read(ReadOptions(), Counter()))
+    with pytest.raises(ValueError, match=r"hf:./my-set::validation: cannot load .*my-set\[validation\] \(.*split"):
+        list(source_info("hf:./my-set::validation").read(ReadOptions(), Counter()))
     with pytest.raises(ValueError, match=r"hf:./none: no dataset folder none"):
         list(source_info("hf:./none").read(ReadOptions(), Counter()))
     # the prepare stage over it: eval from the test split, train from train
-    cfg = _cfg(tmp_path, train_mix={"hf:./my-set": 1}, eval_sources={"chat": ["hf:./my-set@test"]}, n_train=None,
+    cfg = _cfg(tmp_path, train="hf:./my-set", eval_sources={"chat": ["hf:./my-set::test"]}, n_train=None,
                n_eval_per_domain=2)
     splits = select_splits(cfg)
     assert len(splits["train"]) == 7 and {p.id for p in splits["eval"]} == {"my-set@test:0", "my-set@test:r1"}
@@ -696,25 +780,99 @@ def test_hf_hub_name_reads_the_hub_cache_offline(tmp_path):
     assert err.endswith("download it first (hf download --repo-type dataset org/other) or unset HF_HUB_OFFLINE")
 
 
+def test_hf_revision_is_pinned_and_its_commit_recorded(tmp_path, monkeypatch, datasets_cache):
+    """``hf:org/name@<revision>`` reads that commit; without one, main; the stats record the revision and the
+    commit it resolved to. Offline from a hub cache laid out here (two commits), online through a stand-in for the
+    hub's answer (the commit goes to load_dataset as its revision): nothing reaches the network. The old
+    ``@<split>`` form is one line that shows the split form."""
+    import datasets
+    from huggingface_hub import HfApi, constants
+
+    from dspark_core.testing import save_hub_repo
+
+    hub = tmp_path / "hub"
+    old, new = _arrow_rows(6), _arrow_rows(9)
+    first = save_hub_repo(hub, "org/chat-set", _hub_layout(tmp_path / "v1", old, old[:3]), repo_type="dataset")
+    main = save_hub_repo(hub, "org/chat-set", _hub_layout(tmp_path / "v2", new, new[:3]), repo_type="dataset")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+    def prepare(src: str) -> dict:
+        stats: dict = {}
+        run_prepare(_cfg(tmp_path, train=src, eval_sources={"chat": [f"{src.split('@')[0]}::test"]}, n_train=None,
+                         n_eval_per_domain=2), stats)
+        return stats
+
+    stats = prepare("hf:org/chat-set")
+    assert stats["sources"]["hf:org/chat-set"]["revision"] == "main"
+    assert stats["sources"]["hf:org/chat-set"]["commit"] == main and stats["sources"]["hf:org/chat-set"]["records"] == 9
+    assert stats["sources"]["hf:org/chat-set::test"]["commit"] == main
+    stats = prepare(f"hf:org/chat-set@{first}")
+    assert stats["sources"][f"hf:org/chat-set@{first}"] == {**stats["sources"][f"hf:org/chat-set@{first}"],
+                                                            "revision": first, "commit": first, "records": 6}
+    with pytest.raises(ValueError, match=r"^hf:org/chat-set@test: HF_HUB_OFFLINE is set and org/chat-set @ test is "
+                                         r"not in the hub cache .* \(`@` names a revision; a split is written "
+                                         r"hf:org/chat-set::test\)$"):
+        prepare("hf:org/chat-set@test")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)   # the hub answers (a stand-in): v1.0 is commit `first`
+    asked = []
+    monkeypatch.setattr(HfApi, "dataset_info", lambda self, repo, revision=None, **k: asked.append((repo, revision))
+                        or type("Info", (), {"sha": first})())
+    load = datasets.load_dataset
+
+    def load_commit(path, *args, revision=None, **kwargs):
+        asked.append(revision)
+        return load(str(hub / "datasets--org--chat-set" / "snapshots" / revision), *args, **kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_commit)
+    stats = prepare("hf:org/chat-set@v1.0")
+    assert stats["sources"]["hf:org/chat-set@v1.0"]["commit"] == first
+    assert stats["sources"]["hf:org/chat-set@v1.0"]["records"] == 6
+    assert ("org/chat-set", "v1.0") in asked and set(asked) - {("org/chat-set", "v1.0"), ("org/chat-set", "main")} == {
+        first}   # every read of the run is of the resolved commit
+
+    import httpx2
+    from huggingface_hub import errors
+
+    def no_revision(self, repo, revision=None, **k):   # main is there, a branch named test is not
+        if revision == "main":
+            return type("Info", (), {"sha": first})()
+        request = httpx2.Request("GET", f"https://huggingface.co/api/datasets/{repo}/revision/{revision}")
+        raise errors.RevisionNotFoundError("no rev", response=httpx2.Response(404, request=request))
+
+    monkeypatch.setattr(HfApi, "dataset_info", no_revision)
+    with pytest.raises(ValueError, match=r"^hf:org/chat-set@test: revision 'test' not found in org/chat-set \(the "
+                                         r"revision after @: a branch, tag or commit sha of the repository\) \(`@` "
+                                         r"names a revision; a split is written hf:org/chat-set::test\)$"):
+        prepare("hf:org/chat-set@test")
+
+
 def test_hf_names_parse_and_a_malformed_name_is_one_line(tmp_path, monkeypatch):
     from dspark_core.data.records import HfName, parse_hf_name
 
     assert parse_hf_name("hf:mlabonne/open-perfectblend") == HfName("mlabonne/open-perfectblend", None, "train",
                                                                      False)
-    assert parse_hf_name("hf:org/set.v2:cfg_1@test") == HfName("org/set.v2", "cfg_1", "test", False)
-    assert parse_hf_name("hf:squad@validation") == HfName("squad", None, "validation", False)
+    assert parse_hf_name("hf:org/set.v2:cfg_1:test") == HfName("org/set.v2", "cfg_1", "test", False)
+    assert parse_hf_name("hf:squad::validation") == HfName("squad", None, "validation", False)
+    assert parse_hf_name("hf:org/set:cfg@v1.2") == HfName("org/set", "cfg", "train", False, "v1.2")
+    assert parse_hf_name("hf:org/set::test@refs/convert/parquet") == HfName("org/set", None, "test", False,
+                                                                            "refs/convert/parquet")
+    assert parse_hf_name("hf:org/name@" + "a" * 40).revision == "a" * 40
     assert parse_hf_name("hf:org/name").id_prefix == "name@train"
     odd = tmp_path / "runs:1" / "set@v2"          # a local folder whose name holds ':' and '@'
     odd.mkdir(parents=True)
     assert parse_hf_name(f"hf:{odd}") == HfName(str(odd), None, "train", True)
-    assert parse_hf_name(f"hf:{odd}:cfg@test") == HfName(str(odd), "cfg", "test", True)
+    assert parse_hf_name(f"hf:{odd}:cfg:test") == HfName(str(odd), "cfg", "test", True)
     monkeypatch.chdir(tmp_path)
-    assert parse_hf_name("hf:./runs:1/set@v2@test") == HfName("runs:1/set@v2", None, "test", True)
-    for bad in ("hf:", "hf:a/b/c", "hf:org/name:", "hf:org/name@", "hf:org/na me", "hf:org/name:a:b", "hf:-org/x",
-                "hf:org//x", "hf:org/x@a@b", "hf:org--x/y", "hf:org/../x"):
-        with pytest.raises(ParamsError, match=rf"prepare.train_mix: malformed source name '{re.escape(bad)}': use "
-                                              r"hf:<org>/<name>\[:<config>\]\[@<split>\] \(a local dataset folder"):
-            PrepareConfig.from_dict({"train_mix": {bad: 1}}, prefix="prepare.")
+    assert parse_hf_name("hf:./runs:1/set@v2::test") == HfName("runs:1/set@v2", None, "test", True)
+    for bad in ("hf:", "hf:a/b/c", "hf:org/name:", "hf:org/name::", "hf:org/name@", "hf:org/na me",
+                "hf:org/name:a:b:c", "hf:-org/x", "hf:org//x", "hf:org/x@a@b", "hf:org--x/y", "hf:org/../x"):
+        with pytest.raises(ParamsError, match=rf"prepare.train: malformed source name '{re.escape(bad)}': use "
+                                              r"hf:<org>/<name>\[:<config>\[:<split>\]\]\[@<revision>\] "
+                                              r"\(hf:<org>/<name>::<split> for the default config; a local dataset "
+                                              r"folder"):
+            PrepareConfig.from_dict({"train": bad}, prefix="prepare.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -731,7 +889,7 @@ def _chat_file(path: Path, n: int, start: int = 0, ids: bool = True) -> Path:
 def test_holdout_is_stable_disjoint_and_the_only_eval_pool(tmp_path):
     f = _chat_file(tmp_path / "big.jsonl", 2000)
     src = f"jsonl:{f}"
-    base = dict(train_mix={src: 1}, eval_sources={"chat": [src]}, holdout={src: 0.1}, n_eval_per_domain=30)
+    base = dict(train=[{"source": src, "holdout": 0.1}], eval_sources={"chat": [src]}, n_eval_per_domain=30)
     held = {f"big:q{i}" for i in range(2000) if is_held_out(f"q{i}", 0.1)}
     assert 150 < len(held) < 250                                    # ~10%
     stats: dict = {}
@@ -749,7 +907,7 @@ def test_holdout_is_stable_disjoint_and_the_only_eval_pool(tmp_path):
     b = select_splits(_cfg(tmp_path, **base, n_train=50, seed=1))
     assert a["train"] != b["train"] and a["eval"] != b["eval"]
     other = _chat_file(tmp_path / "other.jsonl", 100, start=5000)
-    c = select_splits(_cfg(tmp_path, **{**base, "train_mix": {src: 1, f"jsonl:{other}": 1}}, n_train=100, seed=0))
+    c = select_splits(_cfg(tmp_path, **{**base, "train": [*base["train"], f"jsonl:{other}"]}, n_train=100, seed=0))
     assert not {p.id for p in c["train"]} & held and [p.id for p in c["eval"]] == [p.id for p in a["eval"]]
 
 
@@ -758,7 +916,7 @@ def test_streamed_draw_is_a_prefix_of_one_seeded_order(tmp_path):
     the same order whether the lowest keys fit the first pass or the source is read again for more."""
     f = _chat_file(tmp_path / "s.jsonl", 600, ids=False)
     src = f"jsonl:{f}"
-    base = dict(train_mix={src: 1}, eval_sources={"chat": [src]}, holdout={src: 0.0}, n_eval_per_domain=5)
+    base = dict(train=[{"source": src, "holdout": 0}], eval_sources={"chat": [src]}, n_eval_per_domain=5)
     full = select_splits(_cfg(tmp_path, **base, n_train=None))
     assert len(full["train"]) == 595
     for n in (1, 40, 300):
@@ -772,7 +930,7 @@ def test_streamed_draw_reads_again_when_its_slack_runs_out(tmp_path, monkeypatch
     recs = [_sharegpt((f"Question {i % 50}",), ()) for i in range(400)]   # 50 texts, each 8 times
     f = _write_jsonl(tmp_path / "dup.jsonl", recs)
     src = f"jsonl:{f}"
-    cfg = _cfg(tmp_path, train_mix={src: 1}, eval_sources={"chat": [src]}, holdout={src: 0.2}, n_train=30,
+    cfg = _cfg(tmp_path, train=[{"source": src, "holdout": 0.2}], eval_sources={"chat": [src]}, n_train=30,
                n_eval_per_domain=4)
     stats: dict = {}
     roomy = select_splits(cfg, stats)
@@ -793,7 +951,7 @@ def test_parquet_and_jsonl_copies_draw_the_same_records(tmp_path):
     jf = _write_jsonl(tmp_path / "a.jsonl", [{k: v for k, v in r.items() if v is not None} for r in rows])
     draws = []
     for src in (f"parquet:{pqf}", f"jsonl:{jf}"):
-        cfg = _cfg(tmp_path, train_mix={src: 1}, eval_sources={"chat": [src]}, holdout={src: 0.1}, n_train=40,
+        cfg = _cfg(tmp_path, train=[{"source": src, "holdout": 0.1}], eval_sources={"chat": [src]}, n_train=40,
                    n_eval_per_domain=10)
         draws.append({s: [p.id for p in ps] for s, ps in select_splits(cfg).items()})
     assert draws[0] == draws[1]
@@ -802,25 +960,23 @@ def test_parquet_and_jsonl_copies_draw_the_same_records(tmp_path):
 def test_holdout_and_n_train_params(tmp_path):
     f = _jsonl(tmp_path / "q.jsonl", [f"question {i}" for i in range(30)])
     src = f"jsonl:{f}"
-    ok = _cfg(tmp_path, **_one(src, 5, 2), holdout=[[src, 0.25]])
-    assert ok.holdouts() == {src: 0.25}
+    held = {**_one(src, 5, 2), "train": [{"source": src, "holdout": 0.25}]}
+    assert _cfg(tmp_path, **held).holdouts() == {src: 0.25}
     assert _cfg(tmp_path, **_one(src, None, 2)).train_counts() == [(src, None)]
-    with pytest.raises(ParamsError, match=rf"holdout: the fraction of '{re.escape(src)}' must be >= 0 and < 1; got 1.0"):
-        _cfg(tmp_path, **_one(src, 5, 2), holdout={src: 1})
-    with pytest.raises(ParamsError, match=r"holdout: 'jsonl:other.jsonl' is in neither train_mix nor eval_sources"):
-        _cfg(tmp_path, **_one(src, 5, 2), holdout={"jsonl:other.jsonl": 0.1})
-    with pytest.raises(ParamsError, match=r"holdout: 'humaneval' is eval-only"):
-        _cfg(tmp_path, train_mix={src: 1}, eval_sources={"code": ["humaneval"]}, holdout={"humaneval": 0.1})
-    with pytest.raises(ParamsError, match=r"holdout: the fraction of .* must be a number, got 'x'"):
-        _cfg(tmp_path, **_one(src, 5, 2), holdout={src: "x"})
+    with pytest.raises(ParamsError, match=rf"train: the holdout of '{re.escape(src)}' must be >= 0 and < 1; got 1.0"):
+        _cfg(tmp_path, **{**held, "train": [{"source": src, "holdout": 1}]})
+    with pytest.raises(ParamsError, match=r"train: 'humaneval' is eval-only"):
+        _cfg(tmp_path, train=[src, {"source": "humaneval", "weight": 0, "holdout": 0.1}])
+    with pytest.raises(ParamsError, match=r"train: the holdout of .* must be a number, got 'x'"):
+        _cfg(tmp_path, **{**held, "train": [{"source": src, "holdout": "x"}]})
     with pytest.raises(ParamsError, match=r"on_bad_record must be one of error, skip; got 'drop'"):
         _cfg(tmp_path, **_one(src, 5, 2), on_bad_record="drop")
     with pytest.raises(ValueError, match=rf"source '{re.escape(src)}' has too few usable prompts in its held-out 0.25 "
-                                         r"\(prepare.holdout\).*ran out while filling eval"):
-        select_splits(_cfg(tmp_path, **_one(src, 5, 20), holdout={src: 0.25}))
+                                         r"\(its holdout in prepare.train\).*ran out while filling eval"):
+        select_splits(_cfg(tmp_path, **{**held, "n_eval_per_domain": 20}))
     tools = _write_jsonl(tmp_path / "tools.jsonl", TOOL_RECORDS)
     with pytest.raises(ValueError, match=r"source 'jsonl:.*tools.jsonl' gave no usable train prompt"):
-        select_splits(_cfg(tmp_path, train_mix={src: 1, f"jsonl:{tools}": 1}, eval_sources={"chat": [src]},
+        select_splits(_cfg(tmp_path, train=[src, f"jsonl:{tools}"], eval_sources={"chat": [src]},
                            n_train=None, n_eval_per_domain=2))
 
 
@@ -852,7 +1008,7 @@ def test_a_train_conversation_overlapping_an_eval_one_is_skipped_and_counted(tmp
                                                                    for i in range(5)]
     tr = _write_jsonl(tmp_path / "tr.jsonl", recs)
     stats: dict = {}
-    splits = select_splits(_cfg(tmp_path, train_mix={f"jsonl:{tr}": 1}, eval_sources={"chat": [f"jsonl:{ev}"]},
+    splits = select_splits(_cfg(tmp_path, train=f"jsonl:{tr}", eval_sources={"chat": [f"jsonl:{ev}"]},
                                 n_train=None, n_eval_per_domain=1), stats)
     assert len(splits["train"]) == 5 and stats[f"jsonl:{tr}"]["skipped"] == {"eval_overlap": 1}
     assert find_overlaps(splits["train"], splits["eval"]) == []
@@ -945,8 +1101,8 @@ def test_a_registry_source_takes_a_holdout_too(tmp_path):
     snap.mkdir()
     (snap / "split.json").write_text(json.dumps({"read_options": {}}))
     write_snapshot(snap / "codeio.jsonl", [Prompt(f"codeio:{i}", "codeio", (f"task {i}",), "code") for i in range(60)])
-    cfg = _cfg(tmp_path, snapshot_dir=str(snap), train_mix={"codeio": 1}, eval_sources={"code": ["codeio"]},
-               holdout={"codeio": 0.3}, n_train=None, n_eval_per_domain=5)
+    cfg = _cfg(tmp_path, snapshot_dir=str(snap), train=[{"source": "codeio", "holdout": 0.3}],
+               eval_sources={"code": ["codeio"]}, n_train=None, n_eval_per_domain=5)
     stats: dict = {}
     splits = select_splits(cfg, stats)
     held = {f"codeio:{i}" for i in range(60) if is_held_out(str(i), 0.3)}

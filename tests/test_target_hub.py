@@ -22,8 +22,9 @@ import yaml
 from dspark_core.errors import UserError
 from dspark_core.frozen_target import load_frozen_target
 from dspark_core.io import sha256_file
-from dspark_core.target import (FINGERPRINT_FILE, INFO_FILE, TargetConfig, compute_fingerprint, load_target,
-                                read_fingerprint, remote_code_kwargs, run_target, target_weights_dir, weight_files)
+from dspark_core.target import (FINGERPRINT_FILE, INFO_FILE, TargetConfig, TargetRequires, compute_fingerprint,
+                                load_target, read_fingerprint, remote_code_kwargs, run_target, target_weights_dir,
+                                weight_files)
 from dspark_core.testing import save_hub_repo, save_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,6 +123,22 @@ def test_commits_and_pinned_revisions(srcs, hub_cache, tmp_path):
     assert not (tmp_path / "t4" / "README.md").exists()
     assert _bytes(tmp_path / "t4") != _bytes(tmp_path / "t1")
 
+
+
+def test_a_target_that_lacks_what_the_params_need_is_refused_and_the_last_one_kept(srcs, hub_cache, tmp_path):
+    """target.requires (a profile's declaration of the layers, vocabulary and hidden size its params need): a target
+    that lacks them is refused in one line, before the target dir is replaced."""
+    save_hub_repo(hub_cache, REPO_ID, srcs["a"])
+    out = tmp_path / "target"
+    _stage(out)
+    before = _bytes(out)
+    layers = json.loads((srcs["a"] / "config.json").read_text())["num_hidden_layers"]
+    with pytest.raises(UserError, match=rf"^target.requires: org/tiny @ main has {layers} layers, vocabulary 272, but "
+                                        rf"the params need at least {layers + 1} layers, vocabulary 151,936 \(a "
+                                        r"profile declares it\); set target to such a model$"):
+        _stage(out, requires=TargetRequires(min_layers=layers + 1, vocab_size=151936))
+    assert _bytes(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["hf_home", "target"]
+    _stage(out, requires=TargetRequires(min_layers=layers, vocab_size=272))   # fits
 
 def test_sharded_weights_are_read_from_the_snapshot(srcs, hub_cache, tmp_path):
     commit = save_hub_repo(hub_cache, REPO_ID, srcs["sharded"])

@@ -25,7 +25,8 @@ import yaml
 from dspark_core.profiles import apply_profile
 from dspark_core.testing import save_hub_repo, save_tiny_target
 
-pytestmark = pytest.mark.slow  # a whole DAG through DVC
+pytestmark = [pytest.mark.slow,  # a whole DAG through DVC
+              pytest.mark.workspace("the project's params.yaml: the pipeline under test")]
 ROOT = Path(__file__).resolve().parent.parent
 DVC = [sys.executable, "-m", "dvc"]
 REPO_ID = "tiny-org/tiny-qwen3"
@@ -83,9 +84,9 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
 
 OVERLAY = {
     "target": {"source": "hf_hub", "model": REPO_ID, "revision": "main"},
-    "prepare": {"train_mix": {"jsonl:mydata/sharegpt.jsonl": 1, "jsonl:mydata/openai.jsonl": 1},
+    "prepare": {"train": ["jsonl:data/sources/sharegpt.jsonl", "jsonl:data/sources/openai.jsonl"],
                 "eval_sources": {"math_word": [], "competition_math": [], "code": [],
-                                 "chat": ["jsonl:mydata/openai.jsonl"]},
+                                 "chat": ["jsonl:data/sources/openai.jsonl"]},
                 "n_train": 8, "n_eval_per_domain": 2},
     "regenerate": {"max_new_tokens": 12, "max_turns": 2, "batch_size": 4},
     "cache": {"aux_layer_ids": [1, 3], "max_length": 256},
@@ -130,8 +131,10 @@ def project(tmp_path_factory):
     overlay.mkdir()
     (overlay / "yourdata.yaml").write_text(yaml.safe_dump(OVERLAY))
     apply_profile("yourdata", repo / "params.yaml", overlay)
-    _write_jsonl(repo / "mydata/sharegpt.jsonl", [_sharegpt(i, t) for i, t in enumerate(TOPICS)])
-    _write_jsonl(repo / "mydata/openai.jsonl", [_openai(i, t) for i, t in enumerate(TOPICS)])
+    _write_jsonl(repo / "data/sources/sharegpt.jsonl", [_sharegpt(i, t) for i, t in enumerate(TOPICS)])
+    _write_jsonl(repo / "data/sources/openai.jsonl", [_openai(i, t) for i, t in enumerate(TOPICS)])
+    (repo / "data" / "prompts_h200").mkdir()   # the h200 snapshot, a dependency of prepare: not used here
+    (repo / "data" / "prompts_h200" / "README.md").write_text("not used here\n")
     (repo / ".gitignore").write_text("/data/\n/dvc_plots/\n")
     env = _env(hub)
     _run(["git", "init", "-q"], repo, env)
@@ -164,8 +167,8 @@ def test_two_turn_conversations_train_on_both_answers(project):
 
     repo, _, _ = project
     prompts = pq.read_table(repo / "data/prompts/train.parquet").to_pylist()
-    assert len(prompts) == 8 and {p["source"] for p in prompts} == {"jsonl:mydata/sharegpt.jsonl",
-                                                                     "jsonl:mydata/openai.jsonl"}
+    assert len(prompts) == 8 and {p["source"] for p in prompts} == {"jsonl:data/sources/sharegpt.jsonl",
+                                                                     "jsonl:data/sources/openai.jsonl"}
     assert all(len(p["turns"]) == 2 and len(p["replies"]) >= 1 for p in prompts)
     assert any(p["system"] for p in prompts) and any(p["system"] is None for p in prompts)
     rows = pq.read_table(repo / "data/regen/train.parquet").to_pylist()

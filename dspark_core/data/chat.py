@@ -49,6 +49,14 @@ def render(tok, messages: Sequence[dict], *, add_generation_prompt: bool, enable
                                    **kwargs)
 
 
+def has_thinking_switch(tok) -> bool:
+    """Whether the chat template reads ``enable_thinking``: a user turn with the generation prompt renders
+    differently with true and false (Qwen3's template; SmolLM2's and most others' ignore it)."""
+    turn = [{"role": "user", "content": "Hi"}]
+    return (render(tok, turn, add_generation_prompt=True, enable_thinking=True)
+            != render(tok, turn, add_generation_prompt=True, enable_thinking=False))
+
+
 @dataclass(frozen=True)
 class Rendered:
     """A rendered conversation: its text, its token ids and each assistant message's token span."""
@@ -163,5 +171,5 @@ def turn_columns(sample: Sequence[int], turns: Sequence[tuple[Sequence[int], tup
             "turn_span_ends": [int(e) for _, (_, e) in turns]}
 
 
-__all__ = ["render", "Rendered", "assistant_regions", "token_spans", "render_with_spans", "turn_columns",
-           "TURN_COLUMNS"]
+__all__ = ["render", "has_thinking_switch", "Rendered", "assistant_regions", "token_spans", "render_with_spans",
+           "turn_columns", "TURN_COLUMNS"]

@@ -9,34 +9,40 @@ stats (``stats_path``): per source the records read, held out, drawn and skipped
 prompts, turns, system messages and replies.
 
 Sources (``dspark_core/data/sources.py``): a registry of packaged data sets, plus files and data sets of chat
-records (``jsonl:<path>``, ``parquet:<path>``, ``hf:<dataset>[:<config>][@<split>]``; dspark ``turns``, OpenAI
-``messages`` and ShareGPT ``conversations`` records, multi-turn, with system messages: ``records.py``). Every
+records (``jsonl:<path>``, ``parquet:<path>``, ``hf:<dataset>[:<config>[:<split>]][@<revision>]``; dspark ``turns``,
+OpenAI ``messages`` and ShareGPT ``conversations`` records, multi-turn, with system messages: ``records.py``). Every
 source has a domain (a file's records carry theirs) and the upstream split it reads; a public benchmark's test
-split is **eval-only** and refused in the training mix.
+split is **eval-only** and refused in the training mix. A source is a value, never a mapping key, so that
+``dvc exp run -S`` can set it (``-S 'prepare.train=jsonl:data/sources/mine.jsonl'``).
 
 Params (section ``prepare``):
-- ``train_mix: {source: weight}`` (or a list of ``[source, weight]`` pairs, e.g. for ``jsonl:`` names, which
-  hold dots): the weights are normalised and ``n_train`` is split by them (largest remainder, ties to the
-  earlier source; weight 0 leaves a source out). A source with too few usable prompts is an error (no silent cap).
-  ``n_train: null`` takes every usable record of every source of weight > 0 that is not held out.
+- ``train``: the training mix, one source name or a list of ``{source, weight, holdout}`` (``weight`` default 1,
+  ``holdout`` default none; a bare name in the list: weight 1): the weights are normalised and ``n_train`` is split by
+  them (largest remainder, ties to the earlier source; weight 0 leaves a source out). A source with too few usable
+  prompts is an error (no silent cap). ``n_train: null`` takes every usable record of every source of weight > 0
+  that is not held out. ``holdout``: that share of the source's records, chosen by a hash of each record's id
+  (stable: the same records whatever the sizes, the seed or the other sources), is held out: eval draws from it,
+  train never.
 - ``eval_sources: {domain: [sources]}``: ``n_eval_per_domain`` held-out prompts per domain, shared evenly over
   its sources (the first ones get the remainder). A domain with no source is not evaluated.
-- ``holdout: {source: fraction}`` (or ``[source, fraction]`` pairs): that share of the source's records, chosen by
-  a hash of each record's id (stable: the same records whatever the sizes, the seed or the other sources), is
-  held out: eval draws from it, train never. ``0`` holds nothing out.
-- ``on_bad_record``: ``error`` (default) refuses a file record of no accepted shape, naming its place; ``skip``
-  skips and counts it.
+- ``on_bad_record``: ``error`` (default) refuses a file record of no accepted shape, or a JSONL line that is not
+  JSON, naming its place; ``skip`` skips and counts it (by reason). ``max_bad_fraction``: a source whose share of
+  such records is above it stops the run (the file is likely not what the source says).
 - ``snapshot_dir``: read every registry source from ``{snapshot_dir}/{source}.jsonl`` instead of its package
   (pools saved by ``scripts/make_h200_prompts.py`` for a machine without the packages; the registry's domains and
   eval-only refusals still apply). A relative path is tried against the working directory, then the repo root.
-- The old forms still read: ``train_sources: [..]`` (equal weights) and ``eval_sources: [..]`` with ``n_eval``
-  prompts in all (one group per source, each tagged with its source's domain).
+- The old list form of ``eval_sources`` still reads: ``eval_sources: [..]`` with ``n_eval`` prompts in all (one
+  group per source, each tagged with its source's domain). ``train_mix`` / ``train_sources`` / ``holdout`` (sources
+  as mapping keys) are refused with the ``train`` value they spell.
 
-Selection. A ``parquet:`` or ``hf:`` source, and any source named in ``holdout``, is **streamed**: read once,
+An ``hf:`` source's revision is resolved to a commit before the first read and every read is of that commit; the
+stats record both (``sources.<source>.revision`` / ``commit``).
+
+Selection. A ``parquet:`` or ``hf:`` source, and any source given a ``holdout`` (0 too), is **streamed**: read once,
 each record put on its side of the holdout, and drawn in a seeded hash order of the record ids (``seed``): only
 the lowest keys a draw needs are held (a heap), so memory follows the records kept, not the source's size, and
 nothing is shuffled in memory (a draw that skips more than expected reads the source again for the next keys).
-The other sources (the registry's, and a ``jsonl:`` file not named in ``holdout``) are read whole and shuffled
+The other sources (the registry's, and a ``jsonl:`` file without a ``holdout``) are read whole and shuffled
 with ``seed`` (ShareGPT: a bounded prefix of the file; the GSM-Symbolic variants come in a seeded order already).
 Either way a candidate's first turn must have at most ``max_prompt_chars`` characters. All eval prompts are drawn
 first, then train; an id, a (normalised) first turn or an evaluated group is never drawn twice, and a train
@@ -63,21 +69,22 @@ from typing import Any
 
 from dspark_core.config import ParamsError, Section, one_of, positive, require
 from dspark_core.data.overlap import MIN_CONTAINED_CHARS, EvalIndex, find_overlaps  # noqa: F401
-from dspark_core.data.records import ON_BAD_RECORD
+from dspark_core.data.records import BAD_REASONS, ON_BAD_RECORD
 from dspark_core.data.sources import (DOMAINS, GSM_DIR, GSM_PACKAGE, JSONL_PREFIX, REGISTRY, Prompt,  # noqa: F401
                                       ReadOptions, SourceInfo, _load_toml, check_source_name, iter_aime2025,
                                       iter_codeio, iter_gsm8k_symbolic, iter_gsm8k_test, iter_gsm_symbolic_variants,
                                       iter_humaneval, iter_json_array, iter_jsonl, iter_project_euler, iter_sharegpt,
-                                      iter_snapshot, normalize_text, normalized_words, snapshot_options,
+                                      iter_snapshot, normalize_text, normalized_words, pinned, snapshot_options,
                                       source_info)
 from dspark_core.errors import UserError
-from dspark_core.io import package_dir  # noqa: F401  (re-exported: dspark_core.dmtd.stage)
+from dspark_core.io import atomic_dir, package_dir  # noqa: F401  (package_dir re-exported: dspark_core.dmtd.stage)
 
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "eval")
 BUILTIN_SOURCES = tuple(REGISTRY)
-DEFAULT_TRAIN_MIX = {"sharegpt": 3.0, "gsm_symbolic_variants": 2.0, "codeio": 2.0, "project_euler": 1.0}
+DEFAULT_TRAIN = [{"source": "sharegpt", "weight": 3}, {"source": "gsm_symbolic_variants", "weight": 2},
+                 {"source": "codeio", "weight": 2}, {"source": "project_euler", "weight": 1}]
 DEFAULT_EVAL_SOURCES = {"math_word": ("gsm8k_symbolic",), "competition_math": ("aime2025",), "code": ("humaneval",),
                         "chat": ("sharegpt",)}
 DEFAULT_N_EVAL_PER_DOMAIN = 2
@@ -107,60 +114,82 @@ class EvalDraw:
 
 
 @dataclasses.dataclass(frozen=True)
+class MixEntry:
+    """One source of the training mix: its weight and the share of its records held out for eval."""
+
+    source: str
+    weight: float = 1.0
+    holdout: float | None = None   # None: none asked for (a holdout of 0 still draws the source in the hash order)
+
+
+TRAIN_FORM = ("a source name (train: jsonl:data/sources/mine.jsonl) or a list of {source, weight[, holdout]} "
+              "(train: [{source: sharegpt, weight: 3}, {source: 'jsonl:data/sources/mine.jsonl', weight: 1}])")
+# keys of the sources-as-mapping-keys form, which `dvc exp run -S` cannot set: refused, showing their `train` value
+OLD_KEYS = ("train_mix", "train_sources", "holdout")
+
+
+@dataclasses.dataclass(frozen=True)
 class PrepareConfig(Section):
     """params section ``prepare``."""
 
-    train_mix: Any = None                 # {source: weight} | [[source, weight], ...]; None: DEFAULT_TRAIN_MIX
+    train: Any = None                     # a source | [{source, weight?, holdout?} | source, ...]; None: DEFAULT_TRAIN
     eval_sources: Any = None              # {domain: [sources]} (or the old list); None: DEFAULT_EVAL_SOURCES
     n_train: int | None = 24              # None: every usable record (not held out) of the train sources
     n_eval_per_domain: int | None = None  # None: DEFAULT_N_EVAL_PER_DOMAIN (with the mapping form)
-    train_sources: tuple[str, ...] | None = None   # old form of train_mix: equal weights
     n_eval: int | None = None             # old form: eval prompts in all, over a list of eval_sources
-    holdout: Any = None                   # {source: fraction} | [[source, fraction], ...]: held out by id hash
     max_prompt_chars: int = 1500
     seed: int = 0
     gsm8k_instruction: bool = True        # math_word: append the package's "solve step by step ... \boxed{}" line
     competition_instruction: bool = True  # competition_math: append "reason step by step ... \boxed{}"
     on_bad_record: str = "error"          # a file record of no accepted shape: error (refused) | skip (counted)
+    max_bad_fraction: float | None = 0.1  # a source whose share of bad (skipped) records is above it stops the run
     snapshot_dir: str | None = None       # read every registry source from {snapshot_dir}/{source}.jsonl
     out_dir: str = "data/prompts"
     stats_path: str | None = None         # the stats JSON (None: not written)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, *, src: str = "", prefix: str = "") -> "PrepareConfig":
+        old = [k for k in OLD_KEYS if k in (data or {})]
+        if old:
+            where = f"{src}: " if src else ""
+            raise ParamsError(f"{where}{prefix}{old[0]} is not a parameter: the training mix and its holdout are one "
+                              f"value, {prefix}train (a source name or a list of {{source, weight[, holdout]}}, which "
+                              f"`dvc exp run -S` can set); here: train: {_train_from_old(data)}")
+        return super().from_dict(data, src=src, prefix=prefix)
 
     def validate(self) -> None:
         if self.n_train is not None:
             positive("n_train", self.n_train)
         positive("max_prompt_chars", self.max_prompt_chars)
         one_of("on_bad_record", self.on_bad_record, ON_BAD_RECORD)
-        mix = self.mix()
-        if self.train_sources is not None and self.n_train is not None:
-            require(self.n_train >= len(mix), f"train_sources has {len(mix)} sources but the split asks for only "
-                                              f"{self.n_train} prompts")
+        if self.max_bad_fraction is not None:
+            require(0 <= self.max_bad_fraction <= 1, f"max_bad_fraction must be in [0, 1] (or null: no limit); got "
+                                                      f"{self.max_bad_fraction!r}")
+        self.entries()
         draws = self.eval_draws()
         require(len(draws) > 0, "eval_sources must name at least one source")
-        self.holdouts()
 
     # -- the training mix -----------------------------------------------------------------------------
-    def mix(self) -> list[tuple[str, float]]:
-        """``[(source, weight)]`` in the params' order (weights as given, not normalised)."""
-        if self.train_mix is not None and self.train_sources is not None:
-            raise UserError("train_sources is the old form of train_mix: give one of them, not both")
-        if self.train_sources is not None:
-            require(len(self.train_sources) > 0, "train_sources must name at least one source")
-            pairs = [(s, 1.0) for s in self.train_sources]
-            field = "train_sources"
-        else:
-            pairs = _pairs(DEFAULT_TRAIN_MIX if self.train_mix is None else self.train_mix, "train_mix", "weight")
-            field = "train_mix"
-        names = [s for s, _ in pairs]
-        require(len(set(names)) == len(names), f"{field} lists a source twice: {names}")
-        for s, w in pairs:
-            info = source_info(s, field)
+    def entries(self) -> list[MixEntry]:
+        """The training mix in the params' order (weights as given, not normalised)."""
+        items = _entries(DEFAULT_TRAIN if self.train is None else self.train)
+        names = [e.source for e in items]
+        require(len(set(names)) == len(names), f"train lists a source twice: {names}")
+        for e in items:
+            info = source_info(e.source, "train")
             require(not info.eval_only,
-                    f"{field}: {s!r} is eval-only ({info.split}: a public benchmark's test split) and never "
+                    f"train: {e.source!r} is eval-only ({info.split}: a public benchmark's test split) and never "
                     f"trains; list it under eval_sources")
-            require(math.isfinite(w) and w >= 0, f"{field}: the weight of {s!r} must be a number >= 0; got {w!r}")
-        require(sum(w for _, w in pairs) > 0, f"{field}: at least one weight must be > 0")
-        return pairs
+            require(math.isfinite(e.weight) and e.weight >= 0,
+                    f"train: the weight of {e.source!r} must be a number >= 0; got {e.weight!r}")
+            require(e.holdout is None or 0 <= e.holdout < 1,
+                    f"train: the holdout of {e.source!r} must be >= 0 and < 1; got {e.holdout!r}")
+        require(sum(e.weight for e in items) > 0, "train: at least one weight must be > 0")
+        return items
+
+    def mix(self) -> list[tuple[str, float]]:
+        """``[(source, weight)]`` of the training mix."""
+        return [(e.source, e.weight) for e in self.entries()]
 
     def train_counts(self) -> list[tuple[str, int | None]]:
         """``[(source, prompts)]``: ``n_train`` split by the normalised weights (sources with 0 left out); with
@@ -218,55 +247,76 @@ class PrepareConfig(Section):
 
     # -- the holdout ---------------------------------------------------------------------------------
     def holdouts(self) -> dict[str, float]:
-        """``{source: fraction}`` of ``holdout``: each a source of ``train_mix`` or ``eval_sources`` (not
-        eval-only: all of it is held out already), 0 <= fraction < 1."""
-        if self.holdout is None:
-            return {}
-        pairs = _pairs(self.holdout, "holdout", "fraction") if self.holdout != {} else []
-        used = {s for s, _ in self.mix()} | {d.source for d in self.eval_draws()}
-        out: dict[str, float] = {}
-        for s, f in pairs:
-            require(s not in out, f"holdout lists {s!r} twice")
-            info = source_info(s, "holdout")
-            require(not info.eval_only, f"holdout: {s!r} is eval-only: none of it ever trains (take it out of "
-                                        f"holdout)")
-            require(s in used, f"holdout: {s!r} is in neither train_mix nor eval_sources")
-            require(0 <= f < 1, f"holdout: the fraction of {s!r} must be >= 0 and < 1; got {f!r}")
-            out[s] = f
-        return out
+        """``{source: fraction}`` of the training sources that name a holdout."""
+        return {e.source: e.holdout for e in self.entries() if e.holdout is not None}
 
     @property
     def read_options(self) -> ReadOptions:
         return ReadOptions(self.seed, self.gsm8k_instruction, self.competition_instruction, self.on_bad_record)
 
 
-def _pairs(spec: Any, field: str, what: str) -> list[tuple[str, float]]:
-    """``[(source, number)]`` of a ``{source: number}`` mapping or a list of ``[source, number]`` pairs (a bare
-    name: 1)."""
+def _entries(spec: Any) -> list[MixEntry]:
+    """The :class:`MixEntry` list of a ``train`` value: a source name, or a list of names (weight 1) and
+    ``{source, weight?, holdout?}`` mappings."""
+    if isinstance(spec, str):
+        return [MixEntry(spec)]
     if isinstance(spec, dict):
-        items = list(spec.items())
-    elif isinstance(spec, (list, tuple)):
-        items = []
-        for e in spec:
-            if isinstance(e, str):
-                items.append((e, 1.0))
-            elif isinstance(e, (list, tuple)) and len(e) == 2:
-                items.append((e[0], e[1]))
-            elif isinstance(e, dict) and len(e) == 1:
-                items.append(next(iter(e.items())))
-            else:
-                raise UserError(f"{field}: entry {e!r} is not a source name or a [source, {what}] pair")
-    else:
-        raise UserError(f"{field} must be a mapping {{source: {what}}} or a list of [source, {what}] pairs, "
-                        f"got {spec!r}")
-    require(len(items) > 0, f"{field} must name at least one source")
+        raise UserError(f"train is a list, not a mapping of sources: train: {_flow(_old_entries(spec, 'weight'))}")
+    if not isinstance(spec, (list, tuple)) or not spec:
+        raise UserError(f"train must be {TRAIN_FORM}; got {spec!r}")
     out = []
-    for s, w in items:
-        require(isinstance(s, str), f"{field}: source names are strings, got {s!r}")
-        require(isinstance(w, (int, float)) and not isinstance(w, bool),
-                f"{field}: the {what} of {s!r} must be a number, got {w!r}")
-        out.append((s, float(w)))
+    for e in spec:
+        if isinstance(e, str):
+            out.append(MixEntry(e))
+            continue
+        if not isinstance(e, dict) or not isinstance(e.get("source"), str) or set(e) - {"source", "weight", "holdout"}:
+            hint = f" (written {_flow(_old_entries([e], 'weight')[0])})" if _old_entries([e], "weight") else ""
+            raise UserError(f"train: entry {e!r} is not a source name or a {{source, weight[, holdout]}} mapping"
+                            f"{hint}")
+        weight, holdout = e.get("weight", 1), e.get("holdout")
+        for what, v in (("weight", weight), ("holdout", 0 if holdout is None else holdout)):
+            require(isinstance(v, (int, float)) and not isinstance(v, bool),
+                    f"train: the {what} of {e['source']!r} must be a number, got {v!r}")
+        out.append(MixEntry(e["source"], float(weight), None if holdout is None else float(holdout)))
     return out
+
+
+def _old_entries(spec: Any, what: str) -> list[dict]:
+    """``[{source, <what>}]`` of an old ``{source: number}`` mapping or ``[[source, number], ...]`` list ([] when
+    it is neither)."""
+    items = list(spec.items()) if isinstance(spec, dict) else spec if isinstance(spec, (list, tuple)) else []
+    out = []
+    for e in items:
+        if isinstance(e, dict) and len(e) == 1:
+            e = next(iter(e.items()))
+        if isinstance(e, (list, tuple)) and len(e) == 2 and isinstance(e[0], str):
+            out.append({"source": e[0], what: e[1]})
+        elif isinstance(e, str):
+            out.append({"source": e, what: 1})
+    return out
+
+
+def _train_from_old(data: dict) -> str:
+    """The ``train`` value (YAML flow) that the old ``train_mix`` / ``train_sources`` / ``holdout`` keys spell."""
+    if "train_mix" in data or "train_sources" in data:
+        entries = _old_entries(data.get("train_mix", data.get("train_sources")), "weight")
+    else:
+        try:
+            entries = [{"source": e.source, "weight": int(e.weight) if e.weight.is_integer() else e.weight}
+                       for e in _entries(DEFAULT_TRAIN if data.get("train") is None else data["train"])]
+        except UserError:
+            entries = []
+    by = {e["source"]: e for e in entries}
+    for h in _old_entries(data.get("holdout"), "holdout"):
+        by.setdefault(h["source"], {"source": h["source"], "weight": 0})["holdout"] = h["holdout"]
+    return _flow(list(by.values()))
+
+
+def _flow(value: Any) -> str:
+    """``value`` as one line of YAML flow style (what a params.yaml line holds)."""
+    import yaml
+
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=1 << 30).strip()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -479,7 +529,7 @@ def _limit(need: int | None) -> int | None:
 # ----------------------------------------------------------------------------------------------
 # selection
 # ----------------------------------------------------------------------------------------------
-READER_SKIPS = ("tool", "non_text", "bad_record")   # skipped by the reader: records that are no prompt
+READER_SKIPS = ("tool", "non_text", *BAD_REASONS)   # skipped by the reader: records that are no prompt
 
 
 @dataclasses.dataclass
@@ -492,6 +542,8 @@ class SourceStats:
     held_out: int = 0
     passes: int = 1
     streamed: bool = False
+    revision: str | None = None   # an hf: source's revision as asked for, and the commit it resolved to
+    commit: str | None = None
     drawn: Counter = dataclasses.field(default_factory=Counter)
     skipped: Counter = dataclasses.field(default_factory=Counter)
 
@@ -500,12 +552,30 @@ class SourceStats:
             self.read += 1
             yield p
 
+    @property
+    def records(self) -> int:
+        return self.read + sum(self.skipped[k] for k in READER_SKIPS)
+
+    def check_bad(self, source: str, max_fraction: float | None) -> None:
+        """Stop when the share of bad records (``BAD_REASONS``, skipped) is above ``max_fraction``: the source is
+        likely not what it says."""
+        bad = {k: self.skipped[k] for k in BAD_REASONS if self.skipped[k]}
+        if max_fraction is None or sum(bad.values()) <= max_fraction * self.records:
+            return
+        n = sum(bad.values())
+        raise UserError(f"prepare: {source}: {n:,} of {self.records:,} records are bad "
+                        f"({', '.join(f'{k} {v:,}' for k, v in bad.items())}; {n / self.records:.1%}), more than "
+                        f"prepare.max_bad_fraction {max_fraction:g}: the source is likely not what it says (check it: "
+                        f"on_bad_record: error stops at the first bad record and names its line; raise "
+                        f"max_bad_fraction to train on the rest)")
+
     def to_dict(self) -> dict[str, Any]:
-        records = self.read + sum(self.skipped[k] for k in READER_SKIPS)
-        out: dict[str, Any] = {"records": records, "drawn": dict(self.drawn),
+        out: dict[str, Any] = {"records": self.records, "drawn": dict(self.drawn),
                                "skipped": dict(sorted(self.skipped.items()))}
         if self.streamed:
             out.update(held_out=self.held_out, passes=self.passes)
+        if self.commit is not None:
+            out.update(revision=self.revision, commit=self.commit)
         return out
 
 
@@ -522,7 +592,11 @@ class _Selection:
             self.need.setdefault(d.source, {"eval": 0, "train": 0})["eval"] += d.n
         for s, k in self.train_counts:
             self.need.setdefault(s, {"eval": 0, "train": 0})["train"] = k
+        self.infos = {s: pinned(source_info(s)) for s in self.need}   # an hf: source: one commit for every read
         self.stats = {s: SourceStats(streamed=self._streamed(s)) for s in self.need}
+        for s, info in self.infos.items():
+            if info.hf is not None and info.hf.commit is not None:
+                self.stats[s].revision, self.stats[s].commit = info.hf.revision or "main", info.hf.commit
         self.pools: dict[tuple[str, str], Iterator[Prompt]] = {}
         self.streams: dict[str, StreamedSource] = {}
         self.used_ids: set[str] = set()
@@ -532,20 +606,20 @@ class _Selection:
         self.out: dict[str, list[Prompt]] = {"eval": [], "train": []}
 
     def _streamed(self, source: str) -> bool:
-        return source_info(source).streamed or source in self.holdouts
+        return self.infos[source].streamed or source in self.holdouts
 
     def pool(self, source: str, split: str) -> Iterator[Prompt]:
         need = self.need[source]
         if not self.stats[source].streamed:
             if source not in self.pools:
                 total = None if need["train"] is None else need["eval"] + need["train"]
-                self.pools[source] = _pool(source_info(source), self.cfg, total, self.stats[source])
+                self.pools[source] = _pool(self.infos[source], self.cfg, total, self.stats[source])
             return self.pools[source]
         if source not in self.streams:
             fraction = self.holdouts.get(source, 0.0)
             sides = ({"eval": need["eval"], "train": need["train"]} if fraction > 0 else
                      {"all": None if need["train"] is None else need["eval"] + need["train"]})
-            self.streams[source] = StreamedSource(source_info(source), self.cfg, fraction,
+            self.streams[source] = StreamedSource(self.infos[source], self.cfg, fraction,
                                                   {s: k for s, k in sides.items() if k != 0}, self.stats[source])
         return self.streams[source].side(split if self.holdouts.get(source, 0.0) > 0 else "all")
 
@@ -576,6 +650,7 @@ class _Selection:
             if p is None:
                 if k is None:
                     break
+                stats.check_bad(source, self.cfg.max_bad_fraction)   # a wrong file: that, not "too few"
                 raise UserError(_too_few(source, split, self.need[source], self.cfg, self.holdouts.get(source)))
             why, first = self.skip_reason(p, split)
             if why is not None:
@@ -594,7 +669,7 @@ class _Selection:
             raise UserError(f"prepare: source {source!r} gave no usable train prompt (n_train: null takes every "
                             f"usable record of at most max_prompt_chars={self.cfg.max_prompt_chars} characters, "
                             f"not held out and overlapping no eval prompt; check the source or take it out of "
-                            f"train_mix)")
+                            f"prepare.train)")
 
     def run(self) -> dict[str, list[Prompt]]:
         for d in self.draws:
@@ -617,6 +692,7 @@ def select_splits(cfg: PrepareConfig, stats: dict[str, Any] | None = None) -> di
     for source, st in sel.stats.items():
         if st.skipped:
             log.info("prepare: %s skipped %s", source, ", ".join(f"{k} {v}" for k, v in sorted(st.skipped.items())))
+        st.check_bad(source, cfg.max_bad_fraction)
     if stats is not None:
         stats.update({s: st.to_dict() for s, st in sel.stats.items()})
     return out
@@ -633,11 +709,11 @@ def check_snapshot_options(cfg: PrepareConfig) -> None:
 
 def _too_few(source: str, split: str, need: dict[str, int | None], cfg: PrepareConfig,
              fraction: float | None = None) -> str:
-    key = "n_train (or its train_mix weight)" if split == "train" else cfg.eval_count_key
+    key = "n_train (or its weight in train)" if split == "train" else cfg.eval_count_key
     part = ""
     if fraction:
-        part = (f" in its held-out {fraction:g} (prepare.holdout)" if split == "eval" else
-                f" outside its held-out {fraction:g} (prepare.holdout)")
+        part = (f" in its held-out {fraction:g} (its holdout in prepare.train)" if split == "eval" else
+                f" outside its held-out {fraction:g} (its holdout in prepare.train)")
     return (f"prepare: source {source!r} has too few usable prompts{part} for the requested sizes "
             f"(needs {need['eval']} eval + {'all' if need['train'] is None else need['train']} train of at most "
             f"max_prompt_chars="
@@ -655,7 +731,7 @@ def check_no_overlap(train: list[Prompt], evals: list[Prompt]) -> None:
     if found:
         raise UserError("prepare: eval prompts must never be trained on, but the training split overlaps the eval "
                         "split:\n  " + "\n  ".join(found) + "\n(remove the overlap from the sources, or take the "
-                        "source out of train_mix)")
+                        "source out of prepare.train)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -734,6 +810,47 @@ def split_summary(prompts: list[Prompt]) -> dict[str, Any]:
             "by_domain": dict(sorted(Counter(f"{p.domain}/{p.source}" for p in prompts).items()))}
 
 
+def local_files(cfg: PrepareConfig) -> dict[str, Path]:
+    """``{source: path}`` of the files and folders the sources read (``jsonl:``, ``parquet:``, a local ``hf:``
+    folder, ``snapshot_dir``)."""
+    from dspark_core.data.records import PARQUET_PREFIX, jsonl_path, local_path
+    from dspark_core.data.sources import resolve_dir
+
+    out: dict[str, Path] = {}
+    for s in dict.fromkeys([*(s for s, _ in cfg.mix()), *(d.source for d in cfg.eval_draws())]):
+        info = source_info(s)
+        if s.startswith(JSONL_PREFIX):
+            out[s] = jsonl_path(s[len(JSONL_PREFIX):])
+        elif s.startswith(PARQUET_PREFIX):
+            out[s] = local_path(s[len(PARQUET_PREFIX):])
+        elif info.hf is not None and info.hf.local:
+            out[s] = Path(info.hf.path)
+    if cfg.snapshot_dir is not None:
+        out["snapshot_dir"] = resolve_dir(cfg.snapshot_dir)
+    return out
+
+
+def warn_untracked_files(cfg: PrepareConfig, dvc_yaml: Path = Path("dvc.yaml")) -> list[str]:
+    """One warning line for each local file a source reads that lies outside the prepare stage's dependencies in
+    ``dvc_yaml`` (``data/sources/``): DVC does not rerun prepare when such a file changes. Returns the lines (none
+    where there is no dvc.yaml)."""
+    from dspark_core.config import read_yaml
+
+    try:
+        deps = read_yaml(dvc_yaml)["stages"]["prepare"]["deps"]
+    except (UserError, KeyError, TypeError):
+        return []
+    roots = [(dvc_yaml.parent / d).resolve() for d in deps]
+    lines = []
+    for source, path in local_files(cfg).items():
+        if not any(path.resolve().is_relative_to(r) for r in roots):
+            lines.append(f"prepare: {source} reads {path}, which is no dependency of the prepare stage in {dvc_yaml}: "
+                         f"DVC will not rerun prepare when it changes (put it under data/sources/, or run `dvc repro "
+                         f"-f prepare` after changing it)")
+            log.warning("%s", lines[-1])
+    return lines
+
+
 @contextlib.contextmanager
 def _cyclic_gc_paused() -> Iterator[None]:
     """The draw makes millions of objects that hold no reference cycle (records, prompts, their texts); the cyclic
@@ -750,13 +867,16 @@ def _cyclic_gc_paused() -> Iterator[None]:
 
 def run_prepare(cfg: PrepareConfig, stats: dict[str, Any] | None = None) -> dict[str, int]:
     """The ``prepare`` stage: write ``{out_dir}/{train,eval}.parquet`` and the stats (``stats_path``, and into
-    ``stats`` when given); return the split sizes."""
+    ``stats`` when given); return the split sizes. ``out_dir`` is replaced whole once both splits are written: a
+    run that fails leaves the previous prompts and stats as they were (dvc.yaml keeps them: ``persist``)."""
     t0 = time.perf_counter()
     per_source: dict[str, Any] = {}
     with _cyclic_gc_paused():
         splits = select_splits(cfg, per_source)
+    with atomic_dir(cfg.out_dir) as tmp:
+        for split in SPLITS:
+            write_prompts(tmp / f"{split}.parquet", splits[split])
     for split in SPLITS:
-        write_prompts(Path(cfg.out_dir) / f"{split}.parquet", splits[split])
         by = Counter(f"{p.domain}/{p.source}" for p in splits[split])
         log.info("prepare: %s %d prompts (%s)", split, len(splits[split]),
                  ", ".join(f"{k} {v}" for k, v in sorted(by.items())))

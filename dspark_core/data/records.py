@@ -1,13 +1,16 @@
 """Conversation records of the ``prepare`` stage's file and Hugging Face sources, read as :class:`Prompt`.
 
-Sources (names in ``prepare.train_mix`` / ``eval_sources``):
+Sources (names in ``prepare.train`` / ``eval_sources``):
 
 - ``jsonl:<path>``: a JSONL file (``.jsonl.gz``: gzip-compressed), one record a line (ids default to the line
   number, from 1);
 - ``parquet:<path>``: a Parquet file, read in record batches (ids default to the row number, from 0);
-- ``hf:<dataset>[:<config>][@<split>]``: a Hugging Face data set (split default ``train``) streamed through
-  ``datasets.load_dataset(..., streaming=True)``; ``hf:/abs/path`` or ``hf:./rel`` is a local dataset folder
-  (e.g. the hub's parquet layout ``data/train-00000-of-00001.parquet``) read the same way. With
+- ``hf:<org>/<name>[:<config>[:<split>]][@<revision>]``: a Hugging Face data set (split default ``train``;
+  ``hf:org/name::test`` takes split ``test`` of the default config) streamed through
+  ``datasets.load_dataset(..., streaming=True)``. ``@<revision>`` (a branch, tag or commit; default ``main``) is
+  resolved to a commit once, before the first read, and every read of the run is of that commit
+  (:func:`resolve_hf`; ``prepare`` records it). ``hf:/abs/path`` or ``hf:./rel[:<config>[:<split>]]`` is a local
+  dataset folder (e.g. the hub's parquet layout ``data/train-00000-of-00001.parquet``) read the same way. With
   ``HF_HUB_OFFLINE=1`` a hub name is read from its snapshot in the hub cache (``hf download --repo-type dataset
   <dataset>`` puts it there). Ids default to the row number, from 0.
 
@@ -32,7 +35,8 @@ cannot regenerate tool outputs), and one with a non-text content part (``non_tex
 else that is not an accepted conversation (an assistant-first conversation, an unknown role, two user or two
 assistant turns in a row, a system message after the first, an empty content, no user turn) is refused with its
 place (``file:line``, ``file row N`` or ``dataset[split] row N``) and the accepted shapes, in one line; with
-``prepare.on_bad_record: skip`` it is skipped and counted (``bad_record``) instead.
+``prepare.on_bad_record: skip`` it is skipped and counted (``bad_record``) instead, and so is a JSONL line that is
+not JSON (``bad_json``) or not UTF-8 (``not_utf8``): :data:`BAD_REASONS`.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ PARQUET_PREFIX = "parquet:"
 HF_PREFIX = "hf:"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ON_BAD_RECORD = ("error", "skip")
+BAD_REASONS = ("bad_json", "not_utf8", "bad_record")   # what ``on_bad_record: skip`` skips and counts
 BATCH_ROWS = 2048   # Parquet / HF rows converted to Python at a time
 
 USER, ASSISTANT, SYSTEM, TOOL = "user", "assistant", "system", "tool"
@@ -77,6 +82,14 @@ ACCEPTED = ("accepted records: {'turns': [user texts]}, OpenAI {'messages': [{'r
             "{'conversations': [{'from', 'value'}]}: an optional system message, then user and assistant turns "
             "alternating, user first")
 _SKIP_HINT = "; or set prepare.on_bad_record: skip to skip and count such records"
+
+
+class BadLine(UserError):
+    """A JSONL line that is not UTF-8 or not JSON; ``reason`` is its :data:`BAD_REASONS` name."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -323,8 +336,8 @@ def utf8_line(raw: bytes, path: Path, lineno: int) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise UserError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-                        "save the file as UTF-8") from None
+        raise BadLine(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                      "save the file as UTF-8", "not_utf8") from None
 
 
 def raw_lines(path: Path) -> Iterator[tuple[int, bytes]]:
@@ -339,7 +352,7 @@ def raw_lines(path: Path) -> Iterator[tuple[int, bytes]]:
 
 
 def json_line(raw: bytes, path: Path, lineno: int) -> Any:
-    """The JSON value of one line; not UTF-8 or not JSON: a :class:`UserError` naming the place."""
+    """The JSON value of one line; not UTF-8 or not JSON: a :class:`BadLine` naming the place."""
     if orjson is not None:
         try:
             return orjson.loads(raw)
@@ -348,15 +361,22 @@ def json_line(raw: bytes, path: Path, lineno: int) -> Any:
     try:
         return json.loads(utf8_line(raw, path, lineno))
     except json.JSONDecodeError as e:
-        raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        raise BadLine(f"{path}:{lineno}: not valid JSON ({e.msg})", "bad_json") from None
 
 
 def jsonl_rows(path: Path, reader: RecordReader) -> Iterator[tuple[int, str, Prompt]]:
-    """``(line number, record id, Prompt)`` of every accepted record of a JSONL file, streamed."""
+    """``(line number, record id, Prompt)`` of every accepted record of a JSONL file, streamed. A line that is not
+    JSON is refused, or with ``on_bad_record: skip`` skipped and counted by reason."""
     for lineno, raw in raw_lines(path):
         if raw.isspace() or not raw:
             continue
-        rec = json_line(raw, path, lineno)
+        try:
+            rec = json_line(raw, path, lineno)
+        except BadLine as e:
+            if reader.on_bad_record != "skip":
+                raise BadLine(f"{e}{_SKIP_HINT}", e.reason) from None
+            reader.skipped[e.reason] += 1
+            continue
         got = reader.prompt(rec, lineno, lambda: f"{path}:{lineno}")
         if got is not None:
             yield lineno, got[0], got[1]
@@ -497,12 +517,15 @@ def parquet_records(spec: str | Path, source: str, on_bad_record: str = "error",
 
 @dataclasses.dataclass(frozen=True)
 class HfName:
-    """A parsed ``hf:`` source name."""
+    """A parsed ``hf:`` source name; ``commit`` once :func:`resolve_hf` has resolved its revision."""
 
     path: str                 # a hub repo id (org/name) or a local folder
     config: str | None
     split: str
     local: bool
+    revision: str | None = None   # a hub data set's branch, tag or commit as written (None: main)
+    commit: str | None = None     # the commit it resolved to
+    snapshot: str | None = None   # offline: the commit's snapshot folder in the hub cache
 
     @property
     def label(self) -> str:
@@ -517,37 +540,58 @@ class HfName:
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9][A-Za-z0-9_.\-]*)?", re.ASCII)
-_TAIL = re.compile(r"(?::(?P<config>[A-Za-z0-9_][A-Za-z0-9_.\-]*))?(?:@(?P<split>[A-Za-z0-9_][A-Za-z0-9_.\-]*))?$",
-                   re.ASCII)
-HF_FORMS = "hf:<org>/<name>[:<config>][@<split>] (a local dataset folder: hf:/abs/path or hf:./rel)"
+_NAME = r"[A-Za-z0-9_][A-Za-z0-9_.\-]*"
+# [:<config>[:<split>]] or ::<split>, then [@<revision>] (a git ref: no ':', may hold '/')
+_TAIL = re.compile(rf"(?::(?P<config>{_NAME})(?::(?P<split>{_NAME}))?|::(?P<split_only>{_NAME}))?"
+                   rf"(?:@(?P<revision>[A-Za-z0-9_.][A-Za-z0-9_./\-]*))?$", re.ASCII)
+HF_FORMS = ("hf:<org>/<name>[:<config>[:<split>]][@<revision>] (hf:<org>/<name>::<split> for the default config; "
+            "a local dataset folder: hf:/abs/path or hf:./rel)")
+# revisions that are usually split names: `hf:name@test` was written for a split
+_SPLIT_NAMES = re.compile(r"train|test|validation|valid|val|dev|eval\w*|(train|test)_\w+", re.ASCII)
 
 
 def parse_hf_name(source: str, field: str = "source") -> HfName:
-    """``hf:<dataset>[:<config>][@<split>]`` (split default ``train``). A dataset that starts with ``/``, ``./``,
-    ``../`` or ``~`` is a local folder; a local path may hold ``:`` and ``@`` itself, so the longest prefix that
-    is an existing folder is the path. A malformed name is refused naming the forms."""
+    """``hf:<dataset>[:<config>[:<split>]][@<revision>]`` (split default ``train``). A dataset that starts with
+    ``/``, ``./``, ``../`` or ``~`` is a local folder (no revision); a local path may hold ``:`` and ``@`` itself,
+    so the first prefix that is an existing folder is the path. A malformed name is refused naming the forms."""
     spec = source[len(HF_PREFIX):]
     if spec.startswith(("/", "./", "../", "~")):
-        return _local_hf_name(spec)
+        return _local_hf_name(spec, source, field)
     path = _HUB_ID.match(spec)
     tail = _TAIL.match(spec, path.end()) if path else None
     if path is None or tail is None or ".." in path.group() or "--" in path.group():
         raise UserError(f"{field}: malformed source name {source!r}: use {HF_FORMS}")
-    return HfName(path.group(), tail["config"], tail["split"] or "train", False)
+    return HfName(path.group(), tail["config"], tail["split"] or tail["split_only"] or "train", False,
+                  tail["revision"])
 
 
-def _local_hf_name(spec: str) -> HfName:
+def _local_name(spec: str, at: int, source: str, field: str) -> HfName | None:
+    """The local folder ``spec[:at]`` with the tail ``spec[at:]``, or None when the tail is no tail."""
+    tail = _TAIL.match(spec, at)
+    if tail is None:
+        return None
+    if tail["revision"] is not None:
+        hint = ("" if tail["split"] or tail["split_only"] else
+                f"; its split is written hf:{spec[:at]}:{tail['config'] or ''}:{tail['revision']}")
+        raise UserError(f"{field}: {source!r}: a local dataset folder has no revision (@{tail['revision']}){hint}")
+    return HfName(str(Path(spec[:at]).expanduser()), tail["config"], tail["split"] or tail["split_only"] or "train",
+                  True)
+
+
+def _local_hf_name(spec: str, source: str, field: str) -> HfName:
     folder = Path(spec).expanduser()
     if folder.is_dir():
         return HfName(str(folder), None, "train", True)
-    for at in [i for i in range(len(spec)) if spec[i] in ":@"]:
-        tail = _TAIL.match(spec, at)
-        if tail is not None and Path(spec[:at]).expanduser().is_dir():
-            return HfName(str(Path(spec[:at]).expanduser()), tail["config"], tail["split"] or "train", True)
-    for at in [i for i in range(len(spec)) if spec[i] in ":@"]:   # no such folder: refused when it is read
-        tail = _TAIL.match(spec, at)
-        if tail is not None:
-            return HfName(str(Path(spec[:at]).expanduser()), tail["config"], tail["split"] or "train", True)
+    cuts = [i for i in range(len(spec)) if spec[i] in ":@"]
+    for at in cuts:
+        if Path(spec[:at]).expanduser().is_dir():
+            got = _local_name(spec, at, source, field)
+            if got is not None:
+                return got
+    for at in cuts:   # no such folder: refused when it is read
+        got = _local_name(spec, at, source, field)
+        if got is not None:
+            return got
     return HfName(str(folder), None, "train", True)
 
 
@@ -576,23 +620,48 @@ def hf_records(name: HfName, source: str, on_bad_record: str = "error",
 
 
 def load_hf(name: HfName, source: str) -> Any:
-    """``datasets.load_dataset(path, config, split=split, streaming=True)``; offline (``HF_HUB_OFFLINE=1``) a hub
-    name resolves to its snapshot in the hub cache first. Failures are one :class:`UserError`."""
+    """``datasets.load_dataset(path, config, split=split, streaming=True)`` of the data set's resolved commit
+    (:func:`resolve_hf`; offline, its snapshot folder in the hub cache). Failures are one :class:`UserError`."""
     try:
         import datasets
     except ImportError:
         raise UserError(f"{source}: hf: sources are read with the 'datasets' package; install it (pip install "
                         f"datasets)") from None
-    path = name.path
-    if name.local and not Path(path).is_dir():
-        raise UserError(f"{source}: no dataset folder {path}")
-    if not name.local and _hub_offline():
-        path = _cached_snapshot(name, source)
+    if name.local and not Path(name.path).is_dir():
+        raise UserError(f"{source}: no dataset folder {name.path}")
+    name = resolve_hf(name, source)
+    path, revision = (name.snapshot, None) if name.snapshot else (name.path, name.commit)
     try:
-        return datasets.load_dataset(path, name.config, split=name.split, streaming=True)
+        return datasets.load_dataset(path, name.config, split=name.split, streaming=True,
+                                     **({"revision": revision} if revision else {}))
     except (OSError, ValueError) as e:
         raise UserError(f"{source}: cannot load {name.label} ({_first_line(e)}); check the name, its config and "
                         f"split") from None
+
+
+def resolve_hf(name: HfName, source: str) -> HfName:
+    """``name`` with its revision resolved to a commit (a hub data set; a local folder is returned as it is):
+    offline (``HF_HUB_OFFLINE``) the commit of its snapshot in the hub cache, else the hub's answer. A revision
+    that is not there is one :class:`UserError`, which says how a split is written when the revision looks like a
+    split name."""
+    if name.local or name.commit is not None:
+        return name
+    revision = name.revision or "main"
+    try:
+        if _hub_offline():
+            snap = _cached_snapshot(name, revision, source)
+            return dataclasses.replace(name, commit=Path(snap).name, snapshot=snap)  # snapshots/<commit>
+        from huggingface_hub import HfApi
+
+        from dspark_core.hub import hub_errors
+
+        with hub_errors(name.path, revision, source, repo_type="dataset"):
+            return dataclasses.replace(name, commit=HfApi().dataset_info(name.path, revision=revision).sha)
+    except UserError as e:
+        if name.revision and _SPLIT_NAMES.fullmatch(name.revision):
+            raise UserError(f"{e} (`@` names a revision; a split is written "
+                            f"hf:{name.path}:{name.config or ''}:{name.revision})") from None
+        raise
 
 
 def _hub_offline() -> bool:
@@ -601,15 +670,17 @@ def _hub_offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def _cached_snapshot(name: HfName, source: str) -> str:
+def _cached_snapshot(name: HfName, revision: str, source: str) -> str:
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(name.path, repo_type="dataset", local_files_only=True)
+        return snapshot_download(name.path, repo_type="dataset", revision=revision, local_files_only=True)
     except (OSError, ValueError) as e:
-        raise UserError(f"{source}: HF_HUB_OFFLINE is set and {name.path} is not in the hub cache "
-                        f"({_first_line(e)[:100]}); download it first (hf download --repo-type dataset {name.path}) "
-                        f"or unset HF_HUB_OFFLINE") from None
+        at = f" @ {name.revision}" if name.revision else ""
+        get = f" --revision {name.revision}" if name.revision else ""
+        raise UserError(f"{source}: HF_HUB_OFFLINE is set and {name.path}{at} is not in the hub cache "
+                        f"({_first_line(e)[:100]}); download it first (hf download --repo-type dataset {name.path}"
+                        f"{get}) or unset HF_HUB_OFFLINE") from None
 
 
 def _first_line(e: BaseException) -> str:

@@ -669,6 +669,7 @@ def _plans(cfg: RegenerateConfig):
     model_cfg = validate_hf_dir(cfg.target_dir)
     fingerprint = read_fingerprint(cfg.target_dir)["fingerprint"]
     tok = load_tokenizer(cfg.target_dir)  # with the target's trust_remote_code, as every reader
+    warn_thinking_switch(cfg, tok)
     positions = model_cfg.get("max_position_embeddings")
     plans = {}
     for split in cfg.splits:
@@ -681,6 +682,20 @@ def _plans(cfg: RegenerateConfig):
             check_lengths([c.first for c in convs], cfg.max_new_tokens, positions, str(prompts_file))
         plans[split] = (convs, _settings_key(cfg, fingerprint, prompts_file))
     return tok, fingerprint, plans
+
+
+def warn_thinking_switch(cfg: RegenerateConfig, tok) -> str | None:
+    """One warning line when ``enable_thinking`` is set but the target's chat template has no such switch (it
+    renders the same either way): the setting does nothing. Returns the line (None: nothing to say)."""
+    from dspark_core.data.chat import has_thinking_switch
+
+    if cfg.enable_thinking is None or has_thinking_switch(tok):
+        return None
+    line = (f"regenerate.enable_thinking: {str(cfg.enable_thinking).lower()} does nothing: the chat template of "
+            f"{cfg.target_dir} has no enable_thinking switch (it renders the same with true and false); set it to "
+            "null")
+    log.warning("%s", line)
+    return line
 
 
 def mark_answers_reusable(cfg: RegenerateConfig) -> dict[str, str]:
@@ -753,7 +768,7 @@ def run_regenerate(cfg: RegenerateConfig, time_budget_s: float | None = None) ->
     finally:
         for b in backend:
             b.close()
-    _remove_if_empty(out_dir / PARTS_DIR)
+        _remove_unused_parts(out_dir / PARTS_DIR)   # a failed run keeps its answers, adds no empty store
     write_json(cfg.stats_path, stats)
     return stats
 
@@ -822,6 +837,17 @@ def _last_measured(now: dict, before: dict | None, earlier: dict, stats: dict) -
 def _remove_if_empty(path: Path) -> None:
     if path.is_dir() and not any(path.iterdir()):
         path.rmdir()
+
+
+def _remove_unused_parts(parts: Path) -> None:
+    """Each split's part folder that holds no answered batch (its settings file only), then the parts folder if
+    nothing is left: what a run leaves is its answers, never an empty store."""
+    if not parts.is_dir():
+        return
+    for split in parts.iterdir():
+        if split.is_dir() and not any(split.glob("part-*.parquet")):
+            shutil.rmtree(split)
+    _remove_if_empty(parts)
 
 
 def read_regen(path: str | Path) -> list[dict]:

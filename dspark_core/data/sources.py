@@ -4,8 +4,9 @@ Each registry entry (:data:`REGISTRY`, a :class:`SourceInfo`) names the pip pack
 upstream split it reads, its license, its **domain** (one of :data:`DOMAINS`: ``math_word``,
 ``competition_math``, ``code``, ``chat``) and whether it is **eval-only** (a public benchmark's test split:
 ``prepare`` refuses it in the training mix). Files and Hugging Face data sets are sources too: ``jsonl:<path>``,
-``parquet:<path>`` and ``hf:<dataset>[:<config>][@<split>]``, of dspark's ``{"turns": [...]}`` records, OpenAI
-``messages`` or ShareGPT ``conversations`` (``dspark_core/data/records.py``: shapes, ids, what is skipped).
+``parquet:<path>`` and ``hf:<dataset>[:<config>[:<split>]][@<revision>]``, of dspark's ``{"turns": [...]}``
+records, OpenAI ``messages`` or ShareGPT ``conversations`` (``dspark_core/data/records.py``: shapes, ids, what is
+skipped).
 
 A prompt may carry a **group**: the upstream problem it derives from (``gsm8k_test:<index>`` for the GSM8K test
 problem behind a GSM-Symbolic template). ``prepare`` never trains on a group it evaluates on, so a symbolic
@@ -54,8 +55,8 @@ from pathlib import Path
 from typing import Any
 
 from dspark_core.data.records import (DOMAINS, HF_FORMS, HF_PREFIX, JSONL_PREFIX, ON_BAD_RECORD,  # noqa: F401
-                                      PARQUET_PREFIX, REPO_ROOT, Prompt, hf_records, iter_jsonl, jsonl_path,
-                                      jsonl_records, parquet_records, parse_hf_name, utf8_line)
+                                      PARQUET_PREFIX, REPO_ROOT, HfName, Prompt, hf_records, iter_jsonl, jsonl_path,
+                                      jsonl_records, parquet_records, parse_hf_name, resolve_hf, utf8_line)
 from dspark_core.errors import UserError
 from dspark_core.io import package_dir
 
@@ -115,6 +116,7 @@ class SourceInfo:
     # file / hf sources: (record id, Prompt) pairs streamed (no index of the whole source)
     records: Callable[[ReadOptions, Counter], Iterator[tuple[str, Prompt]]] | None = None
     streamed: bool = False       # always drawn in the streamed hash order (parquet:, hf:), not the whole-pool shuffle
+    hf: HfName | None = None     # an hf: source's name (its commit once pinned: :func:`pinned`)
 
 
 # ASCII bytes -> their normalised form: letters lower-cased, digits kept, everything else a space
@@ -509,7 +511,7 @@ def iter_snapshot(snapshot_dir: str | Path, source: str) -> Iterator[Prompt]:
     path = resolve_dir(snapshot_dir) / f"{source}.jsonl"
     if not path.is_file():
         raise UserError(f"prepare.snapshot_dir: {path} not found: the snapshot holds no {source!r} (add it in "
-                        f"scripts/make_h200_prompts.py, or take the source out of train_mix / eval_sources)")
+                        f"scripts/make_h200_prompts.py, or take the source out of train / eval_sources)")
     for p in iter_jsonl(path, source):
         if p.domain != info.domain:
             raise UserError(f"{path}: record {p.id!r} has domain {p.domain!r}, not {info.domain!r}")
@@ -551,7 +553,7 @@ REGISTRY: dict[str, SourceInfo] = {s.name: s for s in (
 
 def source_info(source: str, field: str = "source") -> SourceInfo:
     """The registry entry of ``source``, or a file / data set entry for ``jsonl:<path>``, ``parquet:<path>`` and
-    ``hf:<dataset>[:<config>][@<split>]`` (domain per record; ``dspark_core/data/records.py``)."""
+    ``hf:<dataset>[:<config>[:<split>]][@<revision>]`` (domain per record; ``dspark_core/data/records.py``)."""
     if source in REGISTRY:
         return REGISTRY[source]
     if source.startswith(JSONL_PREFIX) and len(source) > len(JSONL_PREFIX):
@@ -565,12 +567,23 @@ def source_info(source: str, field: str = "source") -> SourceInfo:
         return SourceInfo(source, "", None, "a Parquet file", False, "(the file's)",
                           lambda o, s: (p for _, p in records(o, s)), records=records, streamed=True)
     if source.startswith(HF_PREFIX):
-        name = parse_hf_name(source, field)
-        records = lambda o, s: hf_records(name, source, o.on_bad_record, s)  # noqa: E731
-        return SourceInfo(source, "", None, f"{name.label} (Hugging Face datasets)", False, "(the data set's)",
-                          lambda o, s: (p for _, p in records(o, s)), records=records, streamed=True)
+        return _hf_info(source, parse_hf_name(source, field))
     raise UserError(f"{field}: unknown source {source!r} (use {', '.join(REGISTRY)}, jsonl:<path>, parquet:<path> "
                     f"or {HF_FORMS})")
+
+
+def _hf_info(source: str, name: HfName) -> SourceInfo:
+    records = lambda o, s: hf_records(name, source, o.on_bad_record, s)  # noqa: E731
+    return SourceInfo(source, "", None, f"{name.label} (Hugging Face datasets)", False, "(the data set's)",
+                      lambda o, s: (p for _, p in records(o, s)), records=records, streamed=True, hf=name)
+
+
+def pinned(info: SourceInfo) -> SourceInfo:
+    """``info`` with an ``hf:`` source's revision resolved to a commit (``info.hf.commit``), so that every read of
+    the run -- a streamed draw may read a source twice -- is of that commit; other sources as they are."""
+    if info.hf is None or info.hf.local:
+        return info
+    return _hf_info(info.name, resolve_hf(info.hf, info.name))
 
 
 def check_source_name(source: str, field: str = "source") -> None:
