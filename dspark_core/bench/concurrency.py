@@ -53,8 +53,10 @@ def merge_batches(batches: Sequence[BatchResult]) -> BatchResult:
                        draft_s=[t for b in batches for t in b.draft_s], verify_s=[t for b in batches for t in b.verify_s])
 
 
-def merge_runs(runs: Sequence[LevelRun]) -> LevelRun:
-    merged = LevelRun()
+def merge_runs(runs: Sequence[Any], merged: Any = None) -> Any:
+    """Several datasets' runs as one: their prompts and results end to end, into ``merged`` (a new ``LevelRun`` by
+    default; any record of ``prompts`` / ``spec`` / ``ar`` lists, e.g. the main run's ``DatasetRun``)."""
+    merged = LevelRun() if merged is None else merged
     for run in runs:
         merged.prompts += run.prompts
         merged.spec += run.spec

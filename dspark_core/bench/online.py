@@ -823,10 +823,12 @@ def add_levels(metrics: dict[str, Any], levels: dict[int, dict[str, LevelRun]], 
     alone: its AR output at concurrency 1 (the level-1 row's; without that level, the main run's)."""
     for name in [*runs, "overall"]:
         by_level = {c: sets[name] if name in sets else merge_runs(list(sets.values())) for c, sets in levels.items()}
-        one = by_level.get(1)
-        main = runs[name] if name in runs else _merge(runs.values())
-        alone = (alone_tokens(one.prompts, [r.tokens for b in one.ar for r in b.results]) if one is not None
-                 else alone_tokens(main.prompts, [r.tokens for r in main.ar]))
+        if 1 in by_level:
+            one = by_level[1]
+            alone = alone_tokens(one.prompts, [r.tokens for b in one.ar for r in b.results])
+        else:
+            main = runs[name] if name in runs else _merge(runs.values())
+            alone = alone_tokens(main.prompts, [r.tokens for r in main.ar])
         metrics[name]["concurrency"] = {
             str(c): summarize_level(run, proposal, greedy, alone, ar_at_one_request(metrics[name]) if c == 1 else None)
             for c, run in by_level.items()}
@@ -845,12 +847,7 @@ def _warm_up(prompt_sets, tokenizer, spec: SpeculativeDecoder, ar: ARDecoder, st
 
 
 def _merge(runs) -> DatasetRun:
-    merged = DatasetRun()
-    for run in runs:
-        merged.prompts += run.prompts
-        merged.spec += run.spec
-        merged.ar += run.ar
-    return merged
+    return merge_runs(list(runs), DatasetRun())
 
 
 def _assistant(cfg: BenchOnlineConfig, model: torch.nn.Module) -> torch.nn.Module:
