@@ -205,7 +205,10 @@ def plot_concurrency(levels: list[dict[str, Any]], out_dir: Path) -> None:
     ax.set(xlabel="concurrency (requests served at once)", ylabel="speedup over AR at the same concurrency",
            title="speculative decoding against concurrency")
     if rows:
+        levels = sorted({r["concurrency"] for r in rows})
         ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.minorticks_off()
         ax.legend(fontsize=8)
     else:
         ax.text(0.5, 0.5, "no variant has concurrency levels", ha="center", va="center", transform=ax.transAxes)
