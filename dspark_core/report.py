@@ -6,6 +6,9 @@ Reads the metrics JSON the other stages wrote (``reports/eval_offline/<v>.json``
   sets (Draft Memory: ``post_error/...`` keys), the draft and the reference draft on exactly those anchors;
 - ``reports/plots/dspark_accept_rate.png``: offline accept_rate@i per DSpark variant;
 - ``reports/plots/dmtd_quality_speed.png``: DMTD perplexity vs decode speedup per variant;
+- ``reports/plots/speedup_vs_concurrency.png`` / ``.json``: the online speedup over AR at each
+  ``bench_online.concurrency`` level, one line per variant (the JSON rows are what ``dvc plots`` draws, through
+  the ``by_variant`` template of ``.dvc/plots/``), and a table per variant and level in ``summary.md``;
 - ``reports/metrics/``: the headline figures people compare, flat, one small JSON per variant and concern, so
   that ``dvc metrics show reports/metrics/<concern>`` and ``dvc metrics diff --targets reports/metrics/<concern>``
   give narrow tables of keys that belong together:
@@ -14,6 +17,8 @@ Reads the metrics JSON the other stages wrote (``reports/eval_offline/<v>.json``
   ``reranker/<v>.json`` (variants with a prefix reranker): candidate_recall and the reranker's gains;
   ``online/<v>.json``: mal, tokens_per_s, speedup (+ speedup_vs_fastest_ar with GPU kernels), greedy decoding, and
   ``online/<v>@t<T>.json`` the same keys for a sampling pass at temperature T (``bench_online.also_temperatures``);
+  ``concurrency/<v>@c<c>.json``: mal, tokens_per_s, request_tokens_per_s, cycle_ms, speedup at concurrency c
+  (``bench_online.concurrency``; speedup over the AR at the same concurrency);
   ``dmtd/<v>.json``: perplexity, token_acc, accuracy, tokens_per_s, speedup;
   ``data.json``: regenerate_tokens_per_s, cache_tokens_per_s, bytes_per_token.
   ``dvc metrics show`` alone merges every file into one table, so the concerns share key names (tokens_per_s,
@@ -66,6 +71,7 @@ def dspark_rows(variants: Sequence[str], root: Path = REPORTS) -> list[dict[str,
                      "_rates": [off.get(f"accept_rate@{i}") for i in range(64) if f"accept_rate@{i}" in off],
                      "_speedup_vs_fastest_ar": on.get("speedup_vs_fastest_ar"),  # GPU kernels: both modes' AR
                      "_at_temperature": on.get("at_temperature") or {},  # bench_online.also_temperatures
+                     "_concurrency": on.get("concurrency") or {},  # bench_online.concurrency: {level: row}
                      "_anchor_set_tau": {k: x for k, x in off.items() if k.endswith("/tau_prob")}})
     return rows
 
@@ -98,6 +104,17 @@ def dmtd_rows(variants: Sequence[str], root: Path = REPORTS) -> list[dict[str, A
     return rows
 
 
+CONCURRENCY_COLUMNS = ("concurrency", "proposal", "mal", "tokens_per_s", "request_tokens_per_s", "cycle_ms",
+                       "ar_tokens_per_s", "speedup", "mean_active_rows", "mean_verify_tokens", "identical",
+                       "identical_to_alone")
+
+
+def concurrency_rows(dspark: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per variant and concurrency level (``bench_online.concurrency``, all datasets), levels ascending."""
+    return [{"variant": r["variant"], **{c: level.get(c) for c in CONCURRENCY_COLUMNS}}
+            for r in dspark for _, level in sorted(r["_concurrency"].items(), key=lambda kv: int(kv[0]))]
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "(none)\n"
@@ -108,7 +125,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 
 def write_summary(dspark: list[dict[str, Any]], dmtd: list[dict[str, Any]], path: Path,
-                  anchor_sets: list[dict[str, Any]] | None = None) -> None:
+                  anchor_sets: list[dict[str, Any]] | None = None, levels: list[dict[str, Any]] | None = None) -> None:
     text = ("# dspark summary\n\nMade by the `report` stage from the metrics under reports/ "
             "(`dvc metrics show` has every key).\n\n## DSpark drafts (offline teacher-forced / online)\n\n"
             "Offline columns: every draft at the same random anchors of the eval cache (Draft Memory without memory: "
@@ -118,6 +135,12 @@ def write_summary(dspark: list[dict[str, Any]], dmtd: list[dict[str, Any]], path
                  "post_error: Draft Memory's anchors right after its first greedy error in a block, the draft with "
                  "the kept memory; the reference draft reads the same context, anchors and targets, no memory.\n\n"
                  + markdown_table(anchor_sets))
+    if levels:
+        text += ("\n## Speed against concurrency (online, all datasets)\n\n"
+                 "Each level serves the requests that many at a time on the same request rows, speculative and AR; "
+                 "speedup is over the AR at the same concurrency (at concurrency 1 over the fastest AR measured at "
+                 "one request). identical: every request equals its AR output at that level; identical_to_alone: "
+                 "equals that prompt decoded alone.\n\n" + markdown_table(levels))
     text += "\n## Parallel DMTD\n\n" + markdown_table(dmtd)
     with atomic_path(path, ".md") as tmp:
         tmp.write_text(text)
@@ -154,6 +177,42 @@ def plot(dspark: list[dict[str, Any]], dmtd: list[dict[str, Any]], out_dir: Path
     ax.set(xlabel="decode speedup over AR", ylabel="held-out perplexity", yscale="log",
            title="Parallel DMTD: quality vs speed")
     _save(fig, out_dir / "dmtd_quality_speed.png")
+    plot_concurrency(concurrency_rows(dspark), out_dir)
+
+
+SPEEDUP_PLOT = "speedup_vs_concurrency"  # .json (dvc plots: one line per variant) and .png under reports/plots
+SPEEDUP_PLOT_KEYS = ("speedup", "mal", "tokens_per_s", "request_tokens_per_s", "cycle_ms", "proposal")
+
+
+def plot_concurrency(levels: list[dict[str, Any]], out_dir: Path) -> None:
+    """Speedup over AR against concurrency, one line per variant: ``<SPEEDUP_PLOT>.json`` (the rows ``dvc plots``
+    draws through the ``by_variant`` template, .dvc/plots/) and ``<SPEEDUP_PLOT>.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dspark_core.io import write_json
+
+    rows = [{"variant": r["variant"], "concurrency": r["concurrency"], **{k: r[k] for k in SPEEDUP_PLOT_KEYS}}
+            for r in levels if r["speedup"] is not None]
+    write_json(out_dir / f"{SPEEDUP_PLOT}.json", rows)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        mine = [r for r in rows if r["variant"] == variant]
+        ax.plot([r["concurrency"] for r in mine], [r["speedup"] for r in mine], "o-", label=variant)
+    ax.axhline(1.0, ls="--", color="gray", lw=1)
+    ax.set(xlabel="concurrency (requests served at once)", ylabel="speedup over AR at the same concurrency",
+           title="speculative decoding against concurrency")
+    if rows:
+        levels = sorted({r["concurrency"] for r in rows})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.minorticks_off()
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no variant has concurrency levels", ha="center", va="center", transform=ax.transAxes)
+    _save(fig, out_dir / f"{SPEEDUP_PLOT}.png")
 
 
 def _save(fig, path: Path) -> None:
@@ -169,6 +228,7 @@ def _save(fig, path: Path) -> None:
 # curve is reports/eval_offline/<v>/accept_rate.json, which `dvc plots diff` draws).
 OFFLINE_HEADLINE = ("tau_prob", "accept_rate@0", "accept_rate@1")
 ONLINE_HEADLINE = ("mal", "tokens_per_s", "speedup", "speedup_vs_fastest_ar")
+CONCURRENCY_HEADLINE = ("mal", "tokens_per_s", "request_tokens_per_s", "cycle_ms", "speedup")
 DMTD_HEADLINE = {"perplexity": "perplexity", "token_acc": "token_acc", "accuracy": "gsm8k_accuracy",
                  "tokens_per_s": "tokens_per_s", "speedup": "speedup"}
 
@@ -197,6 +257,8 @@ def headline_metrics(dspark: list[dict[str, Any]], dmtd: list[dict[str, Any]], r
         out[f"online/{v}.json"] = _flat({k: greedy[k] for k in ONLINE_HEADLINE})
         for temp, row in r["_at_temperature"].items():
             out[f"online/{v}@t{temp}.json"] = _flat({k: row.get(k) for k in ONLINE_HEADLINE})
+        for level, row in r["_concurrency"].items():
+            out[f"concurrency/{v}@c{level}.json"] = _flat({k: row.get(k) for k in CONCURRENCY_HEADLINE})
     for r in dmtd:
         d = _load(root / "dmtd" / f"{r['variant']}.json") or {}
         out[f"dmtd/{r['variant']}.json"] = _flat({k: d.get(src) for k, src in DMTD_HEADLINE.items()})
@@ -241,6 +303,6 @@ def run_report(params: str | Path, root: Path = REPORTS) -> None:
     variants = list((doc.get("variants") or {}).keys())
     dmtd_variants = list((doc.get("dmtd") or {}).get("variants") or [])
     dspark, dmtd = dspark_rows(variants, root), dmtd_rows(dmtd_variants, root)
-    write_summary(dspark, dmtd, root / "summary.md", anchor_set_rows(variants, root))
+    write_summary(dspark, dmtd, root / "summary.md", anchor_set_rows(variants, root), concurrency_rows(dspark))
     write_headlines(headline_metrics(dspark, dmtd, root), root / "metrics")
     plot(dspark, dmtd, root / "plots")

@@ -1,6 +1,7 @@
 """DVC stage `bench_online@<variant>`: the real propose -> verify -> update loop of the trained draft on the eval
 prompts: MAL, accept_rate@i, draft/verify ms per cycle, tokens/s, speedup over AR on the same target code path,
-and the peers (transformers' generate, assisted generation, prompt lookup)."""
+the same at each `bench_online.concurrency` level (requests served that many at once, speedup over AR on the same
+request rows), and the peers (transformers' generate, assisted generation, prompt lookup)."""
 
 from pathlib import Path
 

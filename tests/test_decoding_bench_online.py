@@ -4,6 +4,7 @@ own answers to the benchmark prompts, so it is partly right (CPU)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from _decoding_utils import one_thread  # noqa: F401 (fixture)
 import yaml
 
 from dspark_core.decoding.ar import ARDecoder
-from dspark_core.bench.online import (BenchOnlineConfig, DatasetRun, decode_dataset, load_prompt_sets,
+from dspark_core.bench.concurrency import LEVEL_KEYS
+from dspark_core.bench.online import (BenchOnlineConfig, DatasetRun, decode_dataset, level_kernels, load_prompt_sets,
                                       read_jsonl_prompts, run_bench_online_stage, stop_ids_of, summarize)
 from dspark_core.decoding.target_runner import TargetRunner
 from dspark_core.config import ParamsError
@@ -36,7 +38,8 @@ def workdir(tmp_path_factory):
     conversations = [["What is 2 + 3?", "And times 4?"], ["Name a colour."]]
     (root / "prompts.jsonl").write_text("\n".join(json.dumps({"turns": t}) for t in conversations) + "\n")
     section = dict(datasets=["jsonl:prompts.jsonl"], max_prompts=2, max_new_tokens=12, max_turns=2, max_len=256,
-                   assistant_layers=2, peers=["hf_generate", "assisted", "prompt_lookup"], out_dir="reports/bo")
+                   assistant_layers=2, peers=["hf_generate", "assisted", "prompt_lookup"], out_dir="reports/bo",
+                   concurrency=[1, 2])
     (root / "params.yaml").write_text(yaml.safe_dump({"bench_online": section}))
     torch.manual_seed(0)
     cfg = DraftConfig(num_draft_layers=1, block_size=4, mask_token_id=259, num_anchors=4, markov_rank=8)
@@ -51,9 +54,20 @@ def workdir(tmp_path_factory):
     return root
 
 
-def test_run_bench_online_stage(workdir, monkeypatch):
+@pytest.fixture(scope="module")
+def stage_metrics(workdir):
+    """The stage ``bench_online@baseline`` run once in ``workdir``: its metrics."""
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    try:
+        return run_bench_online_stage("params.yaml", "baseline")
+    finally:
+        os.chdir(cwd)
+
+
+def test_run_bench_online_stage(workdir, stage_metrics, monkeypatch):
     monkeypatch.chdir(workdir)
-    metrics = run_bench_online_stage("params.yaml", "baseline")
+    metrics = stage_metrics
     m = metrics["jsonl:prompts.jsonl"]
     assert m["num_generations"] == 3  # two turns + one turn
     assert m["identical"] is True
@@ -92,14 +106,15 @@ def test_also_temperatures_adds_a_sampling_pass(workdir, monkeypatch):
 
 def test_dflash_draft_through_the_stage(workdir, monkeypatch):
     """The dflash variant (no Markov head, no confidence head), trained a few steps on the target's answers: the
-    stage's greedy run identical to AR with some tokens accepted, and a sampling pass beside it."""
+    stage's greedy run identical to AR with some tokens accepted, a sampling pass beside it, and its concurrency
+    level under ``proposal: confidence`` (fixed blocks: nothing to schedule by)."""
     from dspark_core.bench.online import run_bench_online
 
     monkeypatch.chdir(workdir)
     model, tok = load_target("data/target")
     cfg = BenchOnlineConfig.from_dict(dict(datasets=["jsonl:prompts.jsonl"], max_prompts=2, max_new_tokens=12,
                                            max_turns=2, max_len=256, peers=[], also_temperatures=[0.7],
-                                           confidence_threshold=0.5))
+                                           confidence_threshold=0.5, concurrency=[2], proposal="confidence"))
     sets = load_prompt_sets("", cfg.datasets, cfg.max_prompts)
     torch.manual_seed(0)
     dcfg = DraftConfig(num_draft_layers=1, block_size=4, mask_token_id=259, num_anchors=4, markov_head="none",
@@ -114,6 +129,11 @@ def test_dflash_draft_through_the_stage(workdir, monkeypatch):
     m = metrics["jsonl:prompts.jsonl"]
     assert m["identical"] is True and 1.0 < m["mal"] < 5.0, m  # no confidence head: the 0.5 threshold cuts nothing
     assert 1.0 <= m["at_temperature"]["0.7"]["mal"] <= 5.0
+    # proposal: confidence has no confidence head to schedule by: the levels verify fixed blocks, and say so
+    assert metrics["setup"]["proposal"] == "fixed"
+    assert "draft.kind 'baseline' has no confidence head" in metrics["setup"]["proposal_note"]
+    row = m["concurrency"]["2"]
+    assert row["proposal"] == "fixed" and row["identical"] is True and row["mean_verify_tokens"] == 2 * 5
 
 
 def test_summarize_rates():
@@ -195,3 +215,119 @@ def test_speedup_against_the_fastest_ar_of_all_modes():
     assert hot["b"]["ar_tokens_per_s_by_mode"] == {"mma": 8.0} and hot["b"]["speedup_vs_fastest_ar"] == 5.625
     assert hot["overall"]["fastest_ar_tokens_per_s"] == 30.0 and hot["overall"]["fastest_ar_mode"] == "fma"
     assert metrics["a"]["speedup_vs_fastest_ar"] == 2.0
+
+
+
+
+def _check_level(row: dict, c: int, block: int, requests: int) -> None:
+    """A level's row: every key, the definitions that tie them (speedup over the AR it names; fixed proposals verify
+    every row's whole block), and a partly right draft."""
+    assert set(row) == set(LEVEL_KEYS) and row["concurrency"] == c and row["requests"] == requests
+    assert 1.0 < row["mal"] < block + 1, row
+    assert row["speedup"] == pytest.approx(row["tokens_per_s"] / row["ar_tokens_per_s"])
+    assert 1.0 <= row["mean_active_rows"] <= c
+    assert min(row["tokens_per_s"], row["request_tokens_per_s"], row["cycle_ms"], row["ar_step_ms"]) > 0
+    if row["proposal"] == "fixed":
+        assert row["mean_verify_tokens"] == c * (block + 1)
+
+
+def test_concurrency_levels_through_the_stage(stage_metrics):
+    """``bench_online.concurrency: [1, 2]``: every dataset (and overall) at both levels, speculative and AR on the
+    same request rows. Greedy: every request equals its AR output at that level and decoded alone, with the main
+    run's acceptance (the same MAL); the first turns of both conversations are served at once at level 2; the
+    speedup at level 1 is over the fastest AR at one request, at level 2 over the batched AR."""
+    metrics = stage_metrics
+    assert metrics["setup"]["concurrency"] == [1, 2] and metrics["setup"]["proposal"] == "fixed"
+    assert metrics["setup"]["level_kernels"] == {"1": False, "2": False}  # CPU: no Triton kernels
+    for name in ("jsonl:prompts.jsonl", "overall"):
+        levels = metrics[name]["concurrency"]
+        assert sorted(levels) == ["1", "2"]
+        for c, row in levels.items():
+            _check_level(row, int(c), 4, requests=3)
+            assert row["proposal"] == "fixed" and row["identical"] is True and row["identical_to_alone"] is True
+            assert row["mal"] == metrics[name]["mal"]  # the reference engine's decisions, request by request
+        one, two = levels["1"], levels["2"]
+        assert one["mean_active_rows"] == 1.0 and two["mean_active_rows"] > 1.0
+        assert one["ar_tokens_per_s"] == max(one["batched_ar_tokens_per_s"], metrics[name]["ar_tokens_per_s"])
+        assert one["ar_baseline"] in ("rows", "ar")
+        assert two["ar_baseline"] == "rows" and two["ar_tokens_per_s"] == two["batched_ar_tokens_per_s"]
+    assert level_kernels(True, 1) and not level_kernels(True, 2) and not level_kernels(False, 1)
+
+
+def _bench(workdir, draft: str = "baseline", **over):
+    from dspark_core.bench.online import run_bench_online
+
+    cfg = BenchOnlineConfig.from_dict(dict(datasets=["jsonl:prompts.jsonl"], max_prompts=2, max_new_tokens=12,
+                                           max_turns=2, max_len=256, peers=[], **over))
+    sets = load_prompt_sets("", cfg.datasets, cfg.max_prompts)
+    return run_bench_online("data/target", f"data/train/{draft}/final", sets, cfg)
+
+
+def test_levels_with_proposals_scheduled_by_confidence(workdir, monkeypatch):
+    """``proposal: confidence`` with a verify budget at concurrency 2 (no level 1: decoded alone = the main run's
+    AR): greedy output still every request's AR output; each cycle verifies 2 .. 6 tokens."""
+    monkeypatch.chdir(workdir)
+    metrics = _bench(workdir, concurrency=[2], proposal="confidence", verify_budget=6)
+    row = metrics["overall"]["concurrency"]["2"]
+    assert sorted(metrics["overall"]["concurrency"]) == ["2"] and row["proposal"] == "confidence"
+    _check_level(row, 2, 4, requests=3)
+    assert row["identical"] is True and row["identical_to_alone"] is True
+    assert 2 <= row["mean_verify_tokens"] <= 6
+
+
+def test_levels_when_sampling(workdir, monkeypatch):
+    """Sampling (temperature 0.7): the levels decode by exact rejection sampling; no identity to check (None)."""
+    monkeypatch.chdir(workdir)
+    row = _bench(workdir, temperature=0.7, concurrency=[2])["overall"]["concurrency"]["2"]
+    assert row["identical"] is None and row["identical_to_alone"] is None
+    assert row["requests"] == 3 and 1.0 <= row["mal"] <= 5.0 and row["tokens_per_s"] > 0 and row["speedup"] > 0
+
+
+def test_concurrency_params_are_refused_with_one_line(tmp_path):
+    bad = {"concurrency: 0 is not a number of request rows >= 1": dict(concurrency=[1, 0]),
+           "concurrency must be a list, got 4": dict(concurrency=4),
+           r"concurrency\[0\] must be an integer, got 1.5": dict(concurrency=[1.5]),
+           r"concurrency: \[2, 2\] names a level twice": dict(concurrency=[2, 2]),
+           "proposal must be one of fixed, confidence; got 'sometimes'": dict(proposal="sometimes"),
+           r"concurrency \[1, 4\] with engine: reference: the reference engine decodes one request; set engine: "
+           r"auto \(or static\), or concurrency: \[1\]": dict(engine="reference", concurrency=[1, 4]),
+           r"concurrency \[1, 2\] with tree_branches: draft trees are verified at concurrency 1 only; set "
+           r"concurrency: \[1\] or tree_branches: \[\]": dict(tree_branches=[[1, 1]]),
+           "verify_budget and min_gain size the verify of proposal: confidence": dict(verify_budget=8),
+           r"verify_budget 2 is below concurrency 4 \(every row verifies its anchor\)":
+               dict(proposal="confidence", verify_budget=2, concurrency=[1, 4]),
+           r"min_gain must be in \[0, 1\]": dict(proposal="confidence", min_gain=1.5)}
+    for message, over in bad.items():
+        with pytest.raises(ParamsError, match=message):
+            BenchOnlineConfig.from_dict(over)
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"bench_online": {"concurrency": [1, -4]}}))
+    with pytest.raises(ParamsError, match=r"^\S*params.yaml: bench_online.concurrency: -4 is not a number"):
+        BenchOnlineConfig.load(params, "bench_online")
+    BenchOnlineConfig.from_dict(dict(concurrency=[], tree_branches=[[1, 1]], engine="reference"))  # no levels
+    BenchOnlineConfig.from_dict(dict(concurrency=[1], tree_branches=[[1, 1]]))
+
+
+def test_levels_refuse_what_the_engine_cannot_do_and_name_max_len(workdir, monkeypatch):
+    """An engine that refuses the levels' setup (a sampled draft tree) and a request past the cache's end: one
+    line naming the params, not a traceback from the engine."""
+    from dspark_core.bench.online import chat_ids, level_engines, serve_waves
+    from dspark_core.checkpoint import load_draft
+    from dspark_core.errors import UserError
+
+    monkeypatch.chdir(workdir)
+    model, tok = load_target("data/target")
+    draft = load_draft("data/train/baseline/final", model)
+    runner = TargetRunner(model, max_len=256, aux_layer_ids=draft.aux_layer_ids)
+    cfg = BenchOnlineConfig.from_dict(dict(temperature=0.7, tree_branches=[[1, 1]], concurrency=[1]))
+    with pytest.raises(UserError, match=r"^bench_online.concurrency \[1\] \(level 1\): the static engine verifies "
+                                        r"draft trees greedily"):
+        level_engines(runner, draft, cfg, "fixed")
+    convs = [["What is 2 + 3?"]]
+    prompt = chat_ids(tok, [{"role": "user", "content": convs[0][0]}])
+    cfg = BenchOnlineConfig.from_dict(dict(max_len=len(prompt) + 12, max_new_tokens=12, concurrency=[2]))
+    runner = TargetRunner(model, max_len=cfg.max_len, aux_layer_ids=draft.aux_layer_ids, batch_size=2)
+    spec, ar = level_engines(runner, draft, cfg, "fixed")
+    with pytest.raises(UserError, match=rf"^bench_online.max_len={cfg.max_len} is too small for turn 0 of dataset "
+                                        rf"'d' at concurrency 2: {len(prompt)} prompt tokens need"):
+        serve_waves(convs, tok, spec, ar, cfg, [], "dataset 'd' at concurrency 2")

@@ -4,8 +4,9 @@ session's converted copy), in a temporary git + DVC repo holding this project's 
 dspark_core/; then the everyday loop of the README:
 
 - `dvc repro` runs every stage `dspark stages list` names (the no-DVC runner reads the same dvc.yaml), and
-  the report writes the headline metrics; a second `dvc repro` has nothing to do, nor `dvc status` once the
-  bytecode caches are gone (as in a fresh clone);
+  the report writes the headline metrics (each concurrency level's too) and the speedup-against-concurrency points
+  that `dvc plots show` draws as one chart with a line per variant; a second `dvc repro` has nothing to do, nor
+  `dvc status` once the bytecode caches are gone (as in a fresh clone);
 - `dvc exp run -S '++variants.reranker_frozen.train.lr=5e-4'` reruns exactly that variant's train / eval_offline /
   bench_online and the report (not the draft it starts from), with the new lr in the run's config;
 - `dvc metrics diff` names the changed headline file and fits a terminal; `dvc metrics show` of one concern is
@@ -83,6 +84,7 @@ def repo(tmp_path_factory, packaged_target):
     _run(["git", "init", "-q"], repo)
     _run(DVC + ["init", "-q"], repo)
     shutil.copy(ROOT / ".dvcignore", repo / ".dvcignore")
+    shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")  # dvc.yaml's plot templates
     _run(DVC + ["config", "core.analytics", "false"], repo)
     _run(["git", "add", "-A"], repo)
     _run(["git", "commit", "-qm", "smoke"], repo)
@@ -111,6 +113,10 @@ def test_repro_runs_every_stage_and_writes_headline_metrics(repo, first_repro):
         assert set(off) == {"tau_prob", "accept_rate@0", "accept_rate@1"}, v
         assert set(on) == {"mal", "tokens_per_s", "speedup"}, v
         assert 1.0 <= off["tau_prob"] <= 7.0 and 1.0 <= on["mal"] <= 7.0
+        for c in params["bench_online"]["concurrency"]:  # the levels: speedup over AR at the same concurrency
+            level = json.loads((repo / "reports/metrics/concurrency" / f"{v}@c{c}.json").read_text())
+            assert set(level) == {"mal", "tokens_per_s", "request_tokens_per_s", "cycle_ms", "speedup"}, (v, c)
+            assert 1.0 <= level["mal"] <= 7.0 and level["speedup"] > 0
     assert set(json.loads((repo / "reports/metrics/reranker/reranker_frozen.json").read_text())) == {
         "candidate_recall", "rerank_tau_gain", "rerank_target_agreement_gain", "rerank_teacher_forced_prefix_gain"}
     for v in params["dmtd"]["variants"]:
@@ -119,6 +125,16 @@ def test_repro_runs_every_stage_and_writes_headline_metrics(repo, first_repro):
     assert {"bytes_per_token", "regenerate_tokens_per_s"} <= set(json.loads((repo / "reports/metrics/data.json")
                                                                              .read_text()))
     assert "| baseline |" in (repo / "reports/summary.md").read_text()
+    # dvc plots: speedup against concurrency, one chart, a line (colour) per variant
+    shown = json.loads(_run(DVC + ["plots", "show", "--json", "reports/plots/speedup_vs_concurrency.json"], repo))
+    [chart] = shown["data"]["reports/plots/speedup_vs_concurrency.json"]
+    points = chart["content"]["data"]["values"]
+    levels = params["bench_online"]["concurrency"]
+    assert sorted((p["variant"], p["concurrency"]) for p in points) == sorted(
+        (v, c) for v in params["variants"] for c in levels)
+    line = chart["content"]["layer"][0]["encoding"]
+    assert line["x"]["field"] == "concurrency" and line["y"]["field"] == "speedup"
+    assert line["color"]["field"] == "variant"
     for layout in ("deepspec", "speculators"):
         assert (repo / "data/export/baseline" / layout / "model.safetensors").is_file()
     assert _ran(_run(DVC + ["repro"], repo)) == []  # everything up to date

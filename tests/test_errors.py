@@ -757,9 +757,17 @@ CASES = [
     Case("variant/unknown_kind", params_then(train("small"), variants={"small": {"draft": {"kind": "foo"}}}),
          r"params.yaml: variants.small.draft.kind must be one of baseline, .*; got 'foo'",
          ("data/train/small", "reports/train")),
-    Case("params/bench_tree_branch_past_the_block", with_draft(bench(), bench_online={"tree_branches": [[8, 1]]}),
+    Case("params/bench_tree_branch_past_the_block",
+         with_draft(bench(), bench_online={"tree_branches": [[8, 1]], "concurrency": [1]}),
          r"bench_online.tree_branches \[\[8, 1\]\]: tree branch \(start 8, length 1\): needs 1 <= start <= 4.*"
          r"fix the \[start, length\] pairs", BENCH_OUT),
+    Case("params/bench_tree_at_concurrency_2", with_draft(bench(), bench_online={"tree_branches": [[1, 1]]}),
+         r"params.yaml: bench_online.concurrency \[1, 2\] with tree_branches: draft trees are verified at "
+         r"concurrency 1 only; set concurrency: \[1\] or tree_branches: \[\]", BENCH_OUT),
+    Case("params/bench_levels_on_the_reference_engine",
+         with_draft(bench(), bench_online={"engine": "reference", "concurrency": [1, 4]}),
+         r"params.yaml: bench_online.concurrency \[1, 4\] with engine: reference: the reference engine decodes one "
+         r"request; set engine: auto \(or static\), or concurrency: \[1\]", BENCH_OUT),
     Case("params/bench_tree_with_confidence_cut",
          with_draft(bench(), bench_online={"tree_branches": [[1, 1]], "confidence_threshold": 0.5}),
          r"params.yaml: bench_online.tree_branches with confidence_threshold 0.5: the confidence cut applies to the "

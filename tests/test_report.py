@@ -20,8 +20,14 @@ def test_report_tables_and_plots(tmp_path):
     (tmp_path / "dmtd").mkdir()
     (tmp_path / "eval_offline" / "baseline.json").write_text(json.dumps(
         {"tau_prob": 2.5, "accept_rate@0": 0.7, "accept_rate@1": 0.5, "ce": 1.25, "conf_mae": 0.1}))
+    levels = {str(c): {"concurrency": c, "proposal": "fixed", "mal": 2.5, "tokens_per_s": 30.0 * c,
+                       "request_tokens_per_s": 30.0, "cycle_ms": 4.0 + c, "ar_tokens_per_s": 15.0 * c,
+                       "speedup": 2.0 / c, "mean_active_rows": c * 0.75, "mean_verify_tokens": 8.0 * c,
+                       "identical": True, "identical_to_alone": c < 16, "batched_ar_tokens_per_s": 15.0 * c}
+              for c in (16, 1, 4)}  # levels in any order
     (tmp_path / "bench_online" / "baseline.json").write_text(json.dumps(
-        {"overall": {"mal": 2.75, "tokens_per_s": 30.0, "ar_tokens_per_s": 10.0, "speedup": 3.0, "identical": True}}))
+        {"overall": {"mal": 2.75, "tokens_per_s": 30.0, "ar_tokens_per_s": 10.0, "speedup": 3.0, "identical": True,
+                     "concurrency": levels}}))
     (tmp_path / "dmtd" / "bidir_refresh.json").write_text(json.dumps(
         {"perplexity": 2.5, "target_perplexity": 2.0, "gsm8k_accuracy": 0.5, "target_gsm8k_accuracy": 0.5,
          "tokens_per_s": 40.0, "ar_tokens_per_s": 20.0, "speedup": 2.0, "device": "cpu"}))
@@ -36,8 +42,21 @@ def test_report_tables_and_plots(tmp_path):
     assert "| other | - |" in text  # a variant without results shows dashes, not zeros
     assert "| rr | 2.000 |" in text and "| 0.250 | 0.020 | 0.900 | 0.125 | - |" in text  # the reranker's gains
     assert "| bidir_refresh | 2.500 | 2.000 | 0.500 | 0.500 | 40.000 | 20.000 | 2.000 | cpu |" in text
-    for png in ("dspark_accept_rate.png", "dmtd_quality_speed.png"):
+    for png in ("dspark_accept_rate.png", "dmtd_quality_speed.png", "speedup_vs_concurrency.png"):
         assert (tmp_path / "plots" / png).read_bytes()[:4] == b"\x89PNG"
+    # speed against concurrency: a row per variant and level (ascending), the points dvc plots draws, headlines
+    table = text.split("## Speed against concurrency")[1].split("## Parallel DMTD")[0]
+    assert ("| variant | concurrency | proposal | mal | tokens_per_s | request_tokens_per_s | cycle_ms | ar_tokens_per_s "
+            "| speedup | mean_active_rows | mean_verify_tokens | identical | identical_to_alone |") in table
+    assert [ln.split(" | ")[1] for ln in table.splitlines() if ln.startswith("| baseline")] == ["1", "4", "16"]
+    assert ("| baseline | 16 | fixed | 2.500 | 480.000 | 30.000 | 20.000 | 240.000 | 0.125 | 12.000 | 128.000 | yes "
+            "| no |") in table
+    assert "| other |" not in table  # no levels, no rows
+    points = json.loads((tmp_path / "plots" / "speedup_vs_concurrency.json").read_text())
+    assert [(p["variant"], p["concurrency"], p["speedup"]) for p in points] == [
+        ("baseline", 1, 2.0), ("baseline", 4, 0.5), ("baseline", 16, 0.125)]
+    assert set(points[0]) == {"variant", "concurrency", "speedup", "mal", "tokens_per_s", "request_tokens_per_s",
+                              "cycle_ms", "proposal"}
     # the headline metrics (the only files dvc.yaml declares as metrics): flat, one per variant and concern,
     # only what exists
     head = tmp_path / "metrics"
@@ -45,6 +64,10 @@ def test_report_tables_and_plots(tmp_path):
         "tau_prob": 2.5, "accept_rate@0": 0.7, "accept_rate@1": 0.5}
     assert json.loads((head / "online" / "baseline.json").read_text()) == {
         "mal": 2.75, "tokens_per_s": 30.0, "speedup": 3.0}
+    assert json.loads((head / "concurrency" / "baseline@c4.json").read_text()) == {
+        "mal": 2.5, "tokens_per_s": 120.0, "request_tokens_per_s": 30.0, "cycle_ms": 8.0, "speedup": 0.5}
+    assert sorted(p.name for p in (head / "concurrency").iterdir()) == [
+        "baseline@c1.json", "baseline@c16.json", "baseline@c4.json"]
     assert json.loads((head / "offline" / "other.json").read_text()) == {}
     assert json.loads((head / "online" / "other.json").read_text()) == {}
     assert json.loads((head / "reranker" / "rr.json").read_text()) == {
@@ -65,7 +88,8 @@ def test_report_tables_and_plots(tmp_path):
     assert json.loads((head / "dmtd" / "bidir_refresh.json").read_text()) == {
         "perplexity": 2.5, "accuracy": 0.5, "tokens_per_s": 40.0, "speedup": 2.0}
     assert json.loads((head / "data.json").read_text()) == {}  # no regenerate / cache stats here
-    assert sorted(p.name for p in head.iterdir()) == ["data.json", "dmtd", "offline", "online", "reranker"]
+    assert sorted(p.name for p in head.iterdir()) == ["concurrency", "data.json", "dmtd", "offline", "online",
+                                                      "reranker"]
 
 
 def test_report_headline_files_follow_params(tmp_path):

@@ -22,6 +22,14 @@ plain AR (``ARDecoder``) and speculative with the trained draft (``bench_online.
   ``bench_online.engine`` resolves to, static on CUDA for a chain): mal, accept_rate@0, tokens_per_s,
   ar_tokens_per_s, speedup, cycle_ms, engine -- per dataset and overall; with kernels (``ar_all_modes``) also
   the fastest sampled AR of all small-GEMM modes and ``speedup_vs_fastest_ar`` at that temperature;
+- ``concurrency`` (``bench_online.concurrency``, e.g. [1, 4, 16, 64]): at each level c, a target runner of c request
+  rows and the fast engine on it (``StaticSpeculativeDecoder.serve``: c requests at once, a row taking the next
+  request when its own ends), speculative (``bench_online.proposal``: fixed | confidence) and AR (``draft=None``,
+  the same rows and step), every dataset's requests turn by turn in waves;
+  ``metrics[name]["concurrency"][str(c)]`` = mal, tokens_per_s (total), request_tokens_per_s, cycle_ms,
+  ar_tokens_per_s, speedup over the AR at the same concurrency (at c = 1 over the fastest AR the run measured at
+  one request), mean_active_rows, mean_verify_tokens, identical, identical_to_alone, ...
+  (``dspark_core.bench.concurrency``);
 - ``peers`` (optional): Hugging Face ``generate`` greedy, assisted generation (``assistant_model``) and
   prompt-lookup decoding (``prompt_lookup_num_tokens``) on the same prompts: tokens/s, and whether the
   greedy text equals our AR output.
@@ -41,12 +49,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
+from dspark_core.bench.concurrency import (LevelRun, alone_tokens, ar_at_one_request, merge_runs,
+                                          summarize_level)
 from dspark_core.bench.peers import PEERS, peer_comparison, truncated_assistant
 from dspark_core.bench.plots import plot_metrics
 from dspark_core.config import (Section, device_name, non_negative, one_of, positive, require,
@@ -57,6 +68,7 @@ from dspark_core.io import write_json
 from dspark_core.decoding.ar import ARDecoder
 from dspark_core.decoding.common import BudgetError
 from dspark_core.decoding.engine import SpeculativeDecoder
+from dspark_core.decoding.rows import PROPOSALS
 from dspark_core.decoding.sampling import SamplingParams
 from dspark_core.decoding.static_draft import static_draft_problem
 from dspark_core.decoding.target_runner import TargetRunner
@@ -71,6 +83,7 @@ DATASET_SOURCES = {"math_word": ("gsm8k_symbolic", "gsm8k_test", "gsm_symbolic_v
 JSONL_PREFIX = "jsonl:"
 ENGINES = ("auto", "reference", "static")
 TIME_EVERY = 16  # the static engine times draft / verify separately on every 16th cycle
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -103,6 +116,10 @@ class BenchOnlineConfig(Section):
     ar_all_modes: bool = True             # with kernels: AR again in the other small-GEMM mode (fastest AR)
     engine: str = "auto"                  # reference | static | auto (static for greedy on cuda where it applies)
     tree_branches: tuple[tuple[int, ...], ...] = ()  # draft-tree branches [start, length] (decoding/tree.py)
+    concurrency: tuple[int, ...] = (1, 2)  # request rows served at once: a row of metrics per level ([]: none)
+    proposal: str = "fixed"               # the levels' verify: fixed (every row its block) | confidence (scheduled)
+    verify_budget: int | None = None      # proposal confidence: at most this many tokens a verify step (None: any)
+    min_gain: float = 0.0                 # proposal confidence: never verify a draft token predicted below it
     num_threads: int | None = None        # CPU threads for torch (None: torch's default)
     peers: tuple[str, ...] = ("hf_generate", "assisted", "prompt_lookup")
     peers_variants: tuple[str, ...] = ("baseline",)  # variants whose bench runs the peers (draft-independent)
@@ -138,10 +155,34 @@ class BenchOnlineConfig(Section):
         require(not (self.tree_branches and self.confidence_threshold > 0),
                 f"tree_branches with confidence_threshold {self.confidence_threshold}: the confidence cut applies to "
                 "the chain only; set confidence_threshold: 0 or tree_branches: []")
+        self._validate_levels()
         if self.num_threads is not None:
             positive("num_threads", self.num_threads)
         if self.small_gemm is not None:
             require(self.small_gemm in ("mma", "fma"), f"small_gemm must be mma, fma or null; got {self.small_gemm!r}")
+
+    def _validate_levels(self) -> None:
+        levels = self.concurrency
+        for c in levels:
+            require(c >= 1, f"concurrency: {c} is not a number of request rows >= 1 (e.g. [1, 4, 16, 64])")
+        require(len(set(levels)) == len(levels), f"concurrency: {list(levels)} names a level twice")
+        one_of("proposal", self.proposal, PROPOSALS)
+        many = [c for c in levels if c > 1]
+        require(not (many and self.engine == "reference"),
+                f"concurrency {list(levels)} with engine: reference: the reference engine decodes one request; "
+                "set engine: auto (or static), or concurrency: [1]")
+        require(not (many and self.tree_branches),
+                f"concurrency {list(levels)} with tree_branches: draft trees are verified at concurrency 1 only; "
+                "set concurrency: [1] or tree_branches: []")
+        conf = self.proposal == "confidence"
+        require(conf or (self.verify_budget is None and self.min_gain == 0.0),
+                "verify_budget and min_gain size the verify of proposal: confidence; set proposal: confidence, "
+                "or verify_budget: null and min_gain: 0")
+        if self.verify_budget is not None:
+            require(self.verify_budget >= max(levels, default=1),
+                    f"verify_budget {self.verify_budget} is below concurrency {max(levels, default=1)} (every row "
+                    "verifies its anchor); raise it or set it to null")
+        require(0.0 <= self.min_gain <= 1.0, f"min_gain must be in [0, 1] (a predicted acceptance); got {self.min_gain}")
 
     @property
     def sampling(self) -> SamplingParams:
@@ -267,9 +308,7 @@ def decode_dataset(conversations: Sequence[Sequence[str]], tokenizer: Any, spec:
 
     run = DatasetRun()
     for c, turns in enumerate(tqdm(conversations, desc=desc or "bench_online", leave=False)):
-        system = getattr(turns, "system", None)
-        system = cfg.system_prompt if system is None else system
-        messages = [{"role": "system", "content": system}] if system else []
+        messages = opening(turns, cfg)
         for t, turn in enumerate(turns[: cfg.max_turns]):
             messages.append({"role": "user", "content": turn})
             prompt = chat_ids(tokenizer, messages)
@@ -280,6 +319,14 @@ def decode_dataset(conversations: Sequence[Sequence[str]], tokenizer: Any, spec:
             answer = tokenizer.decode(run.spec[-1].tokens, skip_special_tokens=True)
             messages.append({"role": "assistant", "content": answer})
     return run
+
+
+def opening(turns: Sequence[str], cfg: BenchOnlineConfig) -> list[dict[str, str]]:
+    """The messages before a conversation's first turn: its own system message (:class:`Conversation`), else
+    ``cfg.system_prompt``, else none."""
+    system = getattr(turns, "system", None)
+    system = cfg.system_prompt if system is None else system
+    return [{"role": "system", "content": system}] if system else []
 
 
 @contextlib.contextmanager
@@ -419,10 +466,11 @@ def resolve_engine(name: str, sampling: SamplingParams, draft: Any, device: torc
 
 
 def make_runner(model: torch.nn.Module, cfg: "BenchOnlineConfig", aux_layer_ids: Sequence[int], block: int,
-                graphs: bool, kernels: bool) -> TargetRunner:
-    """The target runner of the benchmark: static caches of ``max_len``, graphs of up to a verify step."""
+                graphs: bool, kernels: bool, batch_size: int = 1) -> TargetRunner:
+    """The target runner of the benchmark: static caches of ``max_len`` for ``batch_size`` request rows, graphs of
+    up to a verify step."""
     return TargetRunner(model, max_len=cfg.max_len, aux_layer_ids=aux_layer_ids, compile=cfg.compile,
-                        cuda_graph=graphs, graph_max_tokens=block + 1, kernels=kernels)
+                        cuda_graph=graphs, graph_max_tokens=block + 1, kernels=kernels, batch_size=batch_size)
 
 
 def check_tree(cfg: "BenchOnlineConfig", draft: Any) -> None:
@@ -505,6 +553,12 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
     if kernels and cfg.ar_all_modes:
         by_mode = ar_in_other_modes(model, cfg, runs, stops, runner.aux_layer_ids, block, graphs)
         add_fastest_ar(metrics, by_mode)
+    proposal, proposal_note = level_proposal(cfg, draft)
+    if cfg.concurrency:
+        if proposal_note:
+            log.warning(proposal_note)
+        levels = serve_levels(model, draft, cfg, prompt_sets, tokenizer, stops, graphs, kernels)
+        add_levels(metrics, levels, runs, proposal, greedy)
     if cfg.peers and greedy:
         assistant = _assistant(cfg, model) if "assisted" in cfg.peers else None
         for name, run in runs.items():
@@ -519,7 +573,10 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
                         "compile": cfg.compile, "block_size": block, "aux_layer_ids": list(draft.aux_layer_ids),
                         "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
                         "confidence_threshold": cfg.confidence_threshold, "max_new_tokens": cfg.max_new_tokens,
-                        "tree_branches": [list(b) for b in cfg.tree_branches]}
+                        "tree_branches": [list(b) for b in cfg.tree_branches],
+                        "concurrency": list(cfg.concurrency), "proposal": proposal, "proposal_note": proposal_note,
+                        "verify_budget": cfg.verify_budget, "min_gain": cfg.min_gain,
+                        "level_kernels": {str(c): level_kernels(kernels, c) for c in cfg.concurrency}}
     if kernels:
         from dspark_core.kernels.tuning import close_config_store, kernel_configs
 
@@ -661,6 +718,122 @@ def compare_online_modes(draft: Any, spec: Any, runs: dict[str, DatasetRun], met
         metrics[name]["online_modes"] = rows
 
 
+# -- concurrency levels ------------------------------------------------------------------------------
+def level_kernels(kernels: bool, concurrency: int) -> bool:
+    """Whether the target runner of a concurrency level runs the Triton decode kernels (``kernels``: the run's
+    choice at one request): at one request row only; more rows run torch ops."""
+    return kernels and concurrency == 1
+
+
+def level_proposal(cfg: BenchOnlineConfig, draft: Any) -> tuple[str, str | None]:
+    """The levels' ``proposal`` for this draft and, where it differs from ``bench_online.proposal``, why: a draft
+    without a confidence head (dflash) has nothing to schedule by and verifies fixed blocks."""
+    if cfg.proposal == "confidence" and getattr(draft, "confidence", None) is None:
+        kind = getattr(getattr(draft, "cfg", None), "kind", type(draft).__name__)
+        return "fixed", (f"bench_online.proposal: confidence, but draft.kind {kind!r} has no confidence head "
+                         "(draft.confidence_head: false): its levels verify fixed blocks")
+    return cfg.proposal, None
+
+
+def level_engines(runner: TargetRunner, draft: Any, cfg: BenchOnlineConfig, proposal: str) -> tuple[Any, Any]:
+    """The speculative engine and the AR engine (``draft=None``) of one level, on the same request rows, their
+    requests capped alike at the cache's end (one ``reserve``). An engine that refuses the setup: one line naming
+    the params."""
+    from dspark_core.decoding.static_engine import StaticSpeculativeDecoder
+
+    reserve = 2 * (int(draft.block_size) + 1)
+    try:
+        spec = StaticSpeculativeDecoder(runner, draft, sampling=cfg.sampling, seed=cfg.seed,
+                                        confidence_threshold=cfg.confidence_threshold,
+                                        tree_branches=cfg.tree_branches, proposal=proposal,
+                                        verify_budget=cfg.verify_budget, min_gain=cfg.min_gain, reserve=reserve,
+                                        time_every=TIME_EVERY)
+        ar = StaticSpeculativeDecoder(runner, None, sampling=cfg.sampling, seed=cfg.seed, reserve=reserve)
+    except ValueError as e:
+        raise UserError(f"bench_online.concurrency {list(cfg.concurrency)} (level {runner.batch_size}): {e}") from None
+    return spec, ar
+
+
+def serve_waves(conversations: Sequence[Sequence[str]], tokenizer: Any, spec: Any, ar: Any, cfg: BenchOnlineConfig,
+                stop_ids: Sequence[int], what: str) -> LevelRun:
+    """Every conversation's turns (up to ``max_turns``) served in waves, speculative and AR: wave t holds the t-th
+    turn of every conversation that has one, after the speculative answers of its earlier turns."""
+    histories = [opening(turns, cfg) for turns in conversations]
+    run = LevelRun()
+    for t in range(cfg.max_turns):
+        live = [i for i, turns in enumerate(conversations) if t < len(turns)]
+        if not live:
+            break
+        prompts = []
+        for i in live:
+            histories[i].append({"role": "user", "content": conversations[i][t]})
+            prompts.append(chat_ids(tokenizer, histories[i]))
+        with max_len_named(cfg, f"turn {t} of {what}"):
+            batch = spec.serve(prompts, cfg.max_new_tokens, stop_ids, strict=True)
+            run.ar.append(ar.serve(prompts, cfg.max_new_tokens, stop_ids, strict=True))
+        for i, res in zip(live, batch.results):
+            histories[i].append({"role": "assistant", "content": tokenizer.decode(res.tokens, skip_special_tokens=True)})
+        run.prompts += prompts
+        run.spec.append(batch)
+    return run
+
+
+def _warm_up_level(prompt_sets, tokenizer, engines: Sequence[Any], cfg: BenchOnlineConfig, stops,
+                   concurrency: int, cuda: bool) -> None:
+    """Serve a few tokens first, so that graph capture, kernel tuning and the confidence schedule's cost
+    measurement are not timed: on CUDA every row busy with the first dataset's first turns; on CPU (nothing to
+    capture) one request on 16 tokens of a prompt."""
+    name, convs = next(iter(prompt_sets.items()))
+    prompts = [chat_ids(tokenizer, opening(c, cfg) + [{"role": "user", "content": c[0]}]) for c in convs]
+    prompts = [prompts[i % len(prompts)] for i in range(concurrency)] if cuda else [prompts[0][:16]]
+    with max_len_named(cfg, f"the warm-up at concurrency {concurrency} on dataset {name!r}"):
+        for engine in engines:
+            engine.serve(prompts, 8 if cuda else 2, stops, strict=True)
+
+
+def serve_levels(model: torch.nn.Module, draft: Any, cfg: BenchOnlineConfig, prompt_sets, tokenizer: Any,
+                 stops: Sequence[int], graphs: bool, kernels: bool) -> dict[int, dict[str, LevelRun]]:
+    """Every dataset at every ``bench_online.concurrency`` level: a runner of that many request rows, the
+    speculative and the AR engine on it (:func:`level_engines`); {level: {dataset: run}}."""
+    from tqdm.auto import tqdm
+
+    block, cuda = int(draft.block_size), next(model.parameters()).is_cuda
+    proposal, _ = level_proposal(cfg, draft)
+    out: dict[int, dict[str, LevelRun]] = {}
+    bar = tqdm(total=len(cfg.concurrency) * len(prompt_sets), desc="concurrency", leave=False)
+    for c in cfg.concurrency:
+        runner = make_runner(model, cfg, draft.aux_layer_ids, block, graphs, level_kernels(kernels, c), batch_size=c)
+        spec, ar = level_engines(runner, draft, cfg, proposal)
+        _warm_up_level(prompt_sets, tokenizer, (spec, ar), cfg, stops, c, cuda)
+        out[c] = {}
+        for name, convs in prompt_sets.items():
+            bar.set_postfix_str(f"c={c} {name}")
+            out[c][name] = serve_waves(convs, tokenizer, spec, ar, cfg, stops, f"dataset {name!r} at concurrency {c}")
+            bar.update()
+        del spec, ar, runner
+        if cuda:
+            torch.cuda.empty_cache()
+    bar.close()
+    return out
+
+
+def add_levels(metrics: dict[str, Any], levels: dict[int, dict[str, LevelRun]], runs: dict[str, DatasetRun],
+               proposal: str, greedy: bool) -> None:
+    """``metrics[name]["concurrency"][str(c)]`` per dataset and overall (:func:`summarize_level`). A prompt decoded
+    alone: its AR output at concurrency 1 (the level-1 row's; without that level, the main run's)."""
+    for name in [*runs, "overall"]:
+        by_level = {c: sets[name] if name in sets else merge_runs(list(sets.values())) for c, sets in levels.items()}
+        if 1 in by_level:
+            one = by_level[1]
+            alone = alone_tokens(one.prompts, [r.tokens for b in one.ar for r in b.results])
+        else:
+            main = runs[name] if name in runs else _merge(runs.values())
+            alone = alone_tokens(main.prompts, [r.tokens for r in main.ar])
+        metrics[name]["concurrency"] = {
+            str(c): summarize_level(run, proposal, greedy, alone, ar_at_one_request(metrics[name]) if c == 1 else None)
+            for c, run in by_level.items()}
+
+
 def _warm_up(prompt_sets, tokenizer, spec: SpeculativeDecoder, ar: ARDecoder, stops,
              cfg: BenchOnlineConfig, new_tokens: tuple[int, int] = (8, 16), prompt_tokens: int | None = None) -> None:
     """One short generation of each kind first (``new_tokens``: AR, speculative), so CUDA graphs / lazy inits are
@@ -674,12 +847,7 @@ def _warm_up(prompt_sets, tokenizer, spec: SpeculativeDecoder, ar: ARDecoder, st
 
 
 def _merge(runs) -> DatasetRun:
-    merged = DatasetRun()
-    for run in runs:
-        merged.prompts += run.prompts
-        merged.spec += run.spec
-        merged.ar += run.ar
-    return merged
+    return merge_runs(list(runs), DatasetRun())
 
 
 def _assistant(cfg: BenchOnlineConfig, model: torch.nn.Module) -> torch.nn.Module:
