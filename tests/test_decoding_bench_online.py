@@ -251,7 +251,8 @@ def test_concurrency_levels_through_the_stage(stage_metrics):
         assert one["ar_tokens_per_s"] == max(one["batched_ar_tokens_per_s"], metrics[name]["ar_tokens_per_s"])
         assert one["ar_baseline"] in ("rows", "ar")
         assert two["ar_baseline"] == "rows" and two["ar_tokens_per_s"] == two["batched_ar_tokens_per_s"]
-    assert level_kernels(True, 1) and not level_kernels(True, 2) and not level_kernels(False, 1)
+    assert level_kernels(True, 1) and level_kernels(True, 2) and not level_kernels(False, 1)
+    assert level_kernels(True, 1, batch_invariant=False) and not level_kernels(True, 2, batch_invariant=False)
 
 
 def _bench(workdir, draft: str = "baseline", **over):

@@ -576,7 +576,8 @@ def run_bench_online(target_dir: str | Path, draft_dir: str | Path, prompt_sets:
                         "tree_branches": [list(b) for b in cfg.tree_branches],
                         "concurrency": list(cfg.concurrency), "proposal": proposal, "proposal_note": proposal_note,
                         "verify_budget": cfg.verify_budget, "min_gain": cfg.min_gain,
-                        "level_kernels": {str(c): level_kernels(kernels, c) for c in cfg.concurrency}}
+                        "level_kernels": {str(c): level_kernels(kernels, c, cfg.batch_invariant)
+                                          for c in cfg.concurrency}}
     if kernels:
         from dspark_core.kernels.tuning import close_config_store, kernel_configs
 
@@ -719,10 +720,12 @@ def compare_online_modes(draft: Any, spec: Any, runs: dict[str, DatasetRun], met
 
 
 # -- concurrency levels ------------------------------------------------------------------------------
-def level_kernels(kernels: bool, concurrency: int) -> bool:
+def level_kernels(kernels: bool, concurrency: int, batch_invariant: bool = True) -> bool:
     """Whether the target runner of a concurrency level runs the Triton decode kernels (``kernels``: the run's
-    choice at one request): at one request row only; more rows run torch ops."""
-    return kernels and concurrency == 1
+    choice at one request). At more request rows only when ``batch_invariant``: each row's tokens then sum as in a
+    one-token step of that row alone (greedy rows equal their prompts decoded alone, bit for bit); otherwise torch
+    ops, faster at many rows. What the exact mode costs at each level: benchmarks/bench_concurrency.py."""
+    return kernels and (concurrency == 1 or batch_invariant)
 
 
 def level_proposal(cfg: BenchOnlineConfig, draft: Any) -> tuple[str, str | None]:
@@ -802,7 +805,8 @@ def serve_levels(model: torch.nn.Module, draft: Any, cfg: BenchOnlineConfig, pro
     out: dict[int, dict[str, LevelRun]] = {}
     bar = tqdm(total=len(cfg.concurrency) * len(prompt_sets), desc="concurrency", leave=False)
     for c in cfg.concurrency:
-        runner = make_runner(model, cfg, draft.aux_layer_ids, block, graphs, level_kernels(kernels, c), batch_size=c)
+        runner = make_runner(model, cfg, draft.aux_layer_ids, block, graphs, level_kernels(kernels, c, cfg.batch_invariant),
+                             batch_size=c)
         spec, ar = level_engines(runner, draft, cfg, proposal)
         _warm_up_level(prompt_sets, tokenizer, (spec, ar), cfg, stops, c, cuda)
         out[c] = {}
