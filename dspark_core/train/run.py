@@ -34,7 +34,7 @@ from typing import Any
 from dspark_core.checkpoint import verify_latest_checkpoint
 from dspark_core.dist import Dist, on_main
 from dspark_core.errors import UserError
-from dspark_core.io import atomic_path, read_json, sha256_json, write_json
+from dspark_core.io import atomic_path, git_ignored_dir, read_json, sha256_json, write_json
 from dspark_core.train.trainer import TrainConfig, TrainResult, TrainRun
 
 
@@ -120,9 +120,7 @@ def move_aside(out_dir: Path, step: int, report_dir: Path | None = None) -> Path
     outside every DVC output (a sibling of the stage's), so neither DVC nor a stage ever rewrites or commits it."""
     import time
 
-    attic = out_dir.parent / MOVED_ASIDE
-    attic.mkdir(parents=True, exist_ok=True)
-    (attic / ".gitignore").write_text("*\n")
+    attic = git_ignored_dir(out_dir.parent / MOVED_ASIDE)
     stem = f"{out_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}-step{step}"
     dest, n = attic / stem, 1
     while dest.exists():
