@@ -22,7 +22,6 @@ import yaml
 
 from dspark_core.cache import CacheConfig, build_store, read_manifest, run_cache
 from dspark_core.cache.build import check_disk_space, target_model_config
-from dspark_core.cache.home import dvc_copies, tree_files
 from dspark_core.cache.store import cache_bytes_per_token
 from dspark_core.errors import UserError
 from dspark_core.profile_check import check_profile
@@ -37,6 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def _cfg(root: Path, target: Path, regen: Path, **kw) -> CacheConfig:
     return CacheConfig(**{**CACHE, **kw}, target_dir=str(target), regen_dir=str(regen.parent),
                        out_dir=str(root / "cache"), stats_path=str(root / "cache_stats.json"))
+
+
+def tree_files(path: Path) -> dict[str, Path]:
+    return {str(f.relative_to(path)): f for f in sorted(Path(path).rglob("*")) if f.is_file()}
 
 
 def _inodes(path: Path) -> dict[str, int]:
@@ -225,6 +228,7 @@ def test_the_disk_checks_count_dvcs_copy(tmp_path, target, regen, monkeypatch):
     project's hardlink,symlink once, outside a repository once: the free-disk check asks for that many copies (one
     line naming why), and `profile check`'s estimate says it."""
     import dspark_core.cache.build as build
+    from dspark_core.cache.home import dvc_copies
 
     repo = tmp_path / "repo"
     repo.mkdir()

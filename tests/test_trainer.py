@@ -334,12 +334,15 @@ def test_strict_resume_refuses_a_code_edit(tmp_path, package_copy):
         TrainConfig.from_dict({"resume": "restart"})
 
 
-def test_a_params_change_moves_the_older_run_aside(tmp_path, package_copy, capsys):
+def test_a_params_change_moves_the_older_run_aside(tmp_path, monkeypatch, capsys):
     """train.lr changed: the older output (checkpoints, run_config.json, and a copy of its curves) moves to
     out's parent's .previous/ folder, git-ignored, named in one line with the changed key; the new run starts at
     step 0. The old checkpoints are there, byte for byte."""
+    import sys
+
     from dspark_core.train.run import run_training
 
+    monkeypatch.setitem(sys.modules, "dvclive", None)
     cfg = _cfg(tmp_path / "out")
     run_training(ToyTask(), cfg, {"train": cfg.identity_dict()}, tmp_path / "report")
     old = {p.relative_to(tmp_path / "out"): p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file()}
