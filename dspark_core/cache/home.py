@@ -106,11 +106,14 @@ def link_tree(files: dict[str, Path], dst: Path) -> None:
     under a temp name beside it, then renamed into place, so it is whole or absent."""
     tmp = dst.with_name(f".{dst.name}.linking")
     shutil.rmtree(tmp, ignore_errors=True)
-    for rel, src in files.items():
-        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-        os.link(src, tmp / rel)
-    tmp.mkdir(parents=True, exist_ok=True)  # an empty store still gets its folder
-    tmp.rename(dst)
+    try:
+        for rel, src in files.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.link(src, tmp / rel)
+        tmp.mkdir(parents=True, exist_ok=True)  # an empty store still gets its folder
+        tmp.rename(dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def adopt(cfg: Any, split: str, kind: str, manifest: dict[str, Any], replace: bool) -> str | None:
@@ -131,7 +134,11 @@ def adopt(cfg: Any, split: str, kind: str, manifest: dict[str, Any], replace: bo
     if tree is not None and holds(_attrs_of(tree.get("zarr.json")), manifest, complete=True):
         prepare_home(cfg)
         remove_store(home)
-        link_tree(tree, home)
+        try:
+            link_tree(tree, home)
+        except OSError as e:  # DVC's cache on another file system: no hard link; the store is built instead
+            print(f"cache {split}: DVC's cache holds this store, but it cannot be linked into {home} ({e})")
+            return None
         return "DVC's cache"
     return None
 
