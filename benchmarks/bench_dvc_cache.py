@@ -157,6 +157,7 @@ def main() -> None:
     run(["git", "commit", "-qm", "scratch"], repo)
     print(f"building a store of ~{args.gb:g} GB: {samples:,} samples of {args.max_length} tokens, hidden "
           f"{args.hidden} x {args.layers - 1} aux layers + the last ({per_token:,} bytes a token raw)", flush=True)
+    load = {"start": os.getloadavg()}  # other jobs on the machine slow the build and DVC alike
     rows = {"build": timed_repro(repo)}
     home = repo / "data" / "cache_stores" / "train.zarr"
     store = {"bytes": disk_bytes(home), "files": len(tree_files(home)), "tokens": samples * args.max_length}
@@ -166,11 +167,12 @@ def main() -> None:
     rows["rerun"] = timed_repro(repo)
     assert rows["rerun"]["reused"], "the rerun rebuilt the store"
     base = baseline(args.work, args, stage, target, regen, home) if args.baseline else None
+    load["end"] = os.getloadavg()
     build_s = rows["build"]["stage_s"]
     out = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
            "hardware": {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
                         "cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-                        "dvc": run(dvc("--version"), args.work)[1].strip()},
+                        "dvc": run(dvc("--version"), args.work)[1].strip(), "load_average": load},
            "config": {k: getattr(args, k) for k in ("gb", "hidden", "layers", "max_length", "chunk_tokens",
                                                      "batch_tokens")},
            "store": store, "rows": rows,
