@@ -369,6 +369,9 @@ def run_cache(cfg: CacheConfig, force: bool = False, rebuild_stale: bool = False
     check_layer_ids(cfg.aux_layer_ids, model_config.num_hidden_layers)
     cached = [s for s in cfg.splits if modes[s] == "cache"]
     fingerprint = (read_fingerprint(cfg.target_dir) if cached else _stored_fingerprint(cfg.target_dir))["fingerprint"]
+    device = resolve_device(cfg.device, "cache.device") if cached else None  # refused before any store moves
+    if device is not None and dist.world_size > 1 and device.type == "cuda":
+        device = torch.device("cuda", dist.local_rank)
     manifests = {s: wanted_manifest(cfg, model_config, fingerprint, samples[s], src, sha256_file(src))
                  for s, src in sources.items()}
     plan = on_main(dist, lambda: plan_stores(cfg, manifests, modes, force))
@@ -379,9 +382,6 @@ def run_cache(cfg: CacheConfig, force: bool = False, rebuild_stale: bool = False
     on_main(dist, lambda: prepare_home(cfg))
     model = None
     if any(what == "cache" for what, _ in plan.values()):  # the target's weights only for stores with hidden states
-        device = resolve_device(cfg.device, "cache.device")
-        if dist.world_size > 1 and device.type == "cuda":
-            device = torch.device("cuda", dist.local_rank)
         model, _ = load_target(cfg.target_dir, dtype=cfg.dtype, device=device)
     per_split = {}
     for s, (what, path) in plan.items():
@@ -434,7 +434,7 @@ def plan_stores(cfg: CacheConfig, manifests: dict[str, dict[str, Any]], modes: d
 
 def _say_adopted(split: str, home: Path, source: str | None) -> None:
     if source is not None:
-        print(f"cache {split}: {home} taken from {source} (a complete store of this content; nothing recomputed)")
+        print(f"cache {split}: {home} taken from {source}")
 
 
 def target_model_config(target_dir: str | Path) -> Any:

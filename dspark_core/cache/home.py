@@ -41,6 +41,7 @@ from dspark_core.cache.store import mismatches, remove_store, token_only
 from dspark_core.errors import UserError
 from dspark_core.io import git_ignored_dir
 
+COMPLETE = "a complete store of this content; nothing recomputed"
 PARTIAL = ".partial"  # zarr's LocalStore writes to <file>.<uuid>.partial first: a killed write can leave one
 
 
@@ -119,17 +120,20 @@ def link_tree(files: dict[str, Path], dst: Path) -> None:
 def adopt(cfg: Any, split: str, kind: str, manifest: dict[str, Any], replace: bool) -> str | None:
     """Give the home a store of ``manifest``'s content for ``split`` / ``kind`` when it lacks one: absent, or (when
     ``replace``: a store the build would rebuild anyway) of other content. A complete one is taken from the output
-    folder (moved: names only) or from DVC's cache (:func:`committed_tree`, hard-linked). Returns where it came from
-    (for the stage's line), or None when the home is left as it is."""
+    folder (moved: names only) or from DVC's cache (:func:`committed_tree`, hard-linked); into an absent slot, the
+    output folder's store of this kind moves whatever it holds (half-built, or of other settings: the build then
+    resumes, rebuilds or refuses it as it would in the home). Returns where it came from and what it was (for the
+    stage's line), or None when the home is left as it is."""
     home = home_store(cfg, split, kind)
     if holds(store_attrs(home), manifest) or (home.exists() and not replace):
         return None
     view = view_store(cfg, split)
-    if holds(store_attrs(view), manifest, complete=True):
+    found = store_attrs(view)
+    if holds(found, manifest, complete=True) or (found is not None and _kind(found) == kind and not home.exists()):
         prepare_home(cfg)
         remove_store(home)
         view.rename(home)
-        return str(view)
+        return f"{view} ({COMPLETE if holds(found, manifest, complete=True) else 'as it was'})"
     tree = committed_tree(cfg.out_dir, view.name)
     if tree is not None and holds(_attrs_of(tree.get("zarr.json")), manifest, complete=True):
         prepare_home(cfg)
@@ -139,7 +143,7 @@ def adopt(cfg: Any, split: str, kind: str, manifest: dict[str, Any], replace: bo
         except OSError as e:  # DVC's cache on another file system: no hard link; the store is built instead
             print(f"cache {split}: DVC's cache holds this store, but it cannot be linked into {home} ({e})")
             return None
-        return "DVC's cache"
+        return f"DVC's cache ({COMPLETE})"
     return None
 
 

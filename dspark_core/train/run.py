@@ -67,11 +67,14 @@ def _prepare_out_dir(out_dir: Path, run_config: dict[str, Any], code: str, cfg: 
     old_code = old.get("code", before.pop("code", None))  # an older run_config.json kept it inside the config
     step, record = _checkpoint_step(out_dir), {"hash": sha256_json(run_config), "config": run_config, "code": code}
     if old and sha256_json(before) == record["hash"]:
+        if step:  # a damaged checkpoint is refused before anything is written
+            verify_latest_checkpoint(out_dir / "checkpoints")
         changes = list(old.get("code_changes") or [])
         if step and old_code != code:
             _code_changed(out_dir, step, cfg or TrainConfig())
             changes.append({"step": step, "from": old_code, "to": code})
-        write_json(rc, {**record, "code_changes": changes})
+        if old != {**record, "code_changes": changes}:
+            write_json(rc, {**record, "code_changes": changes})
         return step > 0
     if out_dir.exists() and any(out_dir.iterdir()):
         changed = changed_keys(before, json_plain(run_config)) or ["configuration"]
@@ -197,9 +200,8 @@ def run_training(task: Any, cfg: TrainConfig, run_config: dict[str, Any], report
     _check_same_run(d, {**run_config, "code": code})  # before rank 0 moves an older run's outputs aside
     made = [_new_root(out_dir) or out_dir, _new_root(report_dir)]  # what a failed fresh run removes again
     # global rank 0 alone reads and writes the outputs (the other hosts need not hold them)
+    # a damaged checkpoint is refused there, before run_config.json, the curves or the report folder are touched
     resume = on_main(d, lambda: _prepare_out_dir(out_dir, run_config, code, cfg, report_dir))
-    if resume:  # a damaged checkpoint is refused before the curves or the report folder are touched
-        on_main(d, lambda: verify_latest_checkpoint(out_dir / "checkpoints"))
     try:
         return _run(run, run_config, out_dir, report_dir, resume, log_step_offset)
     except BaseException:
