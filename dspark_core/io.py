@@ -85,6 +85,16 @@ def _umask() -> int:
     return mask
 
 
+def git_ignored_dir(path: str | Path) -> Path:
+    """Create folder ``path`` (and its parents) holding a ``.gitignore`` of ``*``: git, and so ``dvc exp run``,
+    leave the folder and everything in it out, wherever it lies. Returns the path."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if not (path / ".gitignore").is_file():
+        (path / ".gitignore").write_text("*\n")
+    return path
+
+
 def write_json(path: str | Path, obj: Any) -> None:
     with atomic_path(path, ".json") as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n")

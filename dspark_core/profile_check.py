@@ -15,7 +15,9 @@ The profile is merged onto a copy of params.yaml (as ``dspark profile apply`` wo
   estimates the bytes of the hidden-state cache for a token count (``cache.store.estimate_cache_bytes``: the
   target's hidden size, the aux layers, the aux dtype; ``--samples`` / ``--tokens-per-sample`` or ``--tokens``,
   else the prepare split sizes x ``cache.max_length``: a sample a conversation, each cut to it, where a conversation
-  split into a sample an answer makes more);
+  split into a sample an answer makes more), and how many times it will be on disk (``cache.home.dvc_copies``: once
+  when DVC hard-links the store into its cache, as the repository's ``cache.type: hardlink,symlink`` does; twice
+  when it copies it);
 - it compares the answers a conversation can hold (``regenerate.max_turns`` x ``max_new_tokens``) with
   ``cache.max_length`` and warns where regenerated answers would not be trained whole (:func:`turn_warnings`).
 
@@ -227,7 +229,8 @@ def _downloads(sections: dict[str, Any]) -> list[str]:
 
 
 def _estimate(report: ProfileCheck, cfg: dict | None, sections: dict[str, Any], samples: int | None,
-              tokens_per_sample: int | None, tokens: int | None, train_hidden: str) -> None:
+              tokens_per_sample: int | None, tokens: int | None, train_hidden: str, root: Path) -> None:
+    from dspark_core.cache.home import dvc_copies, existing_parent, home_dir
     from dspark_core.cache.store import TOKEN_BYTES, cache_bytes_per_token, human_bytes
 
     cache, prepare = sections.get("cache"), sections.get("prepare")
@@ -253,10 +256,13 @@ def _estimate(report: ProfileCheck, cfg: dict | None, sections: dict[str, Any], 
     hidden, k = int(cfg["hidden_size"]), len(cache.aux_layer_ids)
     per_token = cache_bytes_per_token(hidden, k, cache.aux_dtype)
     raw = tokens * per_token
+    extra, why = dvc_copies(existing_parent(root / home_dir(cache)))
+    copies = f"; on disk {'twice' if extra else 'once'} ({why}): {human_bytes(raw * (1 + extra))} raw" \
+        if extra else f"; on disk once ({why})"
     report.lines.append(f"cache estimate: {tokens:,} tokens ({how}) x {per_token:,} bytes a token ({cache.aux_dtype} "
                         f"aux, {k} aux layers + the last, hidden {hidden}) = {human_bytes(raw)} raw, about "
-                        f"{human_bytes(raw * TYPICAL_COMPRESSION)} compressed; train.hidden_states: online keeps "
-                        f"{TOKEN_BYTES} bytes a token ({human_bytes(tokens * TOKEN_BYTES)}) instead "
+                        f"{human_bytes(raw * TYPICAL_COMPRESSION)} compressed{copies}; train.hidden_states: online "
+                        f"keeps {TOKEN_BYTES} bytes a token ({human_bytes(tokens * TOKEN_BYTES)}) instead "
                         f"(now: {train_hidden})")
 
 
@@ -277,12 +283,13 @@ def check_profile(name: str | None, params: Path = Path("params.yaml"), dvc_yaml
         sections = {s: report.attempt(s, lambda f=f: f(merged)) for s, f in _section_loaders()}
         drafts = _check_variants(report, merged)
         _check_dag(report, merged, dvc_yaml)
+        root = Path(params).resolve().parent
         cfg = _profile_target(report, name, named, sections.get("target"))
         if cfg is not None:
             _check_dims(report, cfg, sections, drafts)
         report.lines += [f"download: {d}" for d in _downloads(sections)]
         train_hidden = str((read_yaml(merged).get("train") or {}).get("hidden_states", "cache"))
-        _estimate(report, cfg, sections, samples, tokens_per_sample, tokens, train_hidden)
+        _estimate(report, cfg, sections, samples, tokens_per_sample, tokens, train_hidden, root)
         if sections.get("regenerate") is not None and sections.get("cache") is not None:
             report.warnings += turn_warnings(sections["regenerate"], sections["cache"])
     report.problems = list(dict.fromkeys(report.problems))  # a section every variant reads: named once

@@ -211,3 +211,46 @@ def save_hub_repo(cache_dir: str | Path, repo_id: str, src_dir: str | Path, ref:
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / ref).write_text(commit)
     return commit
+
+
+def scratch_env(repo: str | Path) -> dict[str, str]:
+    """The environment of a git / DVC command in a scratch repo made by :func:`cache_stage_repo`: this Python's
+    ``dvc`` on PATH, the repo's own ``dspark_core`` first on PYTHONPATH (a stage run by DVC imports it), offline,
+    no analytics, no progress bars, a git identity."""
+    import os
+    import sys
+
+    return dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+                PYTHONPATH=str(repo), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", DVC_NO_ANALYTICS="1",
+                TQDM_DISABLE="1", GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+                GIT_COMMITTER_EMAIL="t@t")
+
+
+def cache_stage_repo(repo: str | Path, stage: dict, target: str | Path, regen: str | Path, params: dict,
+                     link_config: bool = True) -> Path:
+    """A git + DVC repo at ``repo`` whose only stage is ``stage`` (as dvc.yaml's ``cache``), with this project's
+    ``stages/cache.py`` and ``dspark_core``, ``target`` as ``data/target``, ``regen`` as
+    ``data/regen/train.parquet`` (a hard link) and ``params`` as params.yaml; this project's ``.dvc/config`` (its
+    link type) when ``link_config``, else DVC's defaults."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import yaml
+
+    root, repo = Path(__file__).resolve().parents[1], Path(repo)
+    repo.mkdir(parents=True)
+    for cmd in (["git", "init", "-q"], [sys.executable, "-m", "dvc", "init", "-q"]):
+        subprocess.run(cmd, cwd=repo, env=scratch_env(repo), check=True, capture_output=True)
+    if link_config:
+        shutil.copy(root / ".dvc" / "config", repo / ".dvc" / "config")
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"cache": stage}}))
+    (repo / "stages").mkdir()
+    shutil.copy(root / "stages" / "cache.py", repo / "stages" / "cache.py")
+    shutil.copytree(root / "dspark_core", repo / "dspark_core", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(target, repo / "data" / "target")
+    (repo / "data" / "regen").mkdir(parents=True)
+    os.link(regen, repo / "data" / "regen" / "train.parquet")
+    (repo / "params.yaml").write_text(yaml.safe_dump(params))
+    return repo

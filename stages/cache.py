@@ -1,7 +1,8 @@
-"""DVC stage `cache`: one target forward per sample -> data/cache/{split}.zarr (+ reports/cache_stats.json).
+"""DVC stage `cache`: one target forward per sample -> data/cache_stores/{split}.zarr, linked (hard links) as
+data/cache/{split}.zarr, the DVC output (+ reports/cache_stats.json).
 
-A split whose consumer runs the target itself (train.hidden_states / eval_offline.hidden_states: online) gets a
-token-only store (no forward, no hidden states)."""
+A split whose consumer runs the target itself (train.hidden_states / eval_offline.hidden_states: online) reads a
+kept store with hidden states, else gets a token-only store (no forward, no hidden states)."""
 
 import sys
 from pathlib import Path
@@ -19,8 +20,8 @@ def main(params: Path = typer.Option(Path("params.yaml"), help="params file"),
          keep_stale: bool = typer.Option(False, "--keep-stale",
                                          help="refuse (instead of rebuild) stores made with other settings/model/source"),
          ) -> None:
-    # Under DVC a params change reruns this stage on its persisted output: rebuild what no longer matches,
-    # resume what does (a killed run).
+    # Under DVC a params change reruns this stage: the stores in cache.store_dir that no longer match are rebuilt,
+    # the others kept (a killed run's resumed); data/cache links them again.
     cfg = CacheConfig.load(params, "cache")
     hidden_states = consumer_hidden_states(params)  # {split: cache | online}: token-only stores for online
     relaunch_under_torchrun(cfg.nproc_per_node, sys.argv)  # cache.nproc_per_node > 1: one store shard a rank

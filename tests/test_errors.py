@@ -2,8 +2,9 @@
 by our own checks (never a traceback from deep inside torch / zarr / transformers), and leaves nothing
 half-written where the stage writes its outputs.
 
-Every case runs in a fresh project dir laid out as the DAG leaves it (``data/target``, ``data/regen``,
-``data/cache/{train,eval}.zarr``, a small ``params.yaml``; tiny random targets), drives a stage entry (or the
+Every case runs in a fresh project dir laid out as the DAG leaves it (``data/target``, ``data/regen``, the stores in
+``data/cache_stores`` linked as ``data/cache/{train,eval}.zarr``, a small ``params.yaml``; tiny random targets),
+drives a stage entry (or the
 library call it makes) and checks:
 
 - the error is a ``ValueError`` (``ParamsError`` is one) whose one-line text matches the case's regex;
@@ -37,9 +38,11 @@ import yaml
 
 from dspark_core.cache import CacheConfig, CacheDataset, build_store, run_cache
 from dspark_core.cache.build import build_token_store
+from dspark_core.cache.home import link_tree, tree_files
 from dspark_core.cache.store import open_store
 from dspark_core.checkpoint import load_draft, save_draft
 from dspark_core.config import ParamsError
+from dspark_core.io import git_ignored_dir
 from dspark_core.data.prompts import PrepareConfig, Prompt, run_prepare, write_prompts
 from dspark_core.data.regenerate import RegenerateConfig, run_regenerate
 from dspark_core.bench.online import run_bench_online_stage
@@ -131,8 +134,10 @@ class Project:
         self.root, self.assets = root, assets
         shutil.copytree(assets["target"], root / "data" / "target")
         shutil.copytree(assets["regen"].parent, root / "data" / "regen")
+        home = git_ignored_dir(root / "data" / "cache_stores")  # the stores, and their links in data/cache
         for split in ("train", "eval"):
-            shutil.copytree(assets["store"], root / "data" / "cache" / f"{split}.zarr")
+            shutil.copytree(assets["store"], home / f"{split}.zarr")
+            link_tree(tree_files(home / f"{split}.zarr"), root / "data" / "cache" / f"{split}.zarr")
         (root / "prompts.jsonl").write_text("".join(json.dumps({"turns": [t]}) + "\n"
                                                     for t in ("What is 2 + 3?", "Name a colour.")))
         self.params()
@@ -367,7 +372,7 @@ def little_disk_space(p: Project):
     """No cache yet, and 10 kB free where the stores go: less than their hidden states take uncompressed."""
     from unittest import mock
 
-    shutil.rmtree(p.root / "data" / "cache")
+    no_stores(p)
 
     def run():
         with mock.patch("shutil.disk_usage", lambda path: shutil._ntuple_diskusage(10**6, 0, 10**4)):
@@ -400,13 +405,21 @@ def nan_in_cache_item(p: Project):
 def nan_from_target(p: Project):
     p.put("nan_target", "data/target")
     shutil.copy(p.assets["nan_regen"], p.root / "data/regen/train.parquet")
-    shutil.rmtree(p.root / "data" / "cache")
+    no_stores(p)
     return cache()
 
 
+def no_stores(p: Project) -> None:
+    """No cache yet: neither the stores nor their links."""
+    for rel in ("data/cache", "data/cache_stores"):
+        shutil.rmtree(p.root / rel)
+
+
 def incomplete_store_refused(p: Project) -> None:
-    with pytest.raises(ValueError, match=r"data/cache/train.zarr: cache store is incomplete"):
-        CacheDataset(p.root / "data/cache/train.zarr")
+    """The store the failed build began stays in the home, half-built (a rerun resumes it); no link is made."""
+    assert not (p.root / "data/cache/train.zarr").exists()
+    with pytest.raises(ValueError, match=r"data/cache_stores/train.zarr: cache store is incomplete"):
+        CacheDataset(p.root / "data/cache_stores/train.zarr")
 
 
 def regen_rows(lengths: list[tuple[int, int]], **over: Any):
@@ -708,7 +721,8 @@ CASES = [
     Case("cache/other_layer_ids", other_layer_ids_in_eval_cache,
          r"data/cache/eval.zarr: cache holds aux layers \[0, 2\], the caller expects \[1, 3\]", EVAL_OUT),
     Case("cache/other_settings_kept", stale_store_kept,
-         r"data/cache/train.zarr: a cache built with other settings \(aux_layer_ids: stored \[1, 3\], now \[0, 2\]\)",
+         r"data/cache_stores/train.zarr: a cache built with other settings \(aux_layer_ids: stored \[1, 3\], now "
+         r"\[0, 2\]\)",
          CACHE_OUT),
     Case("cache/missing_chunk", missing_chunk,
          r"data/cache/train.zarr: truncated cache store: 1 of 2 chunk\(s\) of aux_hidden are missing \(the first holds "
@@ -802,7 +816,7 @@ CASES = [
     Case("cache/no_disk_space", little_disk_space,
          r"cache: the hidden states of 298 tokens \(train\) take 115.9 kB uncompressed \(389 bytes a token\), but "
          r"\S+ has 10.0 kB free; free some space, or train without a cache: set train.hidden_states: online",
-         ("data/cache",) + CACHE_OUT),
+         ("data/cache", "data/cache_stores") + CACHE_OUT),
     Case("cache/damaged_store_metadata", damaged_metadata("zarr.json"),
          r"data/cache/train.zarr: cache store metadata is damaged \(JSONDecodeError.*rebuild the store with "
          r"`dvc repro -f cache`", TRAIN_OUT),
@@ -830,7 +844,7 @@ CASES = [
          r"data/cache/train.zarr: sample 2 \(source row \d\) holds NaN/inf hidden states from its token 1"),
     Case("nan/target_output", nan_from_target,
          r"cache: target hidden states of sample 's002' \(source row 2\) are NaN/inf from token \d+; nothing stored",
-         CACHE_OUT, may_change=("data/cache",), after=incomplete_store_refused),
+         CACHE_OUT, may_change=("data/cache_stores",), after=incomplete_store_refused),
     # 5. empty prompt sets: name the source / param
     Case("empty/prepare_n_train", prepare_from(['{"turns": ["q"]}'], n_train=0),
          r"params.yaml: prepare.n_train must be > 0; got 0", ("data/prompts",)),
@@ -994,7 +1008,7 @@ def test_bad_input_gives_one_clear_error(case: Case, project: Project):
     changed = sorted(k for k in set(before) | set(after)
                      if before.get(k) != after.get(k) and not _under(k, case.may_change))
     assert not changed, f"left behind / changed: {changed[:10]}"
-    temps = [k for k in after if any(part.startswith(".") for part in Path(k).parts)]
+    temps = [k for k in after if any(part.startswith(".") and part != ".gitignore" for part in Path(k).parts)]
     assert not temps, f"temp files left: {temps}"
     for rel in case.absent:
         assert not (project.root / rel).exists(), rel
@@ -1032,7 +1046,7 @@ def test_prompt_over_max_length_is_cut_and_counted(project: Project):
     tail; ``truncate`` keeps its head: one whose prompt alone fills max_length has no response token left and is
     counted as such (its loss mask is empty, so it trains nothing), its answer's tokens as lost."""
     regen_rows([(120, 10)] + LENGTHS)(project)
-    shutil.rmtree(project.root / "data/cache")
+    no_stores(project)
     stats = cache()()
     assert stats["truncated_samples"] == 2 and stats["no_response_samples"] == 0  # rows 0 (130) and 2 (100)
     ds = CacheDataset("data/cache/train.zarr")
@@ -1087,7 +1101,8 @@ def _files(root: Path) -> dict[str, bytes]:
 
 KILLED = {  # stage -> (params over PARAMS, outputs removed first, what must be on disk when it is killed)
     "regenerate": ({}, ("data/regen",), "data/regen/parts/train/part-00000.parquet"),
-    "cache": ({"cache": {"batch_tokens": 100}}, ("data/cache",), "data/cache/train.zarr/zarr.json"),
+    "cache": ({"cache": {"batch_tokens": 100}}, ("data/cache", "data/cache_stores"),
+              "data/cache_stores/train.zarr/zarr.json"),
     "train": ({"train": {"total_steps": 4, "max_steps": 4}}, (), "data/train/baseline/checkpoints/latest.json"),
 }
 

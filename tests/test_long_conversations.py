@@ -199,6 +199,7 @@ def test_a_row_of_several_answers_without_turn_columns(tmp_path):
         CacheConfig.from_dict({"aux_layer_ids": [1], "long_conversations": "keep"}, src="params.yaml")
 
 
+@pytest.mark.workspace("the project's params.yaml: what the profile check warns of on its defaults")
 def test_profile_check_warns_when_the_turns_cannot_fit(tmp_path):
     """seed004 (16 turns x 4,096 new tokens, samples of 4,096): split warns that a 4,096-token answer fills a
     sample alone; truncate warns that the answers past 4,096 tokens are regenerated and not trained; the default

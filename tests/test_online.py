@@ -33,29 +33,13 @@ from dspark_core.draft.packing import collate_packed, sample_places
 from dspark_core.draft.stage import cache_identity
 from dspark_core.draft.task import task_class
 from dspark_core.errors import UserError
-from dspark_core.target import load_target, read_fingerprint, write_fingerprint
-from dspark_core.testing import save_tiny_target, write_regen
+from dspark_core.target import load_target, read_fingerprint
+from dspark_core.testing import save_tiny_target
 from dspark_core.train.trainer import TrainConfig, train
 
+from _cache_utils import CACHE, LAYERS, regen, target  # noqa: F401 (fixtures)
+
 REPO = Path(__file__).resolve().parents[1]
-LAYERS = (-1, 0, 2, 4)  # tiny targets have 6 decoder layers
-# 14 samples, 710 tokens after the cut to 96; batch_tokens 200 makes plan batches of 2-4 samples, unpadded and padded
-LENGTHS = [(12, 30), (40, 70), (5, 0), (20, 20), (33, 64), (8, 9), (60, 50), (15, 3), (25, 25), (3, 40),
-           (30, 31), (11, 12), (7, 80), (18, 18)]
-CACHE = dict(aux_layer_ids=LAYERS, max_length=96, chunk_tokens=256, batch_tokens=200, splits=("train",),
-             device="cpu")
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory) -> Path:
-    path = save_tiny_target(tmp_path_factory.mktemp("target") / "target", "qwen3")
-    write_fingerprint(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def regen(tmp_path_factory) -> Path:
-    return write_regen(tmp_path_factory.mktemp("regen") / "train.parquet", LENGTHS)
 
 
 @pytest.fixture(scope="module")

@@ -70,7 +70,7 @@ def test_every_profile_passes_the_check(name, hub_cache, tmp_path):
 
 def test_seed_recipe_reads_the_hub_config_and_estimates_the_cache(hub_cache):
     """seed004: Qwen/Qwen3-4B from the hub and PerfectBlend from the hub are what it would download; its cache for
-    1,000 samples of 2,048 tokens is 2,048,000 x (2 (5 + 1) 2560 + 5) bytes raw (bf16 aux)."""
+    1,000 samples of 2,048 tokens is 2,048,000 x (2 (5 + 1) 2560 + 5) bytes raw (bf16 aux), once on disk."""
     report = check_profile("seed004_qwen3_4b", ROOT / "params.yaml", ROOT / "dvc.yaml", samples=1000,
                            tokens_per_sample=2048)
     assert report.problems == []
@@ -82,6 +82,8 @@ def test_seed_recipe_reads_the_hub_config_and_estimates_the_cache(hub_cache):
     assert "2,048,000 tokens" in text and f"x {per_token:,} bytes a token" in text
     raw = 2_048_000 * per_token / 1e9
     assert f"= {raw:,.1f} GB raw" in text
+    # the project's .dvc/config hard-links outputs into DVC's cache: the store is on disk once
+    assert "on disk once (DVC hard-links it into its cache (cache.type: hardlink,symlink))" in text
 
 
 def test_a_bad_value_is_reported_as_its_stage_reports_it(hub_cache, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
@@ -244,25 +245,137 @@ def test_run_training_without_dvclive(tmp_path, monkeypatch, capsys):
     assert rows[0] == "step\tloss" and [int(r.split("\t")[0]) for r in rows[1:]] == [2, 4, 6, 8]
 
 
-def test_code_change_starts_training_over(tmp_path, monkeypatch, capsys):
-    """The resume identity includes a hash of dspark_core's sources: the same code and config resume (a
-    finished run trains nothing); changed code starts over, saying so -- it must not restore a checkpoint that
-    other code made (DVC reruns a finished training stage when its code changed)."""
+class KilledTask(ToyTask):
+    """Killed during the forward of micro-batch ``at`` (counted from 1): as a crash or a preempted job."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward_sums(self, model, batch):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return super().forward_sums(model, batch)
+
+
+@pytest.fixture
+def package_copy(tmp_path, monkeypatch):
+    """A copy of dspark_core's sources that ``code_fingerprint`` hashes (a test edits it); dvclive left out."""
+    import shutil
     import sys
 
     from dspark_core.train import run
 
     monkeypatch.setitem(sys.modules, "dvclive", None)
-    cfg = _cfg(tmp_path / "out")
-    assert len(run.run_training(ToyTask(), cfg, {"x": 1}, tmp_path / "report").history) == 8
-    assert run.run_training(ToyTask(), cfg, {"x": 1}, tmp_path / "report").history == []
-    real = run.code_fingerprint()
-    assert len(real) == 64 and run.code_fingerprint() == real  # deterministic
-    monkeypatch.setattr(run, "code_fingerprint", lambda: "0" * 64)
+    pkg = tmp_path / "dspark_core"
+    shutil.copytree(run.PACKAGE_ROOT, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(run, "PACKAGE_ROOT", pkg)
+    return pkg
+
+
+def _killed_at_step_5(tmp_path, **kw):
+    """A run of _cfg (checkpoints at steps 3 and 6) killed during step 5: its last checkpoint is step 3's."""
+    from dspark_core.train.run import run_training
+
+    cfg = _cfg(tmp_path / "out", **kw)
+    with pytest.raises(KeyboardInterrupt):  # 4 micro-batches a step: call 17 is step 5's first
+        run_training(KilledTask(at=17), cfg, {"train": cfg.identity_dict()}, tmp_path / "report")
+    assert json.loads((tmp_path / "out" / "checkpoints" / "latest.json").read_text())["step"] == 3
+    return cfg
+
+
+def test_a_code_edit_resumes_from_the_last_checkpoint(tmp_path, package_copy, capsys):
+    """A run killed after its step-3 checkpoint, then a one-line edit of a package file: the rerun resumes at step
+    3 with one line saying the code changed since step 3, ends with the weights of a run never stopped, and
+    run_config.json lists the change. Unchanged code resumes without the line."""
+    from dspark_core.train import run
+
+    full = run.run_training(ToyTask(), _cfg(tmp_path / "full"), {"x": 1}, tmp_path / "full_report")
+    cfg = _killed_at_step_5(tmp_path)
+    before = run.code_fingerprint()
+    with (package_copy / "metrics.py").open("a") as fh:
+        fh.write("# a one-line fix\n")
+    assert run.code_fingerprint() != before
     capsys.readouterr()
-    again = run.run_training(ToyTask(), cfg, {"x": 1}, tmp_path / "report")
-    assert len(again.history) == 8
-    assert "out: code changed since the last run; starting over" in capsys.readouterr().out
+    resumed = run.run_training(ToyTask(), cfg, {"train": cfg.identity_dict()}, tmp_path / "report")
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'out'}: the code changed since step 3; resuming from step 3's checkpoint" in out
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history[3:]]
+    for (k, a), b in zip(_params(full.model).items(), _params(resumed.model).values()):
+        assert torch.equal(a, b), k
+    record = json.loads((tmp_path / "out" / "run_config.json").read_text())
+    assert record["code"] == run.code_fingerprint()
+    assert record["code_changes"] == [{"step": 3, "from": before, "to": run.code_fingerprint()}]
+    again = run.run_training(ToyTask(), cfg, {"train": cfg.identity_dict()}, tmp_path / "report")
+    assert again.history == [] and "code changed" not in capsys.readouterr().out  # finished, same code
+    with (package_copy / "metrics.py").open("a") as fh:
+        fh.write("# another\n")
+    run.run_training(ToyTask(), cfg, {"train": cfg.identity_dict()}, tmp_path / "report")
+    assert "the run is complete at step 8, so nothing is trained" in capsys.readouterr().out
+
+
+def test_strict_resume_refuses_a_code_edit(tmp_path, package_copy):
+    """train.resume: strict refuses to resume checkpoints that other code wrote, in one line naming the two ways on,
+    and changes nothing on disk."""
+    from dspark_core.errors import UserError
+    from dspark_core.train.run import run_training
+
+    cfg = _killed_at_step_5(tmp_path, resume="strict")
+    files = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file() and "dspark_core" not in p.parts}
+    with (package_copy / "metrics.py").open("a") as fh:
+        fh.write("# a one-line fix\n")
+    with pytest.raises(UserError, match=r"out: the code \(dspark_core\) changed since step 3, and resume is strict "
+                                        r".*set resume: continue to resume from step 3 .*or move .* aside"):
+        run_training(ToyTask(), cfg, {"train": cfg.identity_dict()}, tmp_path / "report")
+    assert {p: p.read_bytes() for p in files} == files
+    assert TrainConfig.from_dict({"resume": "strict"}).identity_dict() == TrainConfig().identity_dict()
+    with pytest.raises(ParamsError, match="resume must be one of continue, strict"):
+        TrainConfig.from_dict({"resume": "restart"})
+
+
+def test_a_params_change_moves_the_older_run_aside(tmp_path, monkeypatch, capsys):
+    """train.lr changed: the older output (checkpoints, run_config.json, and a copy of its curves) moves to
+    out's parent's .previous/ folder, git-ignored, named in one line with the changed key; the new run starts at
+    step 0. The old checkpoints are there, byte for byte."""
+    import sys
+
+    from dspark_core.train.run import run_training
+
+    monkeypatch.setitem(sys.modules, "dvclive", None)
+    cfg = _cfg(tmp_path / "out")
+    run_training(ToyTask(), cfg, {"train": cfg.identity_dict()}, tmp_path / "report")
+    old = {p.relative_to(tmp_path / "out"): p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file()}
+    curves = (tmp_path / "report" / "plots" / "metrics" / "train" / "loss.tsv").read_text()
+    capsys.readouterr()
+    new_cfg = _cfg(tmp_path / "out", lr=2e-2)
+    res = run_training(ToyTask(), new_cfg, {"train": new_cfg.identity_dict()}, tmp_path / "report")
+    assert len(res.history) == 8
+    (moved,) = [p for p in (tmp_path / ".previous").iterdir() if p.is_dir()]
+    assert moved.name.startswith("out-") and moved.name.endswith("-step8")
+    line = capsys.readouterr().out
+    assert f"{tmp_path / 'out'}: train.lr changed since the last run; its output (checkpoints up to step 8) moved " \
+           f"to {moved}, where nothing deletes it" in line
+    assert {p: moved.joinpath(p).read_bytes() for p in old} == old
+    assert (moved / "report" / "plots" / "metrics" / "train" / "loss.tsv").read_text() == curves
+    assert (tmp_path / ".previous" / ".gitignore").read_text() == "*\n"
+    assert json.loads((tmp_path / "out" / "run_config.json").read_text())["config"]["train"]["lr"] == 2e-2
+
+
+def test_an_older_run_config_keeps_its_checkpoints(tmp_path, capsys, monkeypatch):
+    """A run_config.json written with the code inside the configuration (an older layout) resumes as one of
+    the current layout: the same configuration and code resume silently, other code resumes saying so."""
+    from dspark_core.io import sha256_json, write_json
+    from dspark_core.train.run import _prepare_out_dir
+
+    out = tmp_path / "out"
+    config = {"x": 1, "code": "c0"}
+    write_json(out / "run_config.json", {"hash": sha256_json(config), "config": config})
+    write_json(out / "checkpoints" / "latest.json", {"step": 3, "dir": "step_00000003"})
+    monkeypatch.setattr("dspark_core.train.run.verify_latest_checkpoint", lambda root: None)  # no step folder here
+    assert _prepare_out_dir(out, {"x": 1}, "c0") and capsys.readouterr().out == ""
+    assert _prepare_out_dir(out, {"x": 1}, "c1") and "the code changed since step 3" in capsys.readouterr().out
+    assert not (tmp_path / ".previous").exists()
 
 
 class NeedsTargetTask(ToyTask):
@@ -276,7 +389,7 @@ class NeedsTargetTask(ToyTask):
 
 def test_a_bad_setting_found_at_the_model_build_leaves_the_older_run_alone(tmp_path, monkeypatch):
     """A changed configuration starts over, but only once the new run is built: a setting refused by the model
-    build or by the batch arithmetic fails before the older run's checkpoints and curves are cleared."""
+    build or by the batch arithmetic fails before the older run's checkpoints and curves are moved aside."""
     import sys
 
     from dspark_core.errors import UserError

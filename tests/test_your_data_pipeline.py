@@ -211,14 +211,17 @@ def test_eval_and_two_turn_decoding_ran(project):
 
 
 def test_online_hidden_states_train_the_same_draft(project):
-    """The switch to online: the cache stage writes a token-only store, train and eval_offline run the target
-    themselves; the weights and the offline metrics equal the cache run's (the run starts afresh: its outputs are
-    removed first, so nothing is resumed)."""
+    """The switch to online, its stores with hidden states deleted first (as a user freeing their disk does; kept,
+    online would read their tokens): the cache stage writes token-only stores, train and eval_offline run the
+    target themselves; the weights and the offline metrics equal the cache run's (the run starts afresh: its
+    outputs are removed first, so nothing is resumed)."""
     repo, env, _ = project
     weights = repo / "data/train/baseline/final/model.safetensors"
     before = weights.read_bytes()
     metrics_before = json.loads((repo / "reports/eval_offline/baseline.json").read_text())
     shutil.rmtree(repo / "data/train/baseline")
+    for split in ("train", "eval"):
+        shutil.rmtree(repo / "data/cache_stores" / f"{split}.zarr")
     out = _run(DVC + ["exp", "run", "-n", "online", "-S", "train.hidden_states=online", "-S",
                       "eval_offline.hidden_states=online", "eval_offline@baseline"], repo, env)
     assert {"cache", "train@baseline", "eval_offline@baseline"} <= set(_ran(out))

@@ -1,6 +1,7 @@
 """Target cache: one target forward per sample -> zarr v3 store of aux layers + final normalised hidden state.
 
 - :mod:`~dspark_core.cache.build`: ``CacheConfig`` (params section ``cache``), ``run_cache``, ``build_store``
+- :mod:`~dspark_core.cache.home`: where the stores are kept (``cache.store_dir``) and linked as the DVC output
 - :mod:`~dspark_core.cache.capture`: hooks capturing the aux layers, layer-id checks, batch plan
 - :mod:`~dspark_core.cache.store`: zarr layout, codecs, manifest, crash-safe writer, size stats
 - :mod:`~dspark_core.cache.dataset`: ``CacheDataset`` + ``CacheCollator`` for training

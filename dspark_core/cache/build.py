@@ -5,11 +5,16 @@ with the target in ``target_dir`` and writes ``stats_path`` (bytes/token, tokens
 killed run resumes at its first uncommitted sample; a store built with other settings, another model or
 another source file is refused (or rebuilt with ``force=True``).
 
+The stores are built and kept in ``cache.store_dir`` (``data/cache_stores``); ``{out_dir}/{split}.zarr``, the
+stage's DVC output, is a tree of hard links to the store the split's consumer reads (:mod:`~dspark_core.cache.home`:
+one copy on disk, DVC's cache included).
+
 A split whose consumer runs the target itself (``train.hidden_states`` for ``train``,
-``eval_offline.hidden_states`` for ``eval``: ``online``) gets a token-only store instead: the same manifest and
+``eval_offline.hidden_states`` for ``eval``: ``online``) reads a complete store with hidden states of the same
+content when the home keeps one (nothing is built or deleted), else a token-only store: the same manifest and
 token arrays, no hidden arrays, no forward and no weights loaded (:func:`build_token_store`). Before any forward
-the stage prints what the hidden states will take on disk (``store.estimate_cache_bytes``) and refuses to start
-when the free space cannot hold it uncompressed.
+the stage prints what the hidden states will take on disk (``store.estimate_cache_bytes``, times the copies DVC
+makes: ``home.dvc_copies``) and refuses to start when the free space cannot hold it uncompressed.
 
 Shape legend: B batch, L tokens (padded), K aux layers, H hidden, T tokens of a store, N samples.
 """
@@ -30,6 +35,9 @@ from tqdm.auto import tqdm
 from dspark_core.cache.capture import (
     capture_batch, check_layer_ids, forward_pad_id, nonfinite_rows, plan_batches,
 )
+from dspark_core.cache.home import (
+    adopt, dvc_copies, existing_parent, holds, home_dir, home_store, prepare_home, publish, store_attrs,
+)
 from dspark_core.cache.source import LONG_CONVERSATIONS, ON_TOO_LONG, TokenSamples, load_regen
 from dspark_core.cache.store import (
     AUX_DTYPES, CUT_COUNTS, FORMAT_VERSION, HIDDEN_ARRAYS, HIDDEN_STATES, TOKEN_BYTES, HiddenWriter,
@@ -37,7 +45,7 @@ from dspark_core.cache.store import (
     mismatches, open_store, remove_store, store_stats,
 )
 from dspark_core.config import ParamsError, Section, device_name, one_of, positive, read_yaml, require, resolve_device
-from dspark_core.dist import Dist, init_distributed
+from dspark_core.dist import Dist, init_distributed, on_main
 from dspark_core.errors import UserError
 from dspark_core.io import read_json, sha256_file, write_json
 from dspark_core.target import FINGERPRINT_FILE, check_target_dir, load_target, read_fingerprint, resolve_dtype
@@ -62,7 +70,8 @@ class CacheConfig(Section):
     splits: tuple[str, ...] = ("train", "eval")
     target_dir: str = "data/target"
     regen_dir: str = "data/regen"
-    out_dir: str = "data/cache"
+    out_dir: str = "data/cache"      # DVC's output: hard links of the stores the consumers read
+    store_dir: str | None = None     # where the stores are built and kept (null: <out_dir>_stores)
     stats_path: str = "reports/cache_stats.json"
     nproc_per_node: int = 1          # > 1: the stage re-launches itself under torchrun (one store shard a rank)
 
@@ -85,6 +94,10 @@ class CacheConfig(Section):
         device_name("device", self.device)
         require(len(self.splits) > 0 and len(set(self.splits)) == len(self.splits),
                 f"splits must be non-empty and distinct; got {list(self.splits)}")
+        home, out = (Path(p).resolve() for p in (home_dir(self), self.out_dir))
+        require(home != out and out not in home.parents and home not in out.parents,
+                f"store_dir {home_dir(self)} must lie outside out_dir {self.out_dir} and hold it not (the output is "
+                "DVC's, deleted before every rerun; the stores live beside it)")
 
 
 # The consumer of each split and the param that says whether it reads the hidden states from the store (cache) or
@@ -351,12 +364,14 @@ def _fill(group, samples: TokenSamples, model: torch.nn.Module, cfg: CacheConfig
 
 def run_cache(cfg: CacheConfig, force: bool = False, rebuild_stale: bool = False,
               hidden_states: dict[str, str] | None = None) -> dict[str, Any]:
-    """The `cache` stage: every split's store, then ``stats_path``. Returns the stats written.
+    """The `cache` stage: every split's store in the home, published to ``out_dir``, then ``stats_path``. Returns
+    the stats written.
 
     ``hidden_states``: ``{split: cache | online}`` (:func:`consumer_hidden_states`; default cache): an online
-    split gets a token-only store. Before any forward, :func:`check_disk_space`. Under ``torchrun`` each of the
-    processes writes one shard of every store (rank 0 writes the stats); a CUDA device is then
-    ``cuda:LOCAL_RANK`` whatever ``device`` names."""
+    split reads a kept store with hidden states or gets a token-only store (:func:`plan_stores`). Before any
+    forward, :func:`check_disk_space`. Under ``torchrun`` each of the processes writes one shard of every store
+    (rank 0 adopts, publishes and writes the stats); a CUDA device is then ``cuda:LOCAL_RANK`` whatever ``device``
+    names."""
     modes = {s: (hidden_states or {}).get(s, "cache") for s in cfg.splits}
     sources = {s: Path(cfg.regen_dir) / f"{s}.parquet" for s in cfg.splits}
     samples = {s: regen_samples(cfg, src) for s, src in sources.items()}  # a missing / empty input fails first
@@ -365,29 +380,72 @@ def run_cache(cfg: CacheConfig, force: bool = False, rebuild_stale: bool = False
     check_layer_ids(cfg.aux_layer_ids, model_config.num_hidden_layers)
     cached = [s for s in cfg.splits if modes[s] == "cache"]
     fingerprint = (read_fingerprint(cfg.target_dir) if cached else _stored_fingerprint(cfg.target_dir))["fingerprint"]
-    pending = {}  # tokens whose hidden states are still to be written, by split
-    for s in cached:
-        manifest = wanted_manifest(cfg, model_config, fingerprint, samples[s], sources[s], sha256_file(sources[s]))
-        written = 0 if force else _written_tokens(Path(cfg.out_dir) / f"{s}.zarr", manifest)
-        pending[s] = int(samples[s].offsets[-1]) - written
-    token_only = {s: int(samples[s].offsets[-1]) for s in cfg.splits if modes[s] == "online"}
+    device = resolve_device(cfg.device, "cache.device") if cached else None  # refused before any store moves
+    if device is not None and dist.world_size > 1 and device.type == "cuda":
+        device = torch.device("cuda", dist.local_rank)
+    manifests = {s: wanted_manifest(cfg, model_config, fingerprint, samples[s], src, sha256_file(src))
+                 for s, src in sources.items()}
+    plan = on_main(dist, lambda: plan_stores(cfg, manifests, modes, force))
+    pending = {s: int(samples[s].offsets[-1]) - (0 if force else _written_tokens(Path(path), manifests[s]))
+               for s, (what, path) in plan.items() if what == "cache"}  # tokens whose hidden states are to write
+    token_only = {s: int(samples[s].offsets[-1]) for s, (what, _) in plan.items() if what == "online"}
     check_disk_space(cfg, model_config, pending, token_only, announce=dist.is_main)
+    on_main(dist, lambda: prepare_home(cfg))
     model = None
-    if cached:  # the target's weights only for the stores that hold hidden states
-        device = resolve_device(cfg.device, "cache.device")
-        if dist.world_size > 1 and device.type == "cuda":
-            device = torch.device("cuda", dist.local_rank)
+    if any(what == "cache" for what, _ in plan.values()):  # the target's weights only for stores with hidden states
         model, _ = load_target(cfg.target_dir, dtype=cfg.dtype, device=device)
     per_split = {}
-    for s, src in sources.items():
-        dest = Path(cfg.out_dir) / f"{s}.zarr"
-        per_split[s] = build_store(model, fingerprint, cfg, src, dest, force, rebuild_stale=rebuild_stale, dist=dist) \
-            if modes[s] == "cache" else build_token_store(model_config, fingerprint, cfg, src, dest, force,
-                                                          rebuild_stale=rebuild_stale, dist=dist)
+    for s, (what, path) in plan.items():
+        dest = Path(path)
+        if what == "cache":
+            per_split[s] = build_store(model, fingerprint, cfg, sources[s], dest, force, rebuild_stale, dist=dist)
+        elif what == "online":
+            per_split[s] = build_token_store(model_config, fingerprint, cfg, sources[s], dest, force,
+                                             rebuild_stale=rebuild_stale, dist=dist)
+        else:  # keep: an online consumer reads the tokens of the complete store with hidden states
+            per_split[s] = store_stats(dest)
+        on_main(dist, lambda s=s, dest=dest: publish(cfg, s, dest))
     stats = combine_stats(per_split)
     if dist.is_main:
         write_json(cfg.stats_path, stats)
     return stats
+
+
+def plan_stores(cfg: CacheConfig, manifests: dict[str, dict[str, Any]], modes: dict[str, str],
+                force: bool = False) -> dict[str, tuple[str, str]]:
+    """What the stage does for each split, after the home adopted the store it builds when it lacks it
+    (:func:`home.adopt`, unless ``force``): ``(cache, path)`` build or resume the store with hidden states there;
+    ``(keep, path)`` an online consumer reads the tokens of the complete store with hidden states the home holds
+    there, kept as it is; ``(online, path)`` a token-only store there, a store with hidden states (if any) kept
+    beside it. An online split never adopts a store with hidden states: deleting it from the home frees its disk
+    (once `dvc gc` drops DVC's names of its files). ``manifests``: each split's wanted manifest (with hidden
+    states). Prints a line for what it adopts or keeps."""
+    plan = {}
+    for s, manifest in manifests.items():
+        full, field = home_store(cfg, s, "cache"), SPLIT_CONSUMERS.get(s, s)
+        if modes[s] == "cache":
+            if not force:
+                _say_adopted(s, full, adopt(cfg, s, "cache", manifest, replace=True))
+            plan[s] = ("cache", str(full))
+        elif not force and holds(store_attrs(full), manifest, complete=True):
+            print(f"cache {s}: {field}: online reads the tokens of {full}, the store with hidden states of this "
+                  "content, kept as it is (delete it to free its disk; the next run then writes a token-only store)")
+            plan[s] = ("keep", str(full))
+        else:
+            tokens = home_store(cfg, s, "online")
+            if not force:
+                _say_adopted(s, tokens, adopt(cfg, s, "online", {**manifest, "hidden_states": "online"}, True))
+            if full.exists():
+                state = "incomplete" if holds(store_attrs(full), manifest) else "of other settings"
+                print(f"cache {s}: {full}, a store with hidden states ({state}), is kept as it is; {field}: online "
+                      "reads a token-only store")
+            plan[s] = ("online", str(tokens))
+    return plan
+
+
+def _say_adopted(split: str, home: Path, source: str | None) -> None:
+    if source is not None:
+        print(f"cache {split}: {home} taken from {source}")
 
 
 def target_model_config(target_dir: str | Path) -> Any:
@@ -428,27 +486,30 @@ def check_disk_space(cfg: CacheConfig, model_config: Any, pending: dict[str, int
                      announce: bool = True) -> int:
     """Print what each split's store will take (``pending``: tokens whose hidden states are still to be written, by
     split; ``token_only``: tokens of the token-only stores) and refuse to start, in one line, when the free space
-    under ``out_dir`` (``shutil.disk_usage``) cannot hold the pending hidden states uncompressed. Returns those
-    bytes."""
+    under ``store_dir`` (``shutil.disk_usage``) cannot hold the pending hidden states uncompressed, as many times as
+    they will exist there: once, or twice when DVC's commit copies them into a cache on that disk
+    (:func:`home.dvc_copies`). Returns those bytes."""
     k, h = len(cfg.aux_layer_ids), int(model_config.hidden_size)
     per_token = cache_bytes_per_token(h, k, cfg.aux_dtype)
-    need = estimate_cache_bytes(h, k, cfg.aux_dtype, sum(pending.values()))
-    where = Path(cfg.out_dir)
-    while not where.exists() and where != where.parent:
-        where = where.parent
+    where = existing_parent(home_dir(cfg))
+    extra, why = dvc_copies(where) if sum(pending.values()) else (0, "")
+    need = estimate_cache_bytes(h, k, cfg.aux_dtype, sum(pending.values())) * (1 + extra)
     free = shutil.disk_usage(where).free
     if announce:
         for split, tokens in pending.items():
             print(f"cache {split}: {tokens:,} tokens to write, {human_bytes(tokens * per_token)} uncompressed "
                   f"({per_token:,} bytes a token: {k} aux layers ({cfg.aux_dtype}) + the last layer of width {h}); "
                   f"{human_bytes(free)} free on {where}")
+        if why:
+            print(f"cache: on disk {'twice' if extra else 'once'}: {why}")
         for split, tokens in token_only.items():
             print(f"cache {split}: token-only store ({SPLIT_CONSUMERS.get(split, split)}: online), {tokens:,} tokens, "
                   f"{TOKEN_BYTES} bytes a token")
     if need > free:
         splits = ", ".join(s for s, tokens in pending.items() if tokens)
+        twice = f", twice ({why})" if extra else ""
         raise UserError(f"cache: the hidden states of {sum(pending.values()):,} tokens ({splits}) take "
-                        f"{human_bytes(need)} uncompressed ({per_token:,} bytes a token), but {where} has "
+                        f"{human_bytes(need)} uncompressed ({per_token:,} bytes a token{twice}), but {where} has "
                         f"{human_bytes(free)} free; free some space, or train without a cache: set "
                         f"train.hidden_states: online (and eval_offline.hidden_states: online), and the cache stage "
                         f"writes token-only stores")

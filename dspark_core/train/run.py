@@ -6,13 +6,17 @@ the report dir, plus ``params.json`` (no DVC experiment, no dvc.yaml / report fi
 
 Shared by ``stages/train.py`` (DSpark variants) and ``stages/dmtd_train.py`` (DMTD variants).
 
-The stage's output folder is DVC-``persist``ed so a killed run resumes from its last checkpoint. A run
-whose configuration (params + input fingerprints + the code: a hash of ``dspark_core``'s sources) differs from
-the one that wrote the checkpoints must not resume from them: ``run_config.json`` records it, and a mismatch
-starts over, naming what changed. (DVC reruns a finished stage only when a param, an input or its code changed;
-without the code hash a code change would restore the finished checkpoint and train nothing.) A run that
-fails before its first checkpoint (bad data, a bad setting found in the first step) removes the output folder
-and a report folder it created: nothing half-written is left where the stage's outputs go.
+The stage's output folder is DVC-``persist``ed so a killed run resumes from its last checkpoint.
+``run_config.json`` records what the checkpoints belong to: the run's configuration (params + input fingerprints)
+and, apart from it, the code (a hash of ``dspark_core``'s sources). A rerun whose configuration matches resumes from
+the last checkpoint; when only the code differs it says so in one line ("the code changed since step N") and
+resumes (``train.resume: continue``), or refuses (``strict``); the code changes are listed in run_config.json
+(``code_changes``). A rerun whose configuration differs (DVC reruns the stage after a params change) starts over,
+after moving the older output -- checkpoints, run_config.json, and a copy of its curves -- to
+``<out_dir's parent>/.previous/<name>-<time>-step<N>/``: outside every DVC output (the stage never rewrites it, DVC
+never commits it), git-ignored by a ``.gitignore`` of its own, deleted by nothing. A run that fails before its first
+checkpoint (bad data, a bad setting found in the first step) removes the output folder and a report folder it
+created: nothing half-written is left where the stage's outputs go.
 
 Under several processes, on one host or several (``nnodes``), global rank 0 alone reads and writes the outputs:
 ``run_config.json``, checkpoints, ``final/`` and the report folder (curves, ``metrics.json``; the stage's
@@ -30,40 +34,104 @@ from typing import Any
 from dspark_core.checkpoint import verify_latest_checkpoint
 from dspark_core.dist import Dist, on_main
 from dspark_core.errors import UserError
-from dspark_core.io import atomic_path, read_json, sha256_json, write_json
+from dspark_core.io import atomic_path, git_ignored_dir, read_json, sha256_json, write_json
 from dspark_core.train.trainer import TrainConfig, TrainResult, TrainRun
+
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the dspark_core package whose sources code_fingerprint hashes
+MOVED_ASIDE = ".previous"  # a run whose configuration changed goes to <out_dir's parent>/.previous/ (never deleted)
 
 
 def code_fingerprint() -> str:
     """sha256 over the path and contents of every ``.py`` file of the ``dspark_core`` package."""
     import hashlib
 
-    root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted(PACKAGE_ROOT.rglob("*.py")):
+        h.update(str(path.relative_to(PACKAGE_ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 
 
-def _prepare_out_dir(out_dir: Path, run_config: dict[str, Any]) -> bool:
-    """Return True when checkpoints of this very configuration exist (resume)."""
+def _prepare_out_dir(out_dir: Path, run_config: dict[str, Any], code: str, cfg: TrainConfig | None = None,
+                     report_dir: Path | None = None) -> bool:
+    """Return True when checkpoints of this configuration exist (resume). Same configuration, other code: resume
+    saying so, or refuse (``cfg.resume`` strict). Another configuration: the older output is moved aside
+    (:func:`move_aside`, with a copy of ``report_dir``'s curves) and the run starts over."""
     rc = out_dir / "run_config.json"
-    want = sha256_json(run_config)
     try:
         old = read_json(rc) if rc.is_file() else {}
     except UserError as e:
-        raise UserError(f"{e}; it records which configuration the checkpoints beside it belong to: delete "
-                        f"{out_dir} to start over") from None
-    if old.get("hash") == want:
-        return (out_dir / "checkpoints" / "latest.json").is_file()
+        raise UserError(f"{e}; it records which configuration the checkpoints beside it belong to: move {out_dir} "
+                        "aside (or delete it) to start over") from None
+    before = dict(old.get("config") or {})
+    old_code = old.get("code", before.pop("code", None))  # an older run_config.json kept it inside the config
+    step, record = _checkpoint_step(out_dir), {"hash": sha256_json(run_config), "config": run_config, "code": code}
+    if old and sha256_json(before) == record["hash"]:
+        if step:  # a damaged checkpoint is refused before anything is written
+            verify_latest_checkpoint(out_dir / "checkpoints")
+        changes = list(old.get("code_changes") or [])
+        if step and old_code != code:
+            _code_changed(out_dir, step, cfg or TrainConfig())
+            changes.append({"step": step, "from": old_code, "to": code})
+        if old != {**record, "code_changes": changes}:
+            write_json(rc, {**record, "code_changes": changes})
+        return step > 0
     if out_dir.exists() and any(out_dir.iterdir()):
-        before = old.get("config") or {}
-        changed = sorted(k for k in set(before) | set(run_config) if before.get(k) != run_config.get(k))
-        print(f"{out_dir}: {', '.join(changed) or 'configuration'} changed since the last run; starting over")
-        shutil.rmtree(out_dir)
+        changed = changed_keys(before, json_plain(run_config)) or ["configuration"]
+        dest = move_aside(out_dir, step, report_dir)
+        print(f"{out_dir}: {', '.join(changed)} changed since the last run; its output (checkpoints up to step "
+              f"{step}) moved to {dest}, where nothing deletes it (delete it yourself when done); starting over")
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(rc, {"hash": want, "config": run_config})
+    write_json(rc, {**record, "code_changes": []})
     return False
+
+
+def _code_changed(out_dir: Path, step: int, cfg: TrainConfig) -> None:
+    """The one line of a resume whose code differs from the code that wrote the checkpoints (or its refusal)."""
+    if cfg.resume == "strict":
+        raise UserError(f"{out_dir}: the code (dspark_core) changed since step {step}, and resume is strict (train / "
+                        f"dmtd_train): set resume: continue to resume from step {step} under this code, or move "
+                        f"{out_dir} aside to start over")
+    done = f"; the run is complete at step {step}, so nothing is trained (move {out_dir} aside to train it again " \
+        "under this code)" if step >= cfg.stop_step else ""
+    print(f"{out_dir}: the code changed since step {step}; resuming from step {step}'s checkpoint (resume: "
+          f"continue; strict refuses){done}")
+
+
+def json_plain(obj: Any) -> Any:
+    """``obj`` as JSON gives it back (tuples as lists, paths as strings): how run_config.json holds it."""
+    import json
+
+    return json.loads(json.dumps(obj, sort_keys=True, default=str))
+
+
+def changed_keys(before: dict[str, Any], after: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two nested dicts (``train.lr``), sorted."""
+    out = []
+    for k in sorted(set(before) | set(after)):
+        a, b = before.get(k), after.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += changed_keys(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def move_aside(out_dir: Path, step: int, report_dir: Path | None = None) -> Path:
+    """Move ``out_dir`` to ``<parent>/.previous/<name>-<time>-step<step>`` (with a copy of ``report_dir`` as
+    ``report/``) and return the new path. The folder holds a ``.gitignore`` of ``*``: git ignores it, and it lies
+    outside every DVC output (a sibling of the stage's), so neither DVC nor a stage ever rewrites or commits it."""
+    import time
+
+    attic = git_ignored_dir(out_dir.parent / MOVED_ASIDE)
+    stem = f"{out_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}-step{step}"
+    dest, n = attic / stem, 1
+    while dest.exists():
+        dest, n = attic / f"{stem}.{n}", n + 1
+    out_dir.rename(dest)
+    if report_dir is not None and report_dir.is_dir():  # the curves: the new run starts them over
+        shutil.copytree(report_dir, dest / "report")
+    return dest
 
 
 class JsonLive:
@@ -124,17 +192,16 @@ def run_training(task: Any, cfg: TrainConfig, run_config: dict[str, Any], report
     from dspark_core.train.trainer import init_distributed
 
     out_dir, report_dir = Path(cfg.out_dir), Path(report_dir)
-    run_config = {**run_config, "code": code_fingerprint()}
+    code = code_fingerprint()
     d = init_distributed()
     # settings that need the target (a vocabulary, a head count, the batch arithmetic) fail here, before an
-    # older run's outputs are cleared
+    # older run's outputs are moved aside
     run = TrainRun(task, cfg, time_budget_s=time_budget_s)
-    _check_same_run(d, run_config)  # before rank 0 clears an older run's outputs
+    _check_same_run(d, {**run_config, "code": code})  # before rank 0 moves an older run's outputs aside
     made = [_new_root(out_dir) or out_dir, _new_root(report_dir)]  # what a failed fresh run removes again
     # global rank 0 alone reads and writes the outputs (the other hosts need not hold them)
-    resume = on_main(d, lambda: _prepare_out_dir(out_dir, run_config))
-    if resume:  # a damaged checkpoint is refused before the curves or the report folder are touched
-        on_main(d, lambda: verify_latest_checkpoint(out_dir / "checkpoints"))
+    # a damaged checkpoint is refused there, before run_config.json, the curves or the report folder are touched
+    resume = on_main(d, lambda: _prepare_out_dir(out_dir, run_config, code, cfg, report_dir))
     try:
         return _run(run, run_config, out_dir, report_dir, resume, log_step_offset)
     except BaseException:

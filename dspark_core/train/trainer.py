@@ -41,6 +41,7 @@ PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # train.p
 # golden-curve check against the default numerics (tests/test_numerics_golden.py), so training refuses it; that
 # test flips this to offer it once it passes. (benchmarks/bench_train_step.py --precision bf16 still times it.)
 PURE_BF16_TRAINING = False
+RESUME_MODES = ("continue", "strict")  # train.resume: what a rerun does when only the code changed (train/run.py)
 
 
 @dataclass(frozen=True)
@@ -83,9 +84,12 @@ class TrainConfig(Section):
     # cache: the DSpark task reads the target's hidden states from the train store | online: this process runs the
     # frozen target on each micro-batch (the store is then token-only); the same states (cache/online.py)
     hidden_states: str = "cache"
+    # a rerun on this run's checkpoints after the code (dspark_core) changed: continue (from the last checkpoint,
+    # saying so) | strict (refuse); a params change moves the older run aside instead (train/run.py)
+    resume: str = "continue"
 
     EXECUTION_KEYS = ("time_budget_s", "nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "loss_kernel",
-                      "attention_kernel", "optimizer_kernel", "group_by_length", "hidden_states")
+                      "attention_kernel", "optimizer_kernel", "group_by_length", "hidden_states", "resume")
 
     def validate(self) -> None:
         positive("lr", self.lr)
@@ -121,6 +125,7 @@ class TrainConfig(Section):
         one_of("attention_kernel", self.attention_kernel, ("triton", "flash"))
         one_of("optimizer_kernel", self.optimizer_kernel, OPTIMIZER_KERNELS)
         one_of("hidden_states", self.hidden_states, ("cache", "online"))
+        one_of("resume", self.resume, RESUME_MODES)
         if self.time_budget_s is not None:
             positive("time_budget_s", self.time_budget_s)
         positive("nproc_per_node", self.nproc_per_node)
