@@ -14,15 +14,20 @@ the schedule (the smallest lr), its mean relative loss distance to the golden lo
 mode's + 0.1%, its held-out tau_prob is within max(2x the master's distance, 0.005) of the golden one, and no step
 is more than 5% away; the master mode itself must be within 1% (late loss) and 0.01 (tau_prob).
 
-On 2026-12-05 (CPU, torch 2.13): the master mode 0.47% / 0.0038, pure bf16 0.97% / 0.0129 (bounds 0.80% / 0.0076):
-pure bf16 fails, so training refuses it (``train.trainer.PURE_BF16_TRAINING``); this test fails the day it passes,
-to offer it again. Both modes stayed within 2.5% of the golden loss at every step: the evidence is the late-schedule
-and held-out distance, 2-3x what bf16 compute alone moves (with seed 7 instead of 42: late loss 0.33% / 0.64%, a
-fail again; tau_prob 0.0009 / 0.0016, within its bound).
+Two tiers. In CI: the default numerics against their pinned curve (``tests/golden/numerics_default.json``, written
+from this module's ``golden_run`` on a 2-core AVX2 CPU, torch 2.13): the late-schedule loss within 3%, no step past
+10% (the pinned data are the pipeline's regenerated answers, sampled: another CPU may draw a few other tokens), the
+held-out tau_prob within 0.03. The bf16 modes (``pytest -m study``; ~17 min on 2 CPU cores without bf16 units, hence
+outside the README's test command): on 2026-12-05 (CPU, torch 2.13) the master mode 0.47% / 0.0038, pure bf16
+0.97% / 0.0129 (bounds 0.80% / 0.0076): pure bf16 fails, so training refuses it (``train.trainer.PURE_BF16_TRAINING``);
+the study fails the day it passes, to offer it again. Both modes stayed within 2.5% of the golden loss at every step:
+the evidence is the late-schedule and held-out distance, 2-3x what bf16 compute alone moves (with seed 7 instead of
+42: late loss 0.33% / 0.64%, a fail again; tau_prob 0.0009 / 0.0016, within its bound).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from contextlib import contextmanager
@@ -35,6 +40,7 @@ import dspark_core.train.trainer as trainer
 pytestmark = [pytest.mark.slow,  # the packaged model; regenerate and cache stages; three training runs
               pytest.mark.workspace("the project's params.yaml: the golden curves are its default recipe's")]
 ROOT = Path(__file__).resolve().parents[1]
+PINNED = Path(__file__).resolve().parent / "golden" / "numerics_default.json"
 GOLDEN_STEPS = 40
 GOLDEN_LR = 3e-4
 MODES = {"default": ("float32", "float32"), "master": ("bfloat16", "float32"), "pure_bf16": ("bfloat16", "bfloat16")}
@@ -94,11 +100,17 @@ def golden_run(root: Path, param_dtype: str, master_dtype: str, out: Path) -> di
 
 
 @pytest.fixture(scope="module")
-def curves(pipeline, tmp_path_factory) -> dict[str, dict]:
+def default_curve(pipeline, tmp_path_factory) -> dict:
+    return golden_run(pipeline, *MODES["default"], tmp_path_factory.mktemp("golden_default"))
+
+
+@pytest.fixture(scope="module")
+def curves(pipeline, default_curve, tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("golden_runs")
     with pytest.MonkeyPatch.context() as m:
         m.setattr(trainer, "PURE_BF16_TRAINING", True)  # the lean mode runs here to be judged
-        return {mode: golden_run(pipeline, *dtypes, out / mode) for mode, dtypes in MODES.items()}
+        return {"default": default_curve, **{mode: golden_run(pipeline, *dtypes, out / mode)
+                                             for mode, dtypes in MODES.items() if mode != "default"}}
 
 
 def distances(run: dict, golden: dict) -> dict[str, float]:
@@ -117,6 +129,17 @@ def golden_check(run: dict, golden: dict, master: dict) -> list[str]:
     return [f"{k} {d[k]:.4g} > {bounds[k]:.4g}" for k in bounds if d[k] > bounds[k]]
 
 
+def test_default_numerics_follow_their_pinned_curve(default_curve):
+    """The default numerics trained the whole schedule, learned, and follow the pinned golden curve."""
+    pinned = json.loads(PINNED.read_text())
+    assert (pinned["steps"], pinned["lr"]) == (GOLDEN_STEPS, GOLDEN_LR)
+    assert len(default_curve["loss"]) == GOLDEN_STEPS
+    assert default_curve["loss"][-1] < 0.5 * default_curve["loss"][0] and default_curve["tau_prob"] > 1.0
+    d = distances(default_curve, pinned)
+    assert d["late_loss"] <= 0.03 and d["max_loss"] <= 0.10 and d["tau_prob"] <= 0.03, d
+
+
+@pytest.mark.study
 def test_golden_runs_trained(curves):
     """Every mode ran the whole schedule from the same first step and learned (a check that compares curves of
     runs that did not train would pass for nothing)."""
@@ -128,12 +151,14 @@ def test_golden_runs_trained(curves):
     assert max(first.values()) - min(first.values()) < 0.01 * first["default"]  # one starting point
 
 
+@pytest.mark.study
 def test_master_weights_follow_the_golden_curve(curves):
     golden, master = curves["default"], curves["master"]
     d = distances(master, golden)
     assert d["late_loss"] <= 0.01 and d["tau_prob"] <= 0.01 and d["max_loss"] <= 0.05, d
 
 
+@pytest.mark.study
 def test_pure_bf16_fails_the_golden_curve_and_training_refuses_it(curves):
     """Pure bf16 is judged by the same check; it fails it, so TrainConfig refuses it naming master_dtype float32.
     Should it pass one day, this fails: set ``PURE_BF16_TRAINING = True`` and offer it."""

@@ -552,6 +552,7 @@ def test_sampling_with_the_reranked_proposal_keeps_the_target_distribution(one_t
 
 
 # -- params.yaml / dvc.yaml --------------------------------------------------------------------------------------
+@pytest.mark.workspace("the project's params.yaml: its variant groups against dvc.yaml")
 def test_params_variant_groups_match_the_dag(tmp_path):
     """``variant_dag`` splits ``variants`` into ``scratch`` (train@) and ``warm`` (train_warm@, whose warm-start
     source is a dep); exactly the warm ones have a warm_start, and check_variant_dag refuses a mismatch."""
