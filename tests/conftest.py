@@ -49,8 +49,8 @@ def _audit(event: str, args: tuple) -> None:
         path = os.path.abspath(os.fsdecode(args[0]))
     except (TypeError, ValueError):
         return
-    if event != "open" and path in WORKSPACE_DIRS:  # pkgutil.iter_modules lists every folder of sys.path's
-        return  # entries (the repository root among them) looking for packages: names only, no content
+    if path in WORKSPACE_DIRS:  # the folders themselves, listed or opened: pkgutil.iter_modules and the package
+        return  # finders scan every folder of sys.path's entries (the repository root among them): names, no content
     if path in WORKSPACE_FILES or any(path == d or path.startswith(d + os.sep) for d in WORKSPACE_DIRS):
         _workspace_reads.append(path)
 
