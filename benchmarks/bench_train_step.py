@@ -13,8 +13,10 @@ the output JSON, and each row gets ``speedup_vs_<peer>`` / ``peak_ratio_vs_<peer
 same L and draft vocabulary. Targets: >= 1.5x DeepSpec's throughput at <= 0.5x its peak memory (``meets_target``);
 >= 1.35x speculators' at <= 0.7x its memory (``meets_speculators_target``). Without the file the ratios are left
 out. ``model_tflop`` counts the step's matrix work (``step_tflop``) and ``mfu`` divides it by ``--peak-tflops``.
-``host_s``: the host's time to queue one timed step (the timed loop never waits for the GPU): near ``step_s``,
-the step is bound by the host's launches; well below it, by the GPU's work.
+``host_s``: the host's time to queue one step onto an idle GPU (``queue_seconds``): near or above ``step_s``, the
+step is bound by the host's launches; well below it, by the GPU's work. ``--launch graph`` replays each batch's
+whole step from a CUDA graph (``train/step_graph.py``): its ``step_s`` is the GPU's time for the step with no
+launch gaps (rows say ``launch``).
 
 Precision modes (docs/DESIGN.md, "Training numerics"): ``amp`` (the shared trainer's default, ``train.param_dtype:
 float32``: fp32 weights and AdamW state, bf16 autocast, frozen LM head kept in bf16), ``bf16_master``
@@ -290,40 +292,84 @@ def train_step(model: DSparkTrainModel, opt, params, batch: dict[str, torch.Tens
     return loss.detach()
 
 
+def step_launcher(model, opt, params, batches: list[dict], amp: bool, forward, fill, launch: str,
+                  device: torch.device):
+    """``step(i)``: one training step on ``batches[i]`` (filled by ``fill``), eagerly or (``launch`` graph) replayed
+    from that batch's CUDA graph, recorded at its first call (``CapturedStep``, key i; the optimiser's groups made
+    ``capturable``, so its step counts stay on the device)."""
+    if launch == "eager":
+        return lambda i: train_step(model, opt, params, fill(batches[i]), amp, forward)
+    from dspark_core.train.step_graph import CapturedStep
+
+    for group in opt.param_groups:
+        group["capturable"] = True
+    names = [[k for k, v in b.items() if torch.is_tensor(v)] for b in batches]  # [batch][its tensor keys]
+
+    def run(i: int, *tensors: torch.Tensor) -> torch.Tensor:
+        batch = {**batches[i], **dict(zip(names[i], tensors))}  # the host values (a teacher plan) stay batch i's
+        return train_step(model, opt, params, fill(batch), amp, forward)
+
+    captured = CapturedStep(run, device)
+    return lambda i: captured(i, [batches[i][k] for k in names[i]])
+
+
+def queue_seconds(step, n: int, device: torch.device, reps: int = 3) -> float:
+    """``host_s``: the host's time to queue one step onto an idle GPU (the median of ``reps``; each step starts after
+    the device has finished the last). In the timed loop the host runs ahead until CUDA's launch queue is full and
+    then waits for the GPU, so the time it spends there tracks the GPU's; this one does not: a step whose
+    ``host_s`` is below its ``step_s`` leaves the GPU enough work to stay busy, one whose ``host_s`` is near or
+    above it starves the GPU between launches."""
+    times = []
+    for i in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        step(i % n)
+        times.append(time.perf_counter() - t0)
+    sync(device)
+    return sorted(times)[len(times) // 2]
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def run_length(args, precision: str, model, opt, params, length: int, device: torch.device, forward,
-               d: Dist = Dist(), target=None) -> dict:
+               d: Dist = Dist(), target=None, launch: str = "eager") -> dict:
     """The timed steps at ``length``; ``target`` (online rows): each step first fills its batch with the target's
-    states (``OnlineTarget.fill``), then the fill alone is timed."""
+    states (``OnlineTarget.fill``), then the fill alone is timed. ``launch`` ``graph``: each of the 3 batches' whole
+    step (the fill included) is recorded once in a CUDA graph (``train/step_graph.py``; the recording's eager run
+    is its warm-up step) and the timed steps replay them."""
     batches = [make_batch(args, length, device, seed + 1000 * d.rank, online=target is not None)
                for seed in range(3)]  # [rank's samples]
     fill = target.fill if target is not None else (lambda batch: batch)
     amp = precision == "amp" and device.type == "cuda"
     say = (lambda msg: print(f"  L {length}: {msg}", file=sys.stderr, flush=True)) if d.is_main else (lambda msg: None)
     say(f"{int(batches[0]['input_ids'].shape[0])} row(s) of {int(batches[0]['input_ids'].shape[1])} tokens, "
-        f"{int(batches[0]['anchors'].shape[1])} anchor slots a row; warm-up ({args.warmup} steps, compiles)")
+        f"{int(batches[0]['anchors'].shape[1])} anchor slots a row; {launch}; warm-up ({args.warmup} steps, compiles)")
+    step = step_launcher(model, opt, params, batches, amp, forward, fill, launch, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # a graph's recording allocates its memory once, here
     t0 = time.perf_counter()
-    for i in range(args.warmup):
-        train_step(model, opt, params, fill(batches[i % len(batches)]), amp, forward)
+    for i in range(max(args.warmup, len(batches) if launch == "graph" else 0)):
+        step(i % len(batches))
         sync(device)
         say(f"warm-up step {i + 1} done at {time.perf_counter() - t0:.1f} s")
     warm_s = time.perf_counter() - t0
-    if device.type == "cuda":
+    if device.type == "cuda" and launch == "eager":
         torch.cuda.reset_peak_memory_stats(device)
     sync(device)
     d.barrier()
     t0 = time.perf_counter()
     loss = torch.zeros(())
     for i in range(args.steps):
-        loss = train_step(model, opt, params, fill(batches[i % len(batches)]), amp, forward)
-    host_s = (time.perf_counter() - t0) / args.steps  # the host's time to queue a step (no sync inside)
+        loss = step(i % len(batches))
     sync(device)
     loss = float(loss)
     step_s = slowest((time.perf_counter() - t0) / args.steps, d)
+    host_s = queue_seconds(step, len(batches), device)
+    for group in opt.param_groups:  # the next row's eager steps as built (step_launcher set it for the graphs)
+        group["capturable"] = False
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     online = {"hidden_states": "cache"}
     if target is not None:  # the target's forward alone, as many times
@@ -343,7 +389,8 @@ def run_length(args, precision: str, model, opt, params, length: int, device: to
            "mixed": args.mixed, "packed": args.packed,
            "packed_length": (args.packed_length or length) if args.packed else None, "rows": int(batches[0]["input_ids"].shape[0]),
            "warmup_s": warm_s, "valid_slots": int(batches[0]["slot_valid"].sum()),
-           "anchor_width": int(batches[0]["anchors"].shape[1]), "world_size": d.world_size, **online}
+           "anchor_width": int(batches[0]["anchors"].shape[1]), "world_size": d.world_size, "launch": launch,
+           **online}
     row["model_tflop"] = step_tflop(target_config(args.tiny, args.shape), model.draft, length, args.anchors, args.teacher_vocab)
     if device.type == "cuda" and args.peak_tflops:
         row["mfu"] = (row["model_tflop"] + row.get("target_tflop", 0.0)) / step_s / args.peak_tflops
@@ -595,6 +642,10 @@ def main() -> None:
                     help="train.hidden_states: the step's states as read from a cache (in memory), and / or computed "
                          "by a random target of the same shapes (36 layers; bf16 on the GPU) in the step; rows say "
                          "hidden_states, online rows add target_forward_s and target_share")
+    ap.add_argument("--launch", choices=("eager", "graph"), nargs="+", default=["eager"],
+                    help="how this script's loop launches a step: eager (Python queues every kernel) and / or graph "
+                         "(each batch's whole step recorded once in a CUDA graph and replayed, train/step_graph.py); "
+                         "several: one row each per length, same run (rows say launch)")
     ap.add_argument("--trainer", action="store_true",
                     help="run the shared trainer's own loop instead of this script's, in each --precision's numerics "
                          "(amp, bf16_master); rows say loop: trainer")
@@ -616,6 +667,9 @@ def main() -> None:
     if args.trainer and "bf16" in args.precision:
         raise SystemExit("--trainer --precision bf16: the trainer refuses pure-bf16 training (train.master_dtype "
                          "bfloat16); time it with this script's loop, or use bf16_master")
+    if "graph" in args.launch and (args.tiny or not torch.cuda.is_available() or args.trainer):
+        raise SystemExit("--launch graph records CUDA graphs: it needs a GPU and this script's loop (no --tiny, no "
+                         "--trainer)")
     if args.packed and not args.mixed:
         raise SystemExit("--packed needs --mixed N (the samples to pack)")
     if args.baseline is not None and not args.baseline.is_file():
@@ -725,9 +779,9 @@ def run_peer(args, peer, length: int, device: torch.device) -> dict:
     loss = torch.zeros(())
     for i in range(args.steps):
         loss = peer.step(batches[i % len(batches)])
-    host_s = (time.perf_counter() - t0) / args.steps
     sync(device)
     step_s = (time.perf_counter() - t0) / args.steps
+    host_s = queue_seconds(lambda i: peer.step(batches[i]), len(batches), device)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     row = {"loop": "speculators", "precision": "amp", "optimizer": "torch", "attention": peer.model._attn_impl,
            "loss_implementation": args.peer_loss, "L": length, "draft_vocab_size": args.vocab_size,
@@ -777,11 +831,19 @@ def bench_script(args, device, d, rows: list[dict]) -> int:
         forward = torch.compile(core) if args.compile else core
         for chunk in args.chunk:
             model.loss_cfg = loss_config(args, chunk)
-            for length, args.slots, hidden in [(n, s, h) for h in args.hidden_states for n in args.lengths
-                                               for s in args.anchor_slots]:  # cache rows before the target exists
+            for length, args.slots, hidden, launch in [(n, s, h, c) for h in args.hidden_states for n in args.lengths
+                                                       for s in args.anchor_slots for c in args.launch]:
                 resident = bool(_TARGETS)  # the online rows' target already holds memory (in this row's peak)
-                target = online_target(args, device, hidden)
-                rows.append({**run_length(args, precision, model, opt, params, length, device, forward, d, target),
+                target = online_target(args, device, hidden)  # cache rows before the target exists
+                try:
+                    row = run_length(args, precision, model, opt, params, length, device, forward, d, target, launch)
+                except RuntimeError as e:  # a step that cannot be recorded: say why, keep the other rows
+                    if launch != "graph":
+                        raise
+                    print(f"L {length}: --launch graph: the step could not be recorded in a CUDA graph: "
+                          f"{str(e).splitlines()[0][:300]}", file=sys.stderr, flush=True)
+                    continue
+                rows.append({**row,
                              "target_resident": resident or hidden == "online",
                              "attention": attention.ATTENTION_KERNEL,
                              "optimizer": optimizer_name(args, precision, device), "anchor_slots": args.slots})
@@ -906,7 +968,7 @@ def print_table(report: dict) -> None:
     cfg = report["config"]
     print(f"device {report['device']}, torch {report['torch']}, anchors {cfg['anchors']}, recompute "
           f"{cfg['recompute']}, trainable params {report['trainable_params'] / 1e6:.1f}M")
-    print(f"{'loop':>11} {'attn':>6} {'adamw':>6} {'precision':>11} {'vocab':>7} {'teacher':>7} {'slots':>7} {'hidden':>6} {'L':>6} {'step_s':>9} {'host_s':>7} {'target':>6} {'tokens/s':>9} {'peak GiB':>9} {'TFLOP':>6} {'MFU':>5} "
+    print(f"{'loop':>11} {'launch':>6} {'attn':>6} {'adamw':>6} {'precision':>11} {'vocab':>7} {'teacher':>7} {'slots':>7} {'hidden':>6} {'L':>6} {'step_s':>9} {'host_s':>7} {'target':>6} {'tokens/s':>9} {'peak GiB':>9} {'TFLOP':>6} {'MFU':>5} "
           f"{'vs DeepSpec':>11} {'vs DS dflt':>10} {'mem vs DS d.':>12} {'vs specul.':>10} {'mem vs spec.':>12} {'vs spec. run':>12} {'mem vs run':>10}")
 
     def fmt(v, spec):
@@ -914,7 +976,7 @@ def print_table(report: dict) -> None:
 
     for r in report["results"]:
         vs_ref = r.get("speedup_vs_ref", r.get("speedup_vs_deepspec"))
-        print(f"{r.get('loop', 'script'):>11} {r.get('attention', 'triton')[:6]:>6} {r.get('optimizer', 'torch'):>6} {r['precision']:>11} {fmt(r['draft_vocab_size'], 'd') if r['draft_vocab_size'] else 'full':>7} "
+        print(f"{r.get('loop', 'script'):>11} {r.get('launch', 'eager'):>6} {r.get('attention', 'triton')[:6]:>6} {r.get('optimizer', 'torch'):>6} {r['precision']:>11} {fmt(r['draft_vocab_size'], 'd') if r['draft_vocab_size'] else 'full':>7} "
               f"{r['teacher_vocab']:>7} {r.get('anchor_slots', 'fixed'):>7} {r.get('hidden_states', 'cache'):>6} {r['L']:>6} {r['step_s']:>9.4f} {fmt(r.get('host_s'), '.4f'):>7} {fmt(r.get('target_share'), '.0%'):>6} {r['tokens_per_s']:>9.0f} {fmt(r['peak_gib'], '.2f'):>9} {r['model_tflop'] + r.get('target_tflop', 0.0):>6.1f} "
               f"{fmt(r.get('mfu'), '.0%'):>5} {fmt(vs_ref, '.2f'):>11} {fmt(r.get('speedup_vs_deepspec_default'), '.2f'):>10} "
               f"{fmt(r.get('peak_ratio_vs_deepspec_default'), '.2f'):>12} {fmt(r.get('speedup_vs_speculators'), '.2f'):>10} "

@@ -16,7 +16,7 @@ from dspark_core.testing import FAMILIES, tiny_model
 GPU_FILES = {"test_kernels.py", "test_kernel_accept.py", "test_static_engine.py", "test_tree.py",
              "test_tree_sampling.py", "test_decoding_target_runner.py", "test_variants_gpu.py",
              "test_dmtd_kernels.py", "test_attention_flash_gpu.py", "test_adamw_kernel.py", "test_online_gpu.py",
-             "test_batched_engine.py"}
+             "test_batched_engine.py", "test_step_graph.py"}
 
 
 def pytest_configure(config):

@@ -28,7 +28,9 @@ def test_bench_train_step_tiny_smoke(tmp_path):
     assert [r["precision"] for r in report["results"]] == ["amp", "bf16"]
     for row in report["results"]:
         assert row["L"] == 48 and row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["valid_slots"] > 0
-        assert 0 < row["host_s"] <= row["step_s"]  # queueing a step is part of the step
+        # on the CPU, queueing a step onto the idle device is computing it: the same time as a timed step, to noise
+        assert 0.2 * row["step_s"] < row["host_s"] < 5 * row["step_s"]
+        assert row["launch"] == "eager"
         assert row["loss"] == row["loss"]  # finite, not NaN
     assert "step_s" in proc.stdout and "host_s" in proc.stdout and "tokens/s" in proc.stdout
 
