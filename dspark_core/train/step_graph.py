@@ -1,17 +1,19 @@
 """The whole training step -- forward, loss, backward, clip, AdamW -- replayed from a CUDA graph.
 
-A step of the draft launches several hundred kernels; queuing them from Python costs about as much host time as
-the GPU spends running them, so the host, not the GPU, sets the step's pace. :class:`CapturedStep` records the
-step once per input shape (a *key*) and replays it: one launch a step, the same kernels on the same addresses, so
-the numbers are the eager step's to the bit (``tests/test_step_graph.py``).
+A step of the draft launches several hundred kernels, each queued from Python. :class:`CapturedStep` records the
+step once per input shape (a *key*) and replays it: one launch a step, so the host's time and the gaps between
+launches leave the step; the same kernels on the same addresses, so the numbers are the eager step's to the bit
+(``tests/test_step_graph.py``). What that buys is the ``--launch graph`` rows of ``benchmarks/bench_train_step.py``
+against its eager rows.
 
 The protocol, for a ``step(key, *tensors) -> outputs`` function (the key is how it finds a call's host values):
 
 - a key seen for the first time runs ``step`` eagerly on the capture stream -- that run *is* the step, its outputs
-  are returned -- then records ``step`` on the same tensors (recording runs nothing, so no update is applied twice);
-- a known key copies the new tensors into that key's recorded ones (``Tensor.copy_``; nothing when they are the
-  same objects) and replays; the outputs are the recorded ones, overwritten by the next replay of that key, so a
-  caller that reads them later takes ``clone=True``.
+  are returned -- then records ``step`` on copies of its tensors that the key keeps (recording runs nothing, so no
+  update is applied twice);
+- a known key copies the call's tensors into its own (``Tensor.copy_``, the same shapes) and replays; the outputs
+  are the recorded ones, overwritten by the next replay of that key, so a caller that reads them later takes
+  ``clone=True``.
 
 Every key's graph draws on one memory pool: the graphs run one after another on one stream, so they share their
 scratch memory. What ``step`` reads besides its tensors (the weights, the optimiser's state, Python values such as
@@ -44,7 +46,7 @@ class CapturedStep:
             return self._replay(key, tensors, clone)
         out = self._on_stream(lambda: self.step(key, *tensors))  # the step itself, eagerly
         if len(self.graphs) < self.max_graphs:
-            self._record(key, tuple(tensors))
+            self._record(key, tuple(t.clone() for t in tensors))  # the key's own inputs, not the caller's
         else:
             self.eager_calls += 1
         return out
@@ -52,8 +54,7 @@ class CapturedStep:
     def _replay(self, key: Hashable, tensors: Sequence[torch.Tensor], clone: bool) -> Any:
         graph, static, out = self.graphs[key]
         for mine, new in zip(static, tensors):
-            if mine is not new:
-                mine.copy_(new)  # [same shape] into the recorded addresses
+            mine.copy_(new)  # [same shape] into the recorded addresses
         graph.replay()
         return torch.utils._pytree.tree_map(lambda t: t.clone() if clone and torch.is_tensor(t) else t, out)
 
