@@ -418,12 +418,29 @@ def add_reference(row: dict, reference) -> None:
                                                and row["peak_ratio_vs_speculators"] <= 0.7)
 
 
+def add_online_ratios(rows: list[dict], peak_tflops: float | None) -> None:
+    """Each online row's ``online_over_cache`` (its step over the cache row of the same L, launch and loop, this
+    run) and ``target_mfu`` (its target forward alone, ``target_tflop`` over ``target_forward_s``)."""
+    def key(r: dict) -> tuple:
+        return r["L"], r.get("launch", "eager"), r.get("loop", "script"), r["precision"], r.get("draft_vocab_size")
+
+    cached = {key(r): r for r in rows if r.get("hidden_states", "cache") == "cache"}
+    for r in rows:
+        if r.get("hidden_states") != "online":
+            continue
+        if key(r) in cached:
+            r["online_over_cache"] = r["step_s"] / cached[key(r)]["step_s"]
+        if peak_tflops and r.get("target_forward_s"):
+            r["target_mfu"] = r["target_tflop"] / r["target_forward_s"] / peak_tflops
+
+
 def rescore(path: Path, reference: list[Path]) -> None:
     """Recompute the peer ratios of a report written where the reference files were absent (e.g. another machine),
-    in place, and print its table."""
+    and its online rows' ratios, in place, and print its table."""
     report = json.loads(path.read_text())
+    add_online_ratios(report["results"], report.get("peak_tflops"))
     for row in report["results"]:
-        if row.get("loop") != "speculators":
+        if row.get("loop") != "speculators" and row.get("hidden_states", "cache") == "cache":  # draft steps only
             add_reference(row, reference)
     report["reference"] = {"source": [str(r) for r in reference if Path(r).is_file()],
                            "runs": {r["L"]: reference_runs(reference, r["L"], r.get("draft_vocab_size"))
@@ -642,6 +659,9 @@ def main() -> None:
                     help="train.hidden_states: the step's states as read from a cache (in memory), and / or computed "
                          "by a random target of the same shapes (36 layers; bf16 on the GPU) in the step; rows say "
                          "hidden_states, online rows add target_forward_s and target_share")
+    ap.add_argument("--target-compile", choices=("on", "off"), nargs="+", default=["on"],
+                    help="online rows: the target's decoder layers under torch.compile (on, OnlineTarget's default "
+                         "on a GPU) and / or eager (off); several: one row each, same run (rows say target_compiled)")
     ap.add_argument("--launch", choices=("eager", "graph"), nargs="+", default=["eager"],
                     help="how this script's loop launches a step: eager (Python queues every kernel) and / or graph "
                          "(each batch's whole step recorded once in a CUDA graph and replayed, train/step_graph.py); "
@@ -831,10 +851,13 @@ def bench_script(args, device, d, rows: list[dict]) -> int:
         forward = torch.compile(core) if args.compile else core
         for chunk in args.chunk:
             model.loss_cfg = loss_config(args, chunk)
-            for length, args.slots, hidden, launch in [(n, s, h, c) for h in args.hidden_states for n in args.lengths
-                                                       for s in args.anchor_slots for c in args.launch]:
+            for length, args.slots, hidden, launch, compiled in [
+                    (n, s, h, c, t) for h in args.hidden_states for n in args.lengths for s in args.anchor_slots
+                    for c in args.launch for t in (args.target_compile if h == "online" else [None])]:
                 resident = bool(_TARGETS)  # the online rows' target already holds memory (in this row's peak)
                 target = online_target(args, device, hidden)  # cache rows before the target exists
+                if target is not None:
+                    target.set_compiled(compiled == "on")
                 try:
                     row = run_length(args, precision, model, opt, params, length, device, forward, d, target, launch)
                 except RuntimeError as e:  # a step that cannot be recorded: say why, keep the other rows
@@ -843,6 +866,8 @@ def bench_script(args, device, d, rows: list[dict]) -> int:
                     print(f"L {length}: --launch graph: the step could not be recorded in a CUDA graph: "
                           f"{str(e).splitlines()[0][:300]}", file=sys.stderr, flush=True)
                     continue
+                if target is not None:
+                    row["target_compiled"] = target.compiled
                 rows.append({**row,
                              "target_resident": resident or hidden == "online",
                              "attention": attention.ATTENTION_KERNEL,
@@ -957,6 +982,7 @@ def write_report(args, device: torch.device, n_params: int, rows: list[dict]) ->
         "peak_tflops": args.peak_tflops,
         "results": rows,
     }
+    add_online_ratios(rows, args.peak_tflops)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(report, indent=2) + "\n")
@@ -968,7 +994,7 @@ def print_table(report: dict) -> None:
     cfg = report["config"]
     print(f"device {report['device']}, torch {report['torch']}, anchors {cfg['anchors']}, recompute "
           f"{cfg['recompute']}, trainable params {report['trainable_params'] / 1e6:.1f}M")
-    print(f"{'loop':>11} {'launch':>6} {'attn':>6} {'adamw':>6} {'precision':>11} {'vocab':>7} {'teacher':>7} {'slots':>7} {'hidden':>6} {'L':>6} {'step_s':>9} {'host_s':>7} {'target':>6} {'tokens/s':>9} {'peak GiB':>9} {'TFLOP':>6} {'MFU':>5} "
+    print(f"{'loop':>11} {'launch':>6} {'attn':>6} {'adamw':>6} {'precision':>11} {'vocab':>7} {'teacher':>7} {'slots':>7} {'hidden':>6} {'L':>6} {'step_s':>9} {'host_s':>7} {'target':>6} {'tokens/s':>9} {'peak GiB':>9} {'TFLOP':>6} {'MFU':>5} {'on/cache':>8} {'tgt MFU':>7} "
           f"{'vs DeepSpec':>11} {'vs DS dflt':>10} {'mem vs DS d.':>12} {'vs specul.':>10} {'mem vs spec.':>12} {'vs spec. run':>12} {'mem vs run':>10}")
 
     def fmt(v, spec):
@@ -978,7 +1004,7 @@ def print_table(report: dict) -> None:
         vs_ref = r.get("speedup_vs_ref", r.get("speedup_vs_deepspec"))
         print(f"{r.get('loop', 'script'):>11} {r.get('launch', 'eager'):>6} {r.get('attention', 'triton')[:6]:>6} {r.get('optimizer', 'torch'):>6} {r['precision']:>11} {fmt(r['draft_vocab_size'], 'd') if r['draft_vocab_size'] else 'full':>7} "
               f"{r['teacher_vocab']:>7} {r.get('anchor_slots', 'fixed'):>7} {r.get('hidden_states', 'cache'):>6} {r['L']:>6} {r['step_s']:>9.4f} {fmt(r.get('host_s'), '.4f'):>7} {fmt(r.get('target_share'), '.0%'):>6} {r['tokens_per_s']:>9.0f} {fmt(r['peak_gib'], '.2f'):>9} {r['model_tflop'] + r.get('target_tflop', 0.0):>6.1f} "
-              f"{fmt(r.get('mfu'), '.0%'):>5} {fmt(vs_ref, '.2f'):>11} {fmt(r.get('speedup_vs_deepspec_default'), '.2f'):>10} "
+              f"{fmt(r.get('mfu'), '.0%'):>5} {fmt(r.get('online_over_cache'), '.2f'):>8} {fmt(r.get('target_mfu'), '.0%'):>7} {fmt(vs_ref, '.2f'):>11} {fmt(r.get('speedup_vs_deepspec_default'), '.2f'):>10} "
               f"{fmt(r.get('peak_ratio_vs_deepspec_default'), '.2f'):>12} {fmt(r.get('speedup_vs_speculators'), '.2f'):>10} "
               f"{fmt(r.get('peak_ratio_vs_speculators'), '.2f'):>12} {fmt(r.get('speedup_vs_speculators_run'), '.2f'):>12} "
               f"{fmt(r.get('peak_ratio_vs_speculators_run'), '.2f'):>10}")

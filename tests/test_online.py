@@ -406,3 +406,27 @@ def test_stages_online_end_to_end(tmp_path, target, regen):
     assert not (root / "data/cache/eval.zarr/aux_hidden").exists()
     out = _stage(root, "train", "--variant", "baseline")
     assert "starting over" not in out
+
+
+def test_compiled_target_layers_are_a_gpu_switch_that_leaves_the_cpu_eager():
+    """``compile_layers`` puts a compiled ``forward`` on each decoder layer instance and takes it off again (the
+    class's forward back); ``OnlineTarget`` compiles only on a GPU, so the CPU keeps the cache's bits. The compiled
+    layers' states against the cache are tests/test_online_gpu.py's (on a GPU)."""
+    from dspark_core.cache.capture import compile_layers
+    from dspark_core.testing import tiny_model
+
+    model = tiny_model("qwen3")
+    layers = decoder_parts(model)[1]
+    compile_layers(model, True)
+    assert all("forward" in layer.__dict__ for layer in layers)
+    compile_layers(model, False)
+    assert all("forward" not in layer.__dict__ for layer in layers)
+    online = OnlineTarget(model, (0, 1), "bf16", compiled=True)
+    assert online.compiled is False and all("forward" not in layer.__dict__ for layer in layers)
+
+
+def test_target_compile_params_are_booleans_and_execution_keys():
+    assert TrainConfig().target_compile is True and EvalOfflineConfig().target_compile is True
+    assert "target_compile" in TrainConfig.EXECUTION_KEYS  # a speed knob: a run resumes across it
+    with pytest.raises(ParamsError, match="target_compile"):
+        TrainConfig.from_dict({"target_compile": "yes"}, src="params.yaml", prefix="train.")

@@ -50,6 +50,29 @@ def decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module
     return base, base.layers, base.norm
 
 
+COMPILED_TARGET_SHAPES = 256  # torch._dynamo's recompile limit for the compiled target layers (widths x layers)
+
+
+def compile_layers(model: nn.Module, on: bool = True) -> None:
+    """Each decoder layer of ``model`` runs its ``forward`` under ``torch.compile`` (on) or eagerly (off, the
+    class's own). The compiled layer fuses the norms, RoPE, activation and residual adds that an eager layer runs as
+    separate kernels; the layer hooks (:class:`HiddenCapture`) stay outside it. The first forward at a width
+    compiles (a second width makes the compiled graph shape-dynamic). Changes the states in their last bits (other
+    kernels), so it is for the online target on a GPU, whose states match the cache to the dtype's rounding."""
+    _, layers, _ = decoder_parts(model)
+    for layer in layers:
+        layer.__dict__.pop("forward", None)  # the class's forward again
+    if not on:
+        return
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(COMPILED_TARGET_SHAPES, getattr(torch._dynamo.config, name)))
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, options={"emulate_precision_casts": True})  # eager rounding
+
+
 def _first_tensor(x):
     return x[0] if isinstance(x, (tuple, list)) else x
 

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dspark_core.cache.capture import capture_padded, check_layer_ids, forward_pad_id
+from dspark_core.cache.capture import capture_padded, check_layer_ids, compile_layers, forward_pad_id
 from dspark_core.cache.dataset import CacheCollator
 from dspark_core.cache.store import roundtrip_hidden
 from dspark_core.errors import UserError
@@ -89,17 +89,24 @@ class OnlineTarget:
     dtype of the store; ``layer_ids``: the store's aux layers."""
 
     def __init__(self, model: torch.nn.Module, layer_ids: Sequence[int], aux_dtype: str,
-                 dtype: torch.dtype = torch.float32, pad_id: int | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, pad_id: int | None = None, compiled: bool = True) -> None:
         check_layer_ids(layer_ids, model.config.num_hidden_layers)
         self.model = model.eval().requires_grad_(False)
         self.layer_ids, self.aux_dtype, self.dtype = tuple(layer_ids), aux_dtype, dtype
         self.pad_id = forward_pad_id(model.config) if pad_id is None else int(pad_id)
         self.device = next(model.parameters()).device
         self.hidden_size = int(model.config.hidden_size)
+        self.set_compiled(compiled)
+
+    def set_compiled(self, on: bool) -> None:
+        """The target's decoder layers under torch.compile (``capture.compile_layers``) where it runs on a GPU and
+        ``on``; eager on the CPU (the cache's bits) or when off."""
+        self.compiled = bool(on) and self.device.type == "cuda"
+        compile_layers(self.model, self.compiled)
 
     @classmethod
     def load(cls, target_dir: str | Path, manifest: dict[str, Any], device: str | torch.device,
-             dtype: torch.dtype = torch.float32) -> "OnlineTarget":
+             dtype: torch.dtype = torch.float32, compiled: bool = True) -> "OnlineTarget":
         """The target of ``target_dir`` on ``device`` for a store of ``manifest`` (its compute dtype, aux layers
         and aux dtype); refuses a target other than the store's."""
         from dspark_core.target import load_target, read_fingerprint
@@ -109,7 +116,7 @@ class OnlineTarget:
             raise UserError(f"{target_dir}: target fingerprint {fingerprint}, but the cache store was made for "
                             f"{manifest['model_fingerprint']}; rerun the cache stage")
         model, _ = load_target(target_dir, dtype=manifest["compute_dtype"], device=device)
-        return cls(model, manifest["aux_layer_ids"], manifest["aux_dtype"], dtype)
+        return cls(model, manifest["aux_layer_ids"], manifest["aux_dtype"], dtype, compiled=compiled)
 
     def fill(self, batch: dict[str, Any]) -> dict[str, Any]:
         """``batch`` (on the target's device, with its :class:`TargetForwards`) plus ``aux_hidden [B, L, K, H]`` and

@@ -46,6 +46,7 @@ class EvalOfflineConfig(Section):
     calibration_bins: int = 10
     reference: str = "baseline"  # the variant also measured on another draft's extra anchor sets (post_error)
     hidden_states: str = "cache"  # cache: read from the eval store | online: the target run here (cache/online.py)
+    target_compile: bool = True  # online on a GPU: the target's layers compiled (as train.target_compile)
 
     def validate(self) -> None:
         if self.max_samples is not None:

@@ -120,7 +120,8 @@ def run_train_stage(params: Path, variant: str, time_budget_s: float | None = No
                         f"variants.{variant}.train.hidden_states" if overridden else "train.hidden_states")
     task = task_class(draft_cfg.kind).from_paths(draft_cfg, loss_cfg, TARGET_DIR, CACHE_DIR / "train.zarr",
                                                  init_checkpoint=ckpt, freeze_base=warm.freeze_base,
-                                                 hidden_states=train_cfg.hidden_states)
+                                                 hidden_states=train_cfg.hidden_states,
+                                                 target_compile=train_cfg.target_compile)
     data: CacheDataset = task.train_dataset()  # type: ignore[assignment]
     run_config = {"variant": variant, "draft": draft_cfg.identity_dict(), "loss": loss_cfg.to_dict(),
                   "train": train_cfg.identity_dict(), "target": task.target_fingerprint,
@@ -187,7 +188,7 @@ def run_eval_offline_stage(params: Path, variant: str) -> dict:
     if cfg.hidden_states == "online":  # the target run here, its states as the store's reader gives them
         from dspark_core.cache.online import OnlineCollator, OnlineTarget
 
-        target_states = OnlineTarget.load(TARGET_DIR, data.manifest, device, data.dtype)
+        target_states = OnlineTarget.load(TARGET_DIR, data.manifest, device, data.dtype, compiled=cfg.target_compile)
         online = {"collator": OnlineCollator(pad_id or 0), "fill_hidden": target_states.fill}
     out = Path("reports/eval_offline")
     return evaluate_offline(draft, data, cfg, metrics_path=out / f"{variant}.json", plots_dir=out / variant,

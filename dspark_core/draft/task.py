@@ -177,10 +177,11 @@ class DSparkTask:
     @classmethod
     def from_paths(cls, draft_cfg: DraftConfig, loss_cfg: LossConfig, target_dir: str | Path,
                    cache_path: str | Path, max_length: int | None = None, hidden_states: str = "cache",
-                   **kwargs: Any) -> "DSparkTask":
+                   target_compile: bool = True, **kwargs: Any) -> "DSparkTask":
         """The task on a target HF dir and a cache store (checked against the target's fingerprint).
         ``hidden_states: online``: the store's tokens only, the target run on each micro-batch (the store's compute
-        dtype; its states as the store's reader gives them, bf16)."""
+        dtype; its states as the store's reader gives them, bf16; ``target_compile``: its layers compiled on a GPU,
+        ``OnlineTarget``)."""
         from dspark_core.cache.dataset import CacheDataset
         from dspark_core.frozen_target import load_frozen_target
         from dspark_core.target import read_fingerprint
@@ -193,7 +194,7 @@ class DSparkTask:
             from dspark_core.cache.online import OnlineTarget
 
             kwargs["online_target"] = functools.partial(OnlineTarget.load, target_dir, data.manifest,
-                                                        dtype=data.dtype)
+                                                        dtype=data.dtype, compiled=target_compile)
         pad_id = pad_id if pad_id is not None else 0
         return cls(draft_cfg, loss_cfg, target_config=model.config,
                    embed_weight=model.get_input_embeddings().weight.detach(),
