@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dspark_core.cache import CacheCollator, CacheConfig, CacheDataset, build_store
+from dspark_core.cache.capture import capture_padded
 from dspark_core.cache.online import OnlineCollator, OnlineTarget
 from dspark_core.draft.config import DraftConfig, LossConfig
 from dspark_core.draft.task import DSparkTask
@@ -77,3 +78,29 @@ def test_trainer_runs_online_on_the_device(setup, tmp_path):
     res = train(task, tcfg, progress=False, checkpoints=False)
     assert len(res.history) == 3 and all(row["loss"] == row["loss"] for row in res.history)
     assert task.target.device.type == "cuda"
+
+
+@pytest.mark.parametrize("width,padded", [(64, False), (96, False), (64, True), (80, True)])
+def test_compiled_target_layers_give_the_eager_layers_bits(setup, width, padded):
+    """``train.target_compile``: each decoder layer under torch.compile with the eager layers' rounding
+    (``capture.compile_layers``) gives the same bf16 states as the eager layers, bit for bit, at each width and on
+    both attention paths (a padded group's explicit mask, an unpadded group's causal kernel)."""
+    from dspark_core.cache.capture import compile_layers
+
+    _, _, model = setup
+    g = torch.Generator().manual_seed(width)
+    ids = torch.randint(0, 200, (2, width), generator=g).cuda()  # [2, W]
+    valid = torch.ones(2, width, dtype=torch.bool, device="cuda")  # [2, W]
+    if padded:
+        valid[1, width // 2:] = False
+    try:
+        with torch.no_grad():
+            compile_layers(model, False)
+            aux_e, last_e = capture_padded(model, ids, valid, LAYERS, padded)  # [2, W, K, H], [2, W, H]
+            compile_layers(model, True)
+            aux_c, last_c = capture_padded(model, ids, valid, LAYERS, padded)
+    finally:
+        compile_layers(model, False)
+    keep = valid[:, :, None]  # positions that are a sample's
+    assert torch.equal(aux_e * keep[..., None], aux_c * keep[..., None])
+    assert torch.equal(last_e * keep, last_c * keep)

@@ -57,8 +57,9 @@ def compile_layers(model: nn.Module, on: bool = True) -> None:
     """Each decoder layer of ``model`` runs its ``forward`` under ``torch.compile`` (on) or eagerly (off, the
     class's own). The compiled layer fuses the norms, RoPE, activation and residual adds that an eager layer runs as
     separate kernels; the layer hooks (:class:`HiddenCapture`) stay outside it. The first forward at a width
-    compiles (a second width makes the compiled graph shape-dynamic). Changes the states in their last bits (other
-    kernels), so it is for the online target on a GPU, whose states match the cache to the dtype's rounding."""
+    compiles (a second width makes the compiled graph shape-dynamic). Inductor's ``emulate_precision_casts``
+    rounds the fused intermediates where the eager layers round them, so the states are the eager layers' bits
+    (tests/test_online_gpu.py); without it they drift by a few bf16 ulps a layer."""
     _, layers, _ = decoder_parts(model)
     for layer in layers:
         layer.__dict__.pop("forward", None)  # the class's forward again

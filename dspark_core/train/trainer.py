@@ -84,8 +84,8 @@ class TrainConfig(Section):
     # cache: the DSpark task reads the target's hidden states from the train store | online: this process runs the
     # frozen target on each micro-batch (the store is then token-only); the same states (cache/online.py)
     hidden_states: str = "cache"
-    # online on a GPU: the target's decoder layers under torch.compile, rounding as eager does (the same states to
-    # the dtype's rounding, ~1.2x the online step at Qwen3-4B shapes) | false: eager layers
+    # online on a GPU: the target's decoder layers under torch.compile, rounding where the eager layers round (the
+    # same states; the online step ~1.2x faster at Qwen3-4B shapes) | false: eager layers
     target_compile: bool = True
     # a rerun on this run's checkpoints after the code (dspark_core) changed: continue (from the last checkpoint,
     # saying so) | strict (refuse); a params change moves the older run aside instead (train/run.py)
