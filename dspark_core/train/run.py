@@ -10,8 +10,9 @@ The stage's output folder is DVC-``persist``ed so a killed run resumes from its 
 ``run_config.json`` records what the checkpoints belong to: the run's configuration (params + input fingerprints)
 and, apart from it, the code (a hash of ``dspark_core``'s sources). A rerun whose configuration matches resumes from
 the last checkpoint; when only the code differs it says so in one line ("the code changed since step N") and
-resumes (``train.resume: continue``), or refuses (``strict``); the code changes are listed in run_config.json
-(``code_changes``). A rerun whose configuration differs (DVC reruns the stage after a params change) starts over,
+resumes (``train.resume: continue``), or refuses (``strict``); the code changes are listed beside the output, in
+``<out_dir's parent>/.previous/<name>.code_changes.json`` (outside the DVC output: a resumed run's output hashes as a
+fresh run's under the same code, so a fresh clone's ``dvc repro`` matches dvc.lock). A rerun whose configuration differs (DVC reruns the stage after a params change) starts over,
 after moving the older output -- checkpoints, run_config.json, and a copy of its curves -- to
 ``<out_dir's parent>/.previous/<name>-<time>-step<N>/``: outside every DVC output (the stage never rewrites it, DVC
 never commits it), git-ignored by a ``.gitignore`` of its own, deleted by nothing. A run that fails before its first
@@ -69,12 +70,11 @@ def _prepare_out_dir(out_dir: Path, run_config: dict[str, Any], code: str, cfg: 
     if old and sha256_json(before) == record["hash"]:
         if step:  # a damaged checkpoint is refused before anything is written
             verify_latest_checkpoint(out_dir / "checkpoints")
-        changes = list(old.get("code_changes") or [])
         if step and old_code != code:
             _code_changed(out_dir, step, cfg or TrainConfig())
-            changes.append({"step": step, "from": old_code, "to": code})
-        if old != {**record, "code_changes": changes}:
-            write_json(rc, {**record, "code_changes": changes})
+            log_code_change(out_dir, {"step": step, "from": old_code, "to": code})
+        if old != record:
+            write_json(rc, record)
         return step > 0
     if out_dir.exists() and any(out_dir.iterdir()):
         changed = changed_keys(before, json_plain(run_config)) or ["configuration"]
@@ -82,8 +82,22 @@ def _prepare_out_dir(out_dir: Path, run_config: dict[str, Any], code: str, cfg: 
         print(f"{out_dir}: {', '.join(changed)} changed since the last run; its output (checkpoints up to step "
               f"{step}) moved to {dest}, where nothing deletes it (delete it yourself when done); starting over")
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(rc, {**record, "code_changes": []})
+    write_json(rc, record)
     return False
+
+
+def code_changes_path(out_dir: Path) -> Path:
+    """Where the code changes a run resumed across are listed: ``<parent>/.previous/<name>.code_changes.json``,
+    outside the DVC output, so a resumed run's output is byte for byte a fresh run's under the same code."""
+    return out_dir.parent / MOVED_ASIDE / f"{out_dir.name}.code_changes.json"
+
+
+def log_code_change(out_dir: Path, change: dict[str, Any]) -> None:
+    """Append ``change`` (step, from, to) to :func:`code_changes_path`'s list."""
+    path = code_changes_path(out_dir)
+    git_ignored_dir(path.parent)
+    changes = read_json(path) if path.is_file() else []
+    write_json(path, changes + [change])
 
 
 def _code_changed(out_dir: Path, step: int, cfg: TrainConfig) -> None:
