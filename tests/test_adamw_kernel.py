@@ -200,8 +200,8 @@ def test_optimizer_kernel_choice():
 
     assert optimizer_kernel("torch", DEVICE) == "torch"
     assert optimizer_kernel("triton", DEVICE) == "triton"
-    assert optimizer_kernel("auto", DEVICE) == "torch"  # float32 weights: torch's fused AdamW
-    assert optimizer_kernel("auto", DEVICE, master=True) == ("triton" if DEVICE.type == "cuda" else "torch")
+    assert optimizer_kernel("auto", DEVICE) == ("triton" if DEVICE.type == "cuda" else "torch")
+    assert optimizer_kernel("auto", torch.device("cpu")) == "torch"  # the CPU: torch's AdamW
     with pytest.raises(UserError, match=r"train.optimizer_kernel must be one of auto, torch, triton; got 'apex'"):
         optimizer_kernel("apex", DEVICE)
     with pytest.raises(UserError, match=r"optimizer_kernel must be one of auto, torch, triton; got 'fused'"):

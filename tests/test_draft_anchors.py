@@ -109,16 +109,22 @@ def test_attention_kernel_choice_is_checked_before_any_compilation(monkeypatch):
     from dspark_core.errors import UserError
     from dspark_core.train.trainer import TrainConfig
 
-    with pytest.raises(UserError, match=r"train.attention_kernel must be one of triton, flash; got 'fa4'"):
+    with pytest.raises(UserError, match=r"train.attention_kernel must be one of auto, triton, flash; got 'fa4'"):
         attention.set_attention_kernel("fa4")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UserError, match=r"flash, but no CUDA device .*set train.attention_kernel: triton"):
         attention.set_attention_kernel("flash")
+    assert attention.set_attention_kernel("auto") == "triton"  # auto: flash only where it runs
+    monkeypatch.setattr(attention, "flash_unavailable", lambda: "")
+    assert attention.set_attention_kernel("auto") == "flash"
+    monkeypatch.setattr(attention, "flash_unavailable", lambda: "the flash-attn-4 package is not installed")
+    assert attention.set_attention_kernel("auto") == "triton"
     # triton: the main flex kernel always (not the decoding one, which fails for < 128 query rows with GQA)
     assert attention.ATTENTION_KERNEL == "triton"
     assert attention.flex_kernel_options() == {"FORCE_USE_FLEX_ATTENTION": True}
-    with pytest.raises(UserError, match=r"attention_kernel must be one of triton, flash; got 'fa3'"):
+    with pytest.raises(UserError, match=r"attention_kernel must be one of auto, triton, flash; got 'fa3'"):
         TrainConfig.from_dict({"attention_kernel": "fa3"})
+    assert TrainConfig.from_dict({"attention_kernel": "auto"}).attention_kernel == "auto"
     # under flash every flex call gets the FLASH backend on top of the tile options
     monkeypatch.setattr(attention, "ATTENTION_KERNEL", "flash")
     monkeypatch.setattr(attention, "FLEX_KERNEL_OPTIONS", {"BLOCK_M": 64})

@@ -908,3 +908,38 @@ def test_first_step_metrics_equal_a_hand_computed_global_batch(tmp_path):
     assert row["mse"] == pytest.approx(mse, rel=1e-5) and row["l1"] == pytest.approx(l1, rel=1e-5)
     assert row["loss"] == pytest.approx(mse + 0.5 * l1, rel=1e-5)
     assert row["hits"] == pytest.approx(tot["hits"] / tot["w"], rel=1e-6)
+
+
+class _Live:
+    """dvclive's ``Live`` as the trainer uses it: ``step``, ``log_metric``, ``make_summary``."""
+
+    def __init__(self):
+        self.step, self.logged = 0, {}
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.logged.setdefault(self.step, {})[name] = value
+
+    def make_summary(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_the_logged_step_time_is_the_mean_since_the_last_log(tmp_path, monkeypatch, deferred):
+    """``train/step_s`` in the logs (metrics.json's figure) is the wall time since the previous logged step over the
+    steps in between, by the trainer's clock. A row's own step_s is the time between two reads: under deferred
+    reads the last step's is only its drain, which must not become the run's figure."""
+    from dspark_core.train import trainer
+
+    monkeypatch.setattr(trainer, "DEFERRED_READS", ("cpu", "cuda") if deferred else ())
+    clock = _FakeClock()
+    reads = []  # the clock when each step is read (the trainer calls it once a read, after the step's start)
+    monkeypatch.setattr(trainer, "_now", clock)
+    live = _Live()
+    res = train(ToyTask(), _cfg(tmp_path / "r", total_steps=10, checkpoint_every=100, log_every=5), live=live,
+                progress=False, on_step=lambda step, row: reads.append(clock.rate * (clock.calls - 1)))
+    assert sorted(live.logged) == [5, 10]
+    assert live.logged[5]["train/step_s"] == pytest.approx((reads[4] - 0.0) / 5)  # the loop started at clock 0
+    assert live.logged[10]["train/step_s"] == pytest.approx((reads[9] - reads[4]) / 5)
+    assert live.logged[10]["train/step_s"] > 0.5  # steps take clock time here, the drain or not
+    if deferred:
+        assert res.history[-1]["step_s"] < live.logged[10]["train/step_s"]  # the drain alone

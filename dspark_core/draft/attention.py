@@ -41,23 +41,28 @@ _compiled_flex: dict[bool, Callable[..., torch.Tensor]] = {}  # dynamic shapes? 
 FLEX_KERNEL_OPTIONS: dict[str, Any] | None = None
 # train.attention_kernel: which kernels run flex_attention on GPU (set_attention_kernel). triton: torch's own;
 # flash: FlashAttention-4 (CuTe DSL) through flex's BACKEND "FLASH", block-sparse forward and backward with the
-# same mask_mod. The same attention either way (bf16 rounding aside; tests/test_attention_flash_gpu.py).
-ATTENTION_KERNELS = ("triton", "flash")
-ATTENTION_KERNEL = "triton"
+# same mask_mod; auto: flash where it runs (the package installed, a Hopper or Blackwell GPU), else triton. The
+# same attention either way (bf16 rounding aside; tests/test_attention_flash_gpu.py).
+ATTENTION_KERNELS = ("auto", "triton", "flash")
+ATTENTION_KERNEL = "triton"  # what runs: triton or flash (auto resolved)
 FLASH_INSTALL = "pip install -e '.[flash]'"
 
 
-def set_attention_kernel(choice: str) -> None:
-    """Choose the GPU attention kernels (``train.attention_kernel``). ``flash`` is checked here, before any
-    compilation: it needs the ``flash-attn-4`` package and an NVIDIA GPU of compute capability >= 9.0."""
+def set_attention_kernel(choice: str) -> str:
+    """Choose the GPU attention kernels (``train.attention_kernel``) and return the one that runs. ``flash`` is
+    checked here, before any compilation: it needs the ``flash-attn-4`` package and an NVIDIA GPU of compute
+    capability >= 9.0; ``auto`` takes it where those hold, else ``triton``."""
     global ATTENTION_KERNEL
     if choice not in ATTENTION_KERNELS:
         raise UserError(f"train.attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}; got {choice!r}")
-    if choice == "flash":
+    if choice == "auto":
+        choice = "triton" if flash_unavailable() else "flash"
+    elif choice == "flash":
         problem = flash_unavailable()
         if problem:
             raise UserError(f"train.attention_kernel: flash, but {problem}; set train.attention_kernel: triton")
     ATTENTION_KERNEL = choice
+    return choice
 
 
 def flash_unavailable() -> str:

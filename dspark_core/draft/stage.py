@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from dspark_core.config import ParamsError
-from dspark_core.draft.attention import set_attention_kernel
+from dspark_core.draft.attention import flash_unavailable, set_attention_kernel
 from dspark_core.draft.config import DraftConfig, LossConfig, WarmStartConfig
 from dspark_core.draft.loss import set_loss_kernel
 from dspark_core.errors import UserError
@@ -113,7 +115,10 @@ def run_train_stage(params: Path, variant: str, time_budget_s: float | None = No
     check_variant_dag(params)
     draft_cfg, loss_cfg, train_cfg = variant_configs(params, variant)
     set_loss_kernel(train_cfg.loss_kernel)
-    set_attention_kernel(train_cfg.attention_kernel)
+    kernel = set_attention_kernel(train_cfg.attention_kernel)
+    if train_cfg.attention_kernel == "auto" and torch.cuda.is_available():  # which kernels a GPU run trains with
+        why = flash_unavailable()
+        print(f"train.attention_kernel auto: {kernel}" + (f" ({why})" if why else ""))
     warm, ckpt, offset = warm_start_checkpoint(params, variant)
     overridden = "hidden_states" in (variant_overrides(params, variant).get("train") or {})
     check_hidden_states(params, CACHE_DIR / "train.zarr", train_cfg.hidden_states,

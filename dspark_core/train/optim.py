@@ -4,8 +4,9 @@ optimiser (``train.param_dtype: bfloat16``).
 ``torch``: ``torch.optim.AdamW`` (fused on CUDA). ``triton``: :class:`TritonAdamW`, the same optimiser whose
 step runs ``kernels.adamw`` (a streaming Triton kernel per tensor instead of torch's ``multi_tensor_apply``). A
 speed knob, not a hyperparameter: both compute AdamW to float32 rounding and keep one state layout, so it is an
-execution key of ``train`` (a checkpoint resumes under either). ``auto`` (the default): ``triton`` for a
-master-weights run on CUDA (its one-pass step has no torch counterpart), ``torch`` otherwise.
+execution key of ``train`` (a checkpoint resumes under either). ``auto`` (the default): ``triton`` on CUDA
+(float32 weights: 1.8 ms less of a 60 ms Qwen3-4B-shaped step on an H100; bf16 working weights: a one-pass
+master step with no torch counterpart), ``torch`` elsewhere.
 
 :class:`MasterAdamW` keeps float32 master weights and AdamW moments beside the model's bf16 working weights (the
 numerics of DeepSpec's ``BF16Optimizer``), with the step fused into one pass per tensor under ``triton``.
@@ -22,15 +23,15 @@ from dspark_core.errors import UserError
 OPTIMIZER_KERNELS = ("auto", "torch", "triton")
 
 
-def optimizer_kernel(choice: str, device: torch.device, master: bool = False) -> str:
+def optimizer_kernel(choice: str, device: torch.device) -> str:
     """``choice`` (``auto``, ``torch`` or ``triton``) resolved on ``device``: triton needs Triton to run there;
-    auto is triton for a ``master``-weights step on CUDA where Triton imports, else torch."""
+    auto is triton on CUDA where Triton imports, else torch."""
     from dspark_core.kernels import triton_ok
 
     if choice not in OPTIMIZER_KERNELS:
         raise UserError(f"train.optimizer_kernel must be one of {', '.join(OPTIMIZER_KERNELS)}; got {choice!r}")
     if choice == "auto":
-        return "triton" if master and torch.device(device).type == "cuda" and triton_ok(device) else "torch"
+        return "triton" if torch.device(device).type == "cuda" and triton_ok(device) else "torch"
     if choice == "triton" and not triton_ok(device):
         raise UserError(f"train.optimizer_kernel: triton, but Triton cannot run on {device}; use torch")
     return choice

@@ -78,7 +78,7 @@ class TrainConfig(Section):
     node_rank: int | None = None         # this host's rank; null: from the environment (dist.NODE_RANK_ENV)
     rdzv_endpoint: str | None = None     # node 0's host:port (torchrun's static rendezvous; nnodes > 1)
     loss_kernel: str = "auto"            # the draft loss's chunk math: auto | triton | compile | torch (same numbers)
-    attention_kernel: str = "triton"     # the draft's flex attention on GPU: triton | flash (FlashAttention-4)
+    attention_kernel: str = "auto"       # the draft's flex attention on GPU: auto | triton | flash (FlashAttention-4)
     optimizer_kernel: str = "auto"       # the AdamW step: auto | torch | triton (train/optim.py; same numbers)
     group_by_length: bool = True         # a step's samples go to its micro-batches by length (same step gradient)
     # cache: the DSpark task reads the target's hidden states from the train store | online: this process runs the
@@ -126,7 +126,7 @@ class TrainConfig(Section):
                 "numerics (tests/test_numerics_golden.py); set master_dtype: float32 (bf16 working weights, float32 "
                 "master weights and AdamW state) or param_dtype: float32")
         non_negative("data_workers", self.data_workers)
-        one_of("attention_kernel", self.attention_kernel, ("triton", "flash"))
+        one_of("attention_kernel", self.attention_kernel, ("auto", "triton", "flash"))
         one_of("optimizer_kernel", self.optimizer_kernel, OPTIMIZER_KERNELS)
         one_of("hidden_states", self.hidden_states, ("cache", "online"))
         one_of("resume", self.resume, RESUME_MODES)
@@ -339,7 +339,7 @@ def build_optimizer(task: TrainTask, model: nn.Module, cfg: TrainConfig, device:
         {"params": [p for p in model.parameters() if p.requires_grad]}]
     groups = [{**g, "lr": g.get("lr") or cfg.lr} for g in groups if g["params"]]
     fused = device.type == "cuda"
-    kernel = optimizer_kernel(cfg.optimizer_kernel, device, master=cfg.master_weights)
+    kernel = optimizer_kernel(cfg.optimizer_kernel, device)
     if not any(g.get("sparse") for g in groups):
         dense = [{k: v for k, v in g.items() if k != "sparse"} for g in groups]
         kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
@@ -539,7 +539,8 @@ class TrainRun:
             from tqdm.auto import tqdm
             self.bar = tqdm(total=self.cfg.stop_step, initial=self.start, desc=f"train {self.task.name}", unit="step")
         stream = step_batch_stream(self.task, self.cfg, self.d, self.start, pin_memory=self.device.type == "cuda")
-        self.t_loop = self.prev_now = _now()
+        self.t_loop = self.prev_now = self.log_now = _now()
+        self.log_done = self.start
         pending: _Enqueued | None = None
         for step in range(self.start, self.stop_step):
             rec = self._queue_step(step, next(stream))
@@ -601,7 +602,7 @@ class TrainRun:
         self.history.append(row)
         done = self.last = rec.step
         final = done == self.cfg.stop_step or out_of_time
-        self._report(done, row, final)
+        self._report(done, row, final, now)
         if self.checkpoints and (done % self.cfg.checkpoint_every == 0 or final):
             self._checkpoint(done, spent)
         if out_of_time and done < self.cfg.stop_step:
@@ -623,12 +624,17 @@ class TrainRun:
             self.sched.step()
         return spent, spent >= self.budget
 
-    def _report(self, done: int, row: dict[str, float], final: bool) -> None:
+    def _report(self, done: int, row: dict[str, float], final: bool, now: float) -> None:
+        """``live`` gets every ``log_every``-th row, its ``step_s`` the mean over the steps since the last logged
+        one: a row's own ``step_s`` is the time between two reads, which under deferred reads leaves the last step
+        of a run only its drain (its queueing overlapped the step before), ~0 where the host bounds the loop."""
         rep = self.rep
         if self.d.is_main:
             if rep.live is not None and (done % self.cfg.log_every == 0 or final):
                 rep.live.step = done + rep.log_step_offset
-                for k, v in row.items():
+                logged = {**row, "step_s": (now - self.log_now) / max(1, done - self.log_done)}
+                self.log_now, self.log_done = now, done
+                for k, v in logged.items():
                     rep.live.log_metric(f"train/{k}", v)
                 rep.live.make_summary()
             if self.bar is not None:
