@@ -168,8 +168,8 @@ def online_batch(batch: dict, items: list[dict], places: list[tuple[int, int]]) 
 
 
 
-def optimizer_name(args, precision: str, device: torch.device) -> str:
-    """The AdamW step a row ran: ``--optimizer-kernel`` resolved for its precision and device."""
+def optimizer_name(args, device: torch.device) -> str:
+    """The AdamW step a row ran: ``--optimizer-kernel`` resolved on its device."""
     return optimizer_kernel(args.opt_kernel, device)
 
 
@@ -755,7 +755,7 @@ def bench_trainer(args, device, rows: list[dict]) -> int:
         resident = bool(_TARGETS)  # the online rows' target already holds memory (in this row's peak)
         rows.append({**run_trainer(args, precision, length, device, online_target(args, device, hidden)),
                      "target_resident": resident or hidden == "online",
-                     "attention": attention.ATTENTION_KERNEL, "optimizer": optimizer_name(args, precision, device),
+                     "attention": attention.ATTENTION_KERNEL, "optimizer": optimizer_name(args, device),
                      "anchor_slots": args.slots})
         n_params = rows[-1]["trainable_params"]
         print(json.dumps(rows[-1]), flush=True)
@@ -872,7 +872,7 @@ def bench_script(args, device, d, rows: list[dict]) -> int:
                 rows.append({**row,
                              "target_resident": resident or hidden == "online",
                              "attention": attention.ATTENTION_KERNEL,
-                             "optimizer": optimizer_name(args, precision, device), "anchor_slots": args.slots})
+                             "optimizer": optimizer_name(args, device), "anchor_slots": args.slots})
                 if args.baseline is not None:
                     add_scaling(rows[-1:], args.baseline)
                 if d.is_main:
