@@ -27,6 +27,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import sys
 import subprocess
 import tempfile
@@ -49,6 +50,7 @@ ARM_SECTIONS = ("train", "loss", "draft", "eval_offline")  # what train@ / eval_
 LINKED = ("stages", "dvc.yaml", "profiles", "data/sources", "data/prompts_h200")  # the stages' own inputs
 TARGETS = ("train@baseline", "eval_offline@baseline")
 NUMERICS_KEYS = ("precision", "param_dtype", "master_dtype", "attention_kernel", "optimizer_kernel", "loss_kernel")
+EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # 1e-4, 2.5E3: numbers however the YAML reads them
 EVAL_JSON = Path("reports/eval_offline/baseline.json")  # an arm's held-out metrics, in its folder
 EVAL_KEYS = ("tau_prob", *(f"accept_rate@{i}" for i in range(7)), "num_blocks")
 
@@ -59,11 +61,8 @@ def parse_value(key: str, text: str) -> Any:
         value = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise SystemExit(f"--set / --arm {key}={text}: not a YAML value ({e})") from None
-    if isinstance(value, str):  # YAML 1.1 reads 2e-3 as a string; DVC's YAML 1.2 as a number
-        try:
-            return float(value)
-        except ValueError:
-            pass
+    if isinstance(value, str) and EXPONENT.fullmatch(value):  # YAML 1.1 reads 2e-3 as a string, DVC's 1.2 a number
+        return float(value)
     return value
 
 

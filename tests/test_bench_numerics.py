@@ -20,6 +20,8 @@ def test_an_arm_sets_only_what_train_and_eval_read():
     assert bn.parse_arm("default:") == ("default", {})
     assert bn.parse_arm("fast:train.attention_kernel=flash,train.lr=2e-3") == (
         "fast", {"train.attention_kernel": "flash", "train.lr": 0.002})  # 2e-3 a number, as DVC's -S reads it
+    assert bn.parse_arm("k:train.attention_kernel=inf,train.resume=nan") == (
+        "k", {"train.attention_kernel": "inf", "train.resume": "nan"})  # words stay words
     with pytest.raises(SystemExit, match=r"--arm x: cache.dtype would change the data every arm shares"):
         bn.parse_arm("x:cache.dtype=float32")
     with pytest.raises(SystemExit, match=r"write NAME:KEY=VALUE"):
