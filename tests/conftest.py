@@ -20,10 +20,12 @@ GPU_FILES = {"test_kernels.py", "test_kernel_accept.py", "test_static_engine.py"
 
 
 def pytest_configure(config):
-    """Under pytest-xdist (the README's `-n 2`) each worker computes on one torch thread: two workers of two
-    threads each on a 2-core machine would fight over the cores."""
+    """Under pytest-xdist (the README's `-n 2`) each worker computes on one torch thread, and so does every process
+    a test starts (``OMP_NUM_THREADS``: the stages of a `dvc repro`, torchrun's ranks): two workers of two threads
+    each on a 2-core machine would fight over the cores."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # The longest file (a whole `dvc repro` and `dvc exp run`) first: under `-n 2 --dist loadfile` one worker runs it

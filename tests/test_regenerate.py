@@ -1,18 +1,15 @@
-"""The `regenerate` stage: hf backend (reference greedy, batching, resume), openai stub, hf == vLLM (slow)."""
+"""The `regenerate` stage: hf backend (reference greedy, batching, resume), openai stub (hf == vLLM on the packaged
+model: tests/test_regenerate_turns.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 import dspark_core.data.regenerate as regen
 from dspark_core.config import ParamsError
@@ -24,7 +21,6 @@ from dspark_core.target import load_target
 from dspark_core.testing import save_tiny_target
 from _regen_utils import Recorder, greedy
 
-REPO = Path(__file__).resolve().parents[1]
 QUESTIONS = ["What is 2 + 3?", "Name a color.", "Write a haiku about rain.", "hi",
              "Explain gravity in one sentence.", "Count to five."]
 MAX_NEW = 12
@@ -371,31 +367,3 @@ def test_openai_backend_reports_http_errors(tiny, tmp_path, stub_server):
     with pytest.raises(UserError, match=r"HTTP 400: .*\(regenerate.openai_base_url / openai_model\)"):
         run_regenerate(_cfg(target, prompts, tmp_path / "out", backend="openai", openai_base_url=stub_server,
                             openai_model="other", openai_timeout_s=20))
-
-
-# ----------------------------------------------------------------------------------------------
-# the real packaged model: hf and vLLM give the same greedy tokens
-# ----------------------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_hf_and_vllm_greedy_tokens_match_on_packaged_model(packaged_target, tmp_path):
-    pytest.importorskip("vllm")
-    target = packaged_target
-    prompts = _prompts_dir(tmp_path, ["What is 12 times 3?", "Name three fruits.", "Say hello in French."])
-    common = dict(temperature=0.0, max_new_tokens=32, batch_size=3, splits=["eval"], dtype="float32",
-                  target_dir=str(target), prompts_dir=str(prompts), stats_path=str(tmp_path / "stats.json"))
-    params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({"regenerate": {**common, "backend": "vllm", "vllm_enforce_eager": True,
-                                                     "out_dir": str(tmp_path / "vllm")}}))
-    # vLLM spawns workers: run the stage script in its own process, under its __main__ guard
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-    proc = subprocess.run([sys.executable, str(REPO / "stages" / "regenerate.py"), "--params", str(params)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run_regenerate(RegenerateConfig.from_dict({**common, "backend": "hf", "out_dir": str(tmp_path / "hf")}))
-    v = read_regen(tmp_path / "vllm" / "eval.parquet")
-    h = read_regen(tmp_path / "hf" / "eval.parquet")
-    assert [r["backend"] for r in v] == ["vllm"] * 3 and [r["backend"] for r in h] == ["hf"] * 3
-    assert sum(len(r["response_ids"]) for r in h) > 3 * 8     # real answers, not just an EOS
-    for a, b in zip(v, h):
-        assert a["prompt_ids"] == b["prompt_ids"]
-        assert (a["response_ids"], a["finish_reason"]) == (b["response_ids"], b["finish_reason"]), a["id"]

@@ -454,7 +454,9 @@ def test_draft_vocab_counts_the_span_tokens(tmp_path):
 # -- the real packaged model: hf and vLLM answer every turn alike ----------------------------------------------
 @pytest.mark.slow
 def test_hf_and_vllm_answer_every_turn_alike_on_packaged_model(packaged_target, tmp_path):
-    """Greedy, two turns on SmolLM2: vLLM (fed the same context ids a turn) gives hf's tokens and spans."""
+    """Greedy on SmolLM2, one vLLM run of the regenerate stage (its own process, under its __main__ guard: vLLM
+    spawns workers) and one hf run: two conversations of two turns and one of one turn; vLLM (fed the same context
+    ids a turn) gives hf's tokens, spans and finish reasons, for every turn."""
     import os
     import subprocess
     import sys
@@ -463,8 +465,9 @@ def test_hf_and_vllm_answer_every_turn_alike_on_packaged_model(packaged_target, 
 
     pytest.importorskip("vllm")
     prompts = _write(tmp_path / "prompts", [Prompt("a", "test", ("What is 12 times 3?", "And plus 4?")),
-                                            Prompt("b", "test", ("Name a fruit.", "Another one."), system="Be brief.")])
-    common = dict(temperature=0.0, max_new_tokens=24, batch_size=2, splits=["eval"], dtype="float32", max_turns=2,
+                                            Prompt("b", "test", ("Name a fruit.", "Another one."), system="Be brief."),
+                                            Prompt("c", "test", ("Say hello in French.",))])
+    common = dict(temperature=0.0, max_new_tokens=24, batch_size=3, splits=["eval"], dtype="float32", max_turns=2,
                   target_dir=str(packaged_target), prompts_dir=str(prompts), stats_path=str(tmp_path / "stats.json"))
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"regenerate": {**common, "backend": "vllm", "vllm_enforce_eager": True,
@@ -476,6 +479,9 @@ def test_hf_and_vllm_answer_every_turn_alike_on_packaged_model(packaged_target, 
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_regenerate(RegenerateConfig.from_dict({**common, "backend": "hf", "out_dir": str(tmp_path / "hf")}))
     v, h = (read_regen(tmp_path / d / "eval.parquet") for d in ("vllm", "hf"))
+    assert [r["backend"] for r in v] == ["vllm"] * 3 and [r["backend"] for r in h] == ["hf"] * 3
+    assert [r["id"] for r in v] == [r["id"] for r in h] == ["a", "b", "c"] and h[2]["num_turns"] == 1
+    assert sum(len(r["response_ids"]) for r in h) > 3 * 8  # real answers, not just an EOS
     # both turns answered, unless the first answer was cut at max_new_tokens (a cut answer ends its conversation)
     assert all(r["num_turns"] == 2 or r["finish_reasons"] == ["length"] for r in h), [r["finish_reasons"] for r in h]
     assert h[0]["num_turns"] == 2 and all(len(r["span_starts"]) == r["num_turns"] for r in h)
