@@ -9,7 +9,8 @@ backend choice:
 - ``step_s``: the forward as the trainer launches it (Python queues each layer), ``mfu`` its matrix work
   (``target_tflop``: projections, MLP, causal attention; no LM head) over ``--peak-tflops``;
 - ``host_s``: the host's time to queue one forward onto an idle GPU: near ``step_s``, the launches are the limit;
-- ``graph_s`` / ``graph_mfu``: the same forward replayed from a CUDA graph, the GPU's own time with no launch gaps;
+- ``graph_s`` / ``graph_mfu``: the same forward replayed from a CUDA graph, the GPU's own time with no launch gaps
+  (``graph_error`` instead where the forward cannot be captured);
 - ``--profile``: ``ms_by_kind``, the device time of one forward by kernel kind (``bench_train_step.kernel_kind``:
   GEMM, attention, the rest) and ``attention_kernel``, the attention kernel that ran;
 - ``max_diff_last``: the largest difference of its last hidden state from the first ``--sdpa`` choice's, same
@@ -149,7 +150,12 @@ def bench_row(args, model, shape: str, length: int, choice: str, device: torch.d
         fn()
         host_s = time.perf_counter() - t0
         sync(device)
-        graph_s = graph_seconds(fn, args.steps, device) if device.type == "cuda" else None
+        graph_s, graph_error = None, None
+        if device.type == "cuda":
+            try:
+                graph_s = graph_seconds(fn, args.steps, device)
+            except RuntimeError as e:  # a kernel that cannot be captured: the row keeps its eager figures
+                graph_error = str(e).splitlines()[0][:200]
         kinds, attention = kinds_of_one(fn, device) if args.profile and device.type == "cuda" else (None, None)
     tflop = target_tflop(target_config(args.tiny, shape), [length])
     peak = args.peak_tflops if device.type == "cuda" else None
@@ -157,7 +163,7 @@ def bench_row(args, model, shape: str, length: int, choice: str, device: torch.d
            "host_s": host_s, "graph_s": graph_s, "warmup_s": warm, "target_tflop": tflop,
            "mfu": tflop / step_s / peak if peak else None,
            "graph_mfu": tflop / graph_s / peak if peak and graph_s else None,
-           "ms_by_kind": kinds, "attention_kernel": attention}
+           "graph_error": graph_error, "ms_by_kind": kinds, "attention_kernel": attention}
     return row, last
 
 

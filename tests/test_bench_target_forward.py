@@ -26,7 +26,8 @@ def test_tiny_rows_time_the_forward_and_count_its_matrix_work(tmp_path):
         assert r["target_tflop"] == pytest.approx(36 * (2 * n * layer + 2 * n * n * 4 * 16) / 1e12)
         assert r["step_s"] > 0 and r["host_s"] > 0
         # no GPU: no graph replay, no MFU, no kernel table, layers not compiled
-        assert r["graph_s"] is None and r["mfu"] is None and r["ms_by_kind"] is None and r["compiled"] is False
+        assert r["graph_s"] is None and r["graph_error"] is None and r["mfu"] is None and r["ms_by_kind"] is None
+        assert r["compiled"] is False
     assert "step_s" in proc.stdout and "graph_s" in proc.stdout
 
 
