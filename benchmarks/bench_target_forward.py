@@ -45,7 +45,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_train_step import AUX_LAYERS, SHAPES, kernel_kind, target_config, target_tflop  # noqa: E402
+from bench_train_step import (AUX_LAYERS, SHAPES, build_target, kernel_kind, sync, target_config,  # noqa: E402
+                              target_tflop)
 
 from dspark_core.cache.capture import capture_padded, compile_layers  # noqa: E402
 
@@ -69,15 +70,9 @@ def sdpa_context(choice: str):
 
 
 def build_model(args, shape: str, device: torch.device) -> torch.nn.Module:
-    """A random target of ``shape``'s widths, made on ``device`` in its compute dtype (bf16 on a GPU)."""
-    from transformers import AutoModelForCausalLM
-
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(1)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(target_config(args.tiny, shape), dtype=dtype,
-                                                 attn_implementation="sdpa")
-    return model.eval()
+    """The online rows' random target (``bench_train_step.build_target``) of ``shape``'s widths, in its compute
+    dtype on ``device`` (bf16 on a GPU)."""
+    return build_target(argparse.Namespace(tiny=args.tiny, shape=shape), device).model.eval()
 
 
 def timed(fn, steps: int, device: torch.device) -> float:
@@ -88,11 +83,6 @@ def timed(fn, steps: int, device: torch.device) -> float:
         fn()
     sync(device)
     return (time.perf_counter() - t0) / steps
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def graph_seconds(fn, steps: int, device: torch.device) -> float:
