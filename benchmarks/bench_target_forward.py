@@ -16,6 +16,12 @@ backend choice:
 - ``max_diff_last``: the largest difference of its last hidden state from the first ``--sdpa`` choice's, same
   shape and L (0: the same bits).
 
+``--projections`` adds a table of one decoder layer's projection GEMMs alone (bf16, random operands of the
+layer's shapes, replayed from a CUDA graph): the seven a transformers layer launches (q, k, v, o, gate, up, down)
+against five, q / k / v and gate / up each as one GEMM over the concatenated weights, in ms a layer and over the
+target's layers (``saves_ms``): what fusing the projections would take off the forward's GEMM time (on the CPU,
+with ``--tiny``: timed as called).
+
 ``--sdpa`` picks the attention backend of the SDPA call inside the layers (``torch.nn.attention.sdpa_kernel`` while
 the layers compile and run): ``default`` (torch's own choice: cuDNN on Hopper), ``cudnn``, ``flash``, ``efficient``;
 ``fa4`` first activates torch's FlashAttention-4 implementation of its flash backend
@@ -187,6 +193,41 @@ def bench_shape(args, shape: str, device: torch.device, rows: list[dict]) -> Non
         torch.cuda.empty_cache()
 
 
+def gemm_ms(pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, reps: int = 20) -> float:
+    """Device ms of one pass over ``pairs`` (``x @ w.T`` each), replayed from a CUDA graph of ``reps`` passes (on
+    the CPU: timed as called)."""
+    def run():
+        for _ in range(reps):
+            for x, w in pairs:
+                torch.nn.functional.linear(x, w)
+
+    seconds = graph_seconds(run, 5, device) if device.type == "cuda" else timed(run, 1, device)
+    return seconds * 1e3 / reps
+
+
+def projection_rows(args, shape: str, device: torch.device) -> list[dict]:
+    """Per L: one decoder layer's projection GEMMs as transformers launches them and with q / k / v and gate / up
+    fused (``--projections``), ms a layer, and the fused GEMMs' saving over the target's layers."""
+    tc = target_config(args.tiny, shape)
+    h, f, hq, hkv = tc.hidden_size, tc.intermediate_size, tc.num_attention_heads, tc.num_key_value_heads
+    dh = getattr(tc, "head_dim", None) or h // hq
+    w = {name: torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02  # [out, in]
+         for name, n, k in [("q", hq * dh, h), ("k", hkv * dh, h), ("v", hkv * dh, h), ("o", h, hq * dh),
+                            ("gate", f, h), ("up", f, h), ("down", h, f)]}
+    qkv, gate_up = torch.cat([w["q"], w["k"], w["v"]]), torch.cat([w["gate"], w["up"]])  # [out, in]
+    out = []
+    for length in args.lengths:
+        x, a, m = (torch.randn(length, k, device=device, dtype=torch.bfloat16) for k in (h, hq * dh, f))  # [L, in]
+        separate = gemm_ms([(x, w["q"]), (x, w["k"]), (x, w["v"]), (a, w["o"]), (x, w["gate"]), (x, w["up"]),
+                            (m, w["down"])], device)
+        fused = gemm_ms([(x, qkv), (a, w["o"]), (x, gate_up), (m, w["down"])], device)
+        tflop = 2 * length * (qkv.numel() + w["o"].numel() + gate_up.numel() + w["down"].numel()) / 1e12
+        out.append({"shape": shape, "L": length, "separate_ms": separate, "fused_ms": fused,
+                    "separate_tflops": tflop / separate * 1e3, "fused_tflops": tflop / fused * 1e3,
+                    "saves_ms": (separate - fused) * tc.num_hidden_layers})
+    return out
+
+
 def print_table(rows: list[dict]) -> None:
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
@@ -202,6 +243,16 @@ def print_table(rows: list[dict]) -> None:
               f"{r['max_diff_last']:>7.4f}")
 
 
+def write_report(args, device: torch.device, rows: list[dict], projections: list[dict]) -> None:
+    report = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "results": rows, "projections": projections or None}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, args.out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", nargs="+", choices=tuple(SHAPES), default=["qwen3-4b"])
@@ -212,6 +263,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="device ms of one forward by kernel kind (GPU)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H100 / H200 SXM)")
+    ap.add_argument("--projections", action="store_true",
+                    help="a table of one layer's projection GEMMs, as launched and with q/k/v and gate/up fused")
     ap.add_argument("--tiny", action="store_true", help="tiny widths on the CPU (a smoke run)")
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench" / "target_forward.json")
     args = ap.parse_args()
@@ -223,16 +276,19 @@ def main() -> None:
     if args.tiny:
         args.lengths = sorted({min(n, 64) for n in args.lengths})
     rows: list[dict] = []
+    projections: list[dict] = []
     for shape in args.shape:
         bench_shape(args, shape, device, rows)
-    report = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "results": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, args.out)
+        if args.projections:
+            projections += projection_rows(args, shape, device)
+        write_report(args, device, rows, projections)  # after each shape, so a later failure keeps the rows
     print_table(rows)
+    if projections:
+        print(f"\n{'shape':>9} {'L':>5} {'7 GEMMs ms':>10} {'5 GEMMs ms':>10} {'TFLOP/s':>8} {'fused':>6} "
+              f"{'saves ms':>8}  (one layer's projections; saves: over the target's layers)")
+        for r in projections:
+            print(f"{r['shape']:>9} {r['L']:>5} {r['separate_ms']:>10.3f} {r['fused_ms']:>10.3f} "
+                  f"{r['separate_tflops']:>8.0f} {r['fused_tflops']:>6.0f} {r['saves_ms']:>8.2f}")
     print(f"wrote {args.out}")
 
 

@@ -195,6 +195,28 @@ def test_what_the_kernel_does_not_cover_runs_torch_step():
     assert all("max_exp_avg_sq" in state for state in ours.state.values())
 
 
+def test_capturable_groups_take_the_kernel(monkeypatch):
+    """A step recorded in a CUDA graph marks its groups ``capturable``: TritonAdamW and MasterAdamW still run the
+    Triton kernel there (torch's own step would raise here) and give the non-capturable trajectory to the bit."""
+    def refuse(*a, **k):
+        raise AssertionError("torch's AdamW step ran")
+
+    plain_p, cap_p = _params(torch.float32), _params(torch.float32)
+    plain, cap = TritonAdamW(plain_p, **HP), TritonAdamW(cap_p, **HP)
+    (w_plain, m_plain), (w_cap, m_cap) = _master_pair("triton"), _master_pair("triton")
+    for opt in (cap, m_cap):
+        for group in opt.param_groups:
+            group["capturable"] = True
+    monkeypatch.setattr(torch.optim.AdamW, "step", refuse)
+    for step in range(3):
+        for ps in (plain_p, cap_p, w_plain, w_cap):
+            _set_grads(ps, step)
+        for opt in (plain, cap, m_plain, m_cap):
+            opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(plain_p, cap_p))
+        assert all(torch.equal(a, b) for a, b in zip(w_plain, w_cap))
+
+
 def test_optimizer_kernel_choice():
     from dspark_core.train.trainer import TrainConfig
 

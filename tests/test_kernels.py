@@ -697,10 +697,12 @@ def test_fused_linear_token_tiles_are_batch_invariant(cfg, variant, monkeypatch)
 
 def test_fused_linear_wide_step_without_batch_invariance_is_torch(monkeypatch):
     """``set_batch_invariant(False)``: a step of n > MAX_TOKENS tokens is torch's product (cuBLAS on a GPU), no
-    Triton launch; n <= MAX_TOKENS still runs the kernels."""
-    from dspark_core.kernels import linear
+    Triton launch; n <= MAX_TOKENS still runs the kernels, one launch (the tuner off: on a GPU its timing of each
+    candidate tile would launch too)."""
+    from dspark_core.kernels import linear, tuning
 
     monkeypatch.setattr(linear, "BATCH_INVARIANT", False)
+    monkeypatch.setattr(tuning, "TUNE", False)
     launched = []
     real = linear._launch
     monkeypatch.setattr(linear, "_launch", lambda *a: launched.append(a[0].shape[0]) or real(*a))

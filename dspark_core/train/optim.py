@@ -40,9 +40,12 @@ def optimizer_kernel(choice: str, device: torch.device) -> str:
 class TritonAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` (its fused state layout: a float32 ``step`` tensor on the parameter's device) whose
     ``step`` runs :func:`dspark_core.kernels.adamw.adamw_step_` per parameter group. Falls back to torch's step
-    for what the kernel does not cover (amsgrad, maximize, capturable, a tensor lr, a closure, ``found_inf``,
-    sparse or non-contiguous tensors). ``grad_scale`` (set by
-    ``trainer.clip_and_step``) divides the gradients inside the kernel, as torch's fused step does."""
+    for what the kernel does not cover (amsgrad, maximize, a tensor lr, a closure, ``found_inf``, sparse or
+    non-contiguous tensors). ``grad_scale`` (set by ``trainer.clip_and_step``) divides the gradients inside the
+    kernel, as torch's fused step does. A ``capturable`` group (a step recorded in a CUDA graph,
+    ``train/step_graph.py``) takes the kernel too: it reads the step counts and ``grad_scale`` on the device and
+    from the host only the float hyperparameters, which a recording bakes in as torch's capturable step bakes a
+    float lr."""
 
     def __init__(self, params, **kw: Any) -> None:
         super().__init__(params, fused=True, **kw)
@@ -72,8 +75,7 @@ class TritonAdamW(torch.optim.AdamW):
 
         plans = []
         for group in self.param_groups:
-            if group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"] \
-                    or torch.is_tensor(group["lr"]):
+            if group["amsgrad"] or group["maximize"] or group["differentiable"] or torch.is_tensor(group["lr"]):
                 return None
             params = [p for p in group["params"] if p.grad is not None]
             for p in params:
@@ -148,8 +150,8 @@ class MasterAdamW(torch.optim.AdamW):
         from dspark_core.kernels.adamw import supported
 
         for group, masters, working in pairs:
-            if group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"] \
-                    or torch.is_tensor(group["lr"]) or getattr(self, "found_inf", None) is not None:
+            if group["amsgrad"] or group["maximize"] or group["differentiable"] or torch.is_tensor(group["lr"]) \
+                    or getattr(self, "found_inf", None) is not None:
                 return False
             if not supported(masters + [w.data for w in working] + [w.grad for w in working]):
                 return False
