@@ -670,11 +670,16 @@ def test_fused_linear_token_tiles_are_batch_invariant(cfg, variant, monkeypatch)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     g = torch.Generator().manual_seed(37)
     n, k, n_out, gated = 37, 96, 40, variant.startswith("gated")
+    # the interpreter: multiples of 1/16 (exact sums); CUDA: the magnitudes of the other fused_linear tests. At 0.25
+    # the gate reaches ~6, and where the kernel's normed input rounds apart from HF's (it scales by rstd in its
+    # epilogue) the product of the two bf16-rounded halves moves past 2% (a CPU emulation of the kernel's roundings
+    # gives the same mismatches).
+    s = 0.25 if DEVICE == "cpu" else 0.1
     x = _exact((n, k), g, 1.0, dtype)
-    w = _exact((2 * n_out if gated else n_out, k), g, 0.25, dtype)
+    w = _exact((2 * n_out if gated else n_out, k), g, s, dtype)
     kw = dict(gated=gated)
     if gated:
-        kw.update(norm_weight=1 + _exact((k,), g, 0.25, dtype), eps=1e-6, bias=_exact((2 * n_out,), g, 0.25, dtype))
+        kw.update(norm_weight=1 + _exact((k,), g, s, dtype), eps=1e-6, bias=_exact((2 * n_out,), g, s, dtype))
     else:
         kw["residual"] = _exact((n, n_out), g, 1.0, dtype)
 
