@@ -33,11 +33,10 @@ def pytest_configure(config):
 # together (a long file handed out last would run alone while the other worker idles). The rest follow by number of
 # tests, most first (pytest-xdist's own order).
 FIRST_FILES = ("test_dvc_pipeline.py", "test_static_engine.py", "test_kernels.py", "test_draft_bench.py",
-               "test_regenerate_turns.py", "test_multinode.py", "test_numerics_golden.py",
-               "test_your_data_pipeline.py", "test_multi_gpu_bench.py", "test_variant_reranker.py",
-               "test_decoding_real.py", "test_your_data_dvc.py", "test_tree.py", "test_batched_engine.py",
-               "test_cache_home.py", "test_online.py", "test_decoding_engine.py", "test_kernel_accept.py",
-               "test_tree_sampling.py")
+               "test_regenerate_turns.py", "test_multinode.py", "test_your_data_pipeline.py",
+               "test_multi_gpu_bench.py", "test_decoding_real.py", "test_your_data_dvc.py", "test_tree.py",
+               "test_batched_engine.py", "test_cache_home.py", "test_variant_reranker.py", "test_online.py",
+               "test_decoding_engine.py", "test_kernel_accept.py", "test_tree_sampling.py", "test_numerics_golden.py")
 
 
 def _file_rank(path: str, counts: dict[str, int]) -> tuple:
