@@ -28,9 +28,40 @@ def pytest_configure(config):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-# The longest file (a whole `dvc repro` and `dvc exp run`) first: under `-n 2 --dist loadfile` one worker runs it
-# while the other takes the rest of the suite.
-FIRST_FILES = ("test_dvc_pipeline.py",)
+# The longest files, longest first (worker-seconds on 2 CPU cores): under `-n 2 --dist loadfile` they are handed out
+# first, each to the worker that frees up first, and the many short files fill in behind them, so both workers end
+# together (a long file handed out last would run alone while the other worker idles). The rest follow by number of
+# tests, most first (pytest-xdist's own order).
+FIRST_FILES = ("test_dvc_pipeline.py", "test_static_engine.py", "test_kernels.py", "test_draft_bench.py",
+               "test_regenerate_turns.py", "test_multinode.py", "test_your_data_pipeline.py",
+               "test_multi_gpu_bench.py", "test_decoding_real.py", "test_your_data_dvc.py", "test_tree.py",
+               "test_batched_engine.py", "test_cache_home.py", "test_variant_reranker.py", "test_online.py",
+               "test_decoding_engine.py", "test_kernel_accept.py", "test_tree_sampling.py", "test_numerics_golden.py")
+
+
+def _file_rank(path: str, counts: dict[str, int]) -> tuple:
+    """Where a test file goes in the handing-out order: FIRST_FILES in their order, then by number of tests."""
+    name = path.rsplit("/", 1)[-1]
+    return (0, FIRST_FILES.index(name), "") if name in FIRST_FILES else (1, -counts[path], path)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` handing out files in ``_file_rank`` order (pytest-xdist's own sorts them by number of
+    tests, which would put a long file of few tests last)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LongestFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node):
+            if not getattr(self, "_ordered", False):  # the first hand-out: the queue of every file is complete
+                counts = {path: len(tests) for path, tests in self.workqueue.items()}
+                for path in sorted(self.workqueue, key=lambda p: _file_rank(p, counts)):
+                    self.workqueue.move_to_end(path)
+                self._ordered = True
+            super()._assign_work_unit(node)
+
+    return LongestFirst(config, log)
 
 
 # The workspace: what `dvc repro` (the README's command 1, run before the tests in the same clone by .ci/run) and
@@ -73,7 +104,6 @@ def _workspace_guard(request):
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.path.name not in FIRST_FILES)  # stable: the rest keep their order
     for item in items:
         if item.path.name in GPU_FILES:
             item.add_marker(pytest.mark.gpu)

@@ -11,10 +11,10 @@ dspark_core/; then the everyday loop of the README:
   bench_online and the report (not the draft it starts from), with the new lr in the run's config;
 - `dvc metrics diff` names the changed headline file and fits a terminal; `dvc metrics show` of one concern is
   that concern's narrow table;
-- the README's comparison of two experiments (a second lr): `dvc exp show` restricted to the columns that matter
-  (`--drop` / `--keep`) lists both with the changed param and metric, `dvc metrics diff` between them moves that
-  variant's metrics only, and `dvc plots diff` between them draws both experiments' accept_rate@i and training
-  curves on one chart each.
+- the README's comparison of two revisions, the experiment and the committed run (`HEAD`, as the README allows in
+  place of an experiment): `dvc exp show` restricted to the columns that matter (`--drop` / `--keep`) lists both
+  with the changed param and metric, `dvc metrics diff` between them moves that variant's metrics only, and
+  `dvc plots diff` between them draws both revisions' accept_rate@i and training curves on one chart each.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ pytestmark = [pytest.mark.slow,  # the packaged model (setup.sh installs it)
 ROOT = Path(__file__).resolve().parent.parent
 DVC = [sys.executable, "-m", "dvc"]
 ABLATION = "++variants.reranker_frozen.train.lr=5e-4"
-ABLATION_2 = "++variants.reranker_frozen.train.lr=2e-3"
 ABLATED_STAGES = ["train_warm@reranker_frozen", "eval_offline@reranker_frozen", "bench_online@reranker_frozen",
                   "report"]
 TERMINAL = 120  # columns
@@ -165,11 +164,10 @@ def test_exp_run_reruns_only_the_ablated_variant(repo, first_repro):
 
 
 def test_compare_two_experiments(repo, first_repro):
-    """The README's "Compare variants and ablations" on the smoke profile: a second experiment beside lr5e4,
-    then the commands that compare them, checked on what they print."""
+    """The README's "Compare variants and ablations" on the smoke profile: the experiment lr5e4 against the
+    committed run (HEAD, lr 1e-3), through the commands that compare two revisions, checked on what they print."""
     if "lr5e4" not in _run(DVC + ["exp", "list", "--name-only"], repo):  # the test above makes it
-        _run(DVC + ["exp", "run", "-n", "lr5e4", "-S", ABLATION], repo)
-    assert sorted(_ran(_run(DVC + ["exp", "run", "-n", "lr2e3", "-S", ABLATION_2], repo))) == sorted(ABLATED_STAGES)
+        assert sorted(_ran(_run(DVC + ["exp", "run", "-n", "lr5e4", "-S", ABLATION], repo))) == sorted(ABLATED_STAGES)
 
     # dvc exp show: every column dropped but the experiment, the ablated param and two of its variant's metrics
     keep = r"Experiment|.*reranker_frozen.json:(tau_prob|mal)|(variants.reranker_frozen.)?train.lr$"
@@ -178,28 +176,29 @@ def test_compare_two_experiments(repo, first_repro):
     param, tau = "variants.reranker_frozen.train.lr", "reports/metrics/offline/reranker_frozen.json:tau_prob"
     assert set(rows[0]) == {"Experiment", "train.lr", param, tau, "reports/metrics/online/reranker_frozen.json:mal"}
     exps = {r["Experiment"]: r for r in rows if r["Experiment"]}
-    assert sorted(exps) == ["lr2e3", "lr5e4"]
-    assert (float(exps["lr5e4"][param]), float(exps["lr2e3"][param])) == (5e-4, 2e-3)
-    assert exps["lr5e4"][tau] != exps["lr2e3"][tau]  # the changed metric
+    assert sorted(exps) == ["lr5e4"] and float(exps["lr5e4"][param]) == 5e-4
+    [head] = [r for r in rows if not r["Experiment"] and not r[param]]  # the committed run: the key unset (the
+    assert head[tau] and float(head[tau]) > 0  # workspace row holds lr5e4's applied params and results)
+    assert head[tau] != exps["lr5e4"][tau]  # the changed metric
     assert {r["train.lr"] for r in rows} == {"0.001"}  # the other variants' lr, unchanged
 
-    # dvc metrics diff between the two experiments, two concerns: that variant's rows only, both columns named
-    diff = _run(DVC + ["metrics", "diff", "lr5e4", "lr2e3", "--targets", "reports/metrics/offline",
+    # dvc metrics diff between the two revisions, two concerns: that variant's rows only, both columns named
+    diff = _run(DVC + ["metrics", "diff", "HEAD", "lr5e4", "--targets", "reports/metrics/offline",
                        "reports/metrics/online"], repo).splitlines()
-    assert diff[0].split() == ["Path", "Metric", "lr5e4", "lr2e3", "Change"]
+    assert diff[0].split() == ["Path", "Metric", "HEAD", "lr5e4", "Change"]
     moved = {(ln.split()[0], ln.split()[1]) for ln in diff[1:] if ln.strip()}
     assert ("reports/metrics/offline/reranker_frozen.json", "tau_prob") in moved
     assert all(path.endswith("/reranker_frozen.json") for path, _ in moved)
     assert max(map(len, diff)) <= TERMINAL
 
-    # dvc plots diff between them: one chart per plot file, both experiments' curves on it
-    _run(DVC + ["plots", "diff", "lr5e4", "lr2e3", "--targets", "reports/eval_offline/reranker_frozen/accept_rate.json",
+    # dvc plots diff between them: one chart per plot file, both revisions' curves on it
+    _run(DVC + ["plots", "diff", "HEAD", "lr5e4", "--targets", "reports/eval_offline/reranker_frozen/accept_rate.json",
                 "reports/train/reranker_frozen/plots/metrics/train/loss.tsv", "-o", "dvc_plots"], repo)
     html = (repo / "dvc_plots" / "index.html").read_text()
     for target in ("reports/eval_offline/reranker_frozen/accept_rate.json",
                    "reports/train/reranker_frozen/plots/metrics/train/loss.tsv"):
         assert target in html
-    for rev in ("lr5e4", "lr2e3"):
+    for rev in ("HEAD", "lr5e4"):
         assert f'"rev": "{rev}"' in html or f'"rev":"{rev}"' in html, rev
 
 

@@ -2,7 +2,8 @@
 offered for training? Slow: it builds the default pipeline's cache with the pipeline's own stages.
 
 Protocol. The default pipeline's target (the packaged SmolLM2), prompts, answers and cache, made by its stages from
-params.yaml as it is; the baseline draft and its train section as params.yaml has them, except the lr, seed 000's
+params.yaml as it is (the workspace's own, where `dvc repro` built them and `dvc status` finds them up to date, as
+CI leaves them before the tests; else built here); the baseline draft and its train section as params.yaml has them, except the lr, seed 000's
 peak 3e-4 (the pipeline's 1e-3 is a CPU demo value; small updates are where numerics differ) and ``GOLDEN_STEPS``
 steps (the whole warmup + cosine schedule, down to 3e-5). Each mode trains from one seed on the same batches; its
 draft is exported and measured by eval_offline on the held-out cache, as the pipeline measures drafts.
@@ -30,6 +31,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -38,7 +41,8 @@ import pytest
 import dspark_core.train.trainer as trainer
 
 pytestmark = [pytest.mark.slow,  # the packaged model; regenerate and cache stages; three training runs
-              pytest.mark.workspace("the project's params.yaml: the golden curves are its default recipe's")]
+              pytest.mark.workspace("the project's params.yaml: the golden curves are its default recipe's; its "
+                                    "target and cache where `dvc repro` built them up to date")]
 ROOT = Path(__file__).resolve().parents[1]
 PINNED = Path(__file__).resolve().parent / "golden" / "numerics_default.json"
 GOLDEN_STEPS = 40
@@ -56,16 +60,34 @@ def _inside(path: Path):
         os.chdir(cwd)
 
 
+PIPELINE_STAGE = "cache"  # with the stages before it: the target, prompts, answers and cache golden_run reads
+
+
+def workspace_is_built(root: Path = ROOT) -> bool:
+    """Whether ``root`` holds the default pipeline's outputs up to its `cache` stage, up to date with its params.yaml
+    and code: DVC's own check (`dvc status --with-deps cache` names nothing; a missing output is a change)."""
+    if not (root / "dvc.lock").is_file():
+        return False
+    res = subprocess.run([sys.executable, "-m", "dvc", "status", "--json", "--with-deps", PIPELINE_STAGE], cwd=root,
+                         env=dict(os.environ, DVC_NO_ANALYTICS="1"), capture_output=True, text=True, timeout=300)
+    return res.returncode == 0 and json.loads(res.stdout or "null") == {}
+
+
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, packaged_target) -> Path:
-    """A project laid out as the default pipeline leaves it after its `cache` stage (params.yaml as it is)."""
+def pipeline(tmp_path_factory, request) -> Path:
+    """A project laid out as the default pipeline leaves it after its `cache` stage (params.yaml as it is): the
+    workspace itself where `dvc repro` built it (golden_run only reads it), else one built here by the same
+    stage functions."""
     from dspark_core.cache import CacheConfig, run_cache
     from dspark_core.data.prompts import PrepareConfig, run_prepare
     from dspark_core.data.regenerate import RegenerateConfig, run_regenerate
 
+    if workspace_is_built():
+        return ROOT
     root = tmp_path_factory.mktemp("golden")
     shutil.copy(ROOT / "params.yaml", root / "params.yaml")
-    shutil.copytree(packaged_target, root / "data" / "target")  # the target stage's output (session's conversion)
+    packaged_target = request.getfixturevalue("packaged_target")  # the target stage's output (session's conversion)
+    shutil.copytree(packaged_target, root / "data" / "target")
     with _inside(root):
         run_prepare(PrepareConfig.load("params.yaml", "prepare"))
         run_regenerate(RegenerateConfig.load("params.yaml", "regenerate"))
@@ -174,3 +196,21 @@ def test_pure_bf16_fails_the_golden_curve_and_training_refuses_it(curves):
                                           r"training .*set master_dtype: float32"):
         TrainConfig.from_dict({"param_dtype": "bfloat16", "master_dtype": "bfloat16"}, src="params.yaml",
                               prefix="train.")
+
+
+def test_the_workspace_serves_only_when_dvc_finds_it_up_to_date(tmp_path):
+    """workspace_is_built: no dvc.lock, a missing or a changed output of the `cache` stage or of a stage before it:
+    the golden fixture builds its own; after `dvc repro`, untouched: the workspace's."""
+    assert not workspace_is_built(tmp_path)
+    (tmp_path / "dvc.yaml").write_text("stages:\n  prepare:\n    cmd: echo a > a.txt\n    outs: [a.txt]\n"
+                                       "  cache:\n    cmd: cp a.txt b.txt\n    deps: [a.txt]\n    outs: [b.txt]\n")
+    dvc = [sys.executable, "-m", "dvc"]
+    env = dict(os.environ, DVC_NO_ANALYTICS="1")
+    subprocess.run(dvc + ["init", "-q", "--no-scm"], cwd=tmp_path, env=env, check=True)
+    subprocess.run(dvc + ["repro", "-q"], cwd=tmp_path, env=env, check=True, capture_output=True)
+    assert workspace_is_built(tmp_path)
+    (tmp_path / "a.txt").write_text("changed\n")  # an upstream stage's output
+    assert not workspace_is_built(tmp_path)
+    subprocess.run(dvc + ["repro", "-q"], cwd=tmp_path, env=env, check=True, capture_output=True)
+    (tmp_path / "b.txt").unlink()
+    assert not workspace_is_built(tmp_path)
