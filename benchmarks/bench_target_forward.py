@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -55,6 +53,7 @@ from bench_train_step import (AUX_LAYERS, SHAPES, build_target, kernel_kind, syn
                               target_tflop)
 
 from dspark_core.cache.capture import capture_padded, compile_layers  # noqa: E402
+from dspark_core.io import write_json  # noqa: E402
 
 SDPA_CHOICES = ("default", "cudnn", "flash", "efficient", "fa4")
 
@@ -248,9 +247,7 @@ def write_report(args, device: torch.device, rows: list[dict], projections: list
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "results": rows, "projections": projections or None}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, args.out)
+    write_json(args.out, report)  # atomic
 
 
 def main() -> None:
